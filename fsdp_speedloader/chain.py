@@ -1,0 +1,240 @@
+"""The autograd Functions that chain N sub-batches through the model layer-major.
+
+Autograd sees one node per FSDP unit, linked by scalar placeholders; the real activations travel
+through the activation store, outside autograd:
+
+    ids --EmbedFunction--> p0 --UnitFunction(1)--> p1 ... --UnitFunction(U)--> pU --HeadLossFunction--> loss
+           writes x0[i]          reads x0[i], writes x1[i]                          reads xU[i]
+
+Each UnitFunction runs inside its unit's single FSDP-hooked call, so the unit is unsharded once
+for all N sub-batches in forward, and once in backward (FSDP's pre-backward hook fires on the
+placeholder's gradient; its post-backward, the one reduce-scatter, on the input placeholder's).
+Inside, blocks run through their class's forward, never their hooked ``__call__`` (see DESIGN.md:
+a hooked call inside backward silently loses the gradients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .activation_store import ActivationStore, grad_slot
+from .models import BlockInputs, ModelAdapter
+
+
+@dataclass(eq=False)
+class StepState:
+    """Everything one training step shares between the Functions.
+
+    Passed to FSDP-hooked calls as an opaque object: FSDP rebuilds containers it finds in forward
+    arguments (input casting), which would lose writes into them.
+    """
+
+    adapter: ModelAdapter
+    store: ActivationStore
+    num_units: int
+    input_ids: list[torch.Tensor]  # N x (n, s)
+    position_ids: list[torch.Tensor]  # N x (n or 1, s)
+    shift_labels: list[torch.Tensor]  # N x (n * s,): next-token targets, -100 ignored
+    block_inputs: list[BlockInputs]  # N (one shared object when there is no padding mask)
+    num_label_tokens: torch.Tensor  # scalar: the loss is a mean over these
+    loss_chunk_tokens: int
+    replay_rng: bool  # dropout: recompute must see the forward's random numbers
+    rng_states: dict = field(default_factory=dict)
+
+    @property
+    def num_sub_batches(self) -> int:
+        return len(self.input_ids)
+
+    @contextlib.contextmanager
+    def rng(self, key: tuple[int, int], *, replay: bool) -> Iterator[None]:
+        """Forward records the RNG state before (unit, sub-batch); backward replays it."""
+        if not self.replay_rng:
+            yield
+            return
+        device = self.input_ids[0].device
+        cuda = [device] if device.type == "cuda" else []
+        if not replay:
+            self.rng_states[key] = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
+            yield
+            return
+        cpu_state, cuda_state = self.rng_states.pop(key)
+        with torch.random.fork_rng(devices=cuda):
+            torch.set_rng_state(cpu_state)
+            if cuda:
+                torch.cuda.set_rng_state(cuda_state, device)
+            yield
+
+
+@dataclass(eq=False)
+class Unit:
+    """``blocks_per_unit`` consecutive blocks: one FSDP group, one chain step. ``index`` is 1-based."""
+
+    index: int
+    blocks: Sequence[nn.Module]
+
+    def forward(self, adapter: ModelAdapter, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
+        for block in self.blocks:
+            x = adapter.run_block(block, x, inputs)
+        return x
+
+
+def _placeholder(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=like.device)
+
+
+class EmbedFunction(torch.autograd.Function):
+    """Embeds every sub-batch into slot 0.
+
+    Shapes: ids (n, s) -> x0 (n, s, h) per sub-batch.
+    Saved for backward: nothing but the step state; backward re-embeds (a cheap gather) and
+    backpropagates dL/dx0[i] into the embedding weights.
+    Input ``weight`` only anchors the node in autograd; its gradient is accumulated by the
+    inner backward, so this Function returns None for it.
+    """
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, state: StepState) -> torch.Tensor:
+        for i in range(state.num_sub_batches):
+            state.store.put(0, i, state.adapter.embed(state.input_ids[i], state.position_ids[i]))
+        ctx.state = state
+        return _placeholder(weight)
+
+    @staticmethod
+    def backward(ctx, grad_placeholder: torch.Tensor):
+        state: StepState = ctx.state
+        slot = grad_slot(0, state.num_units)
+        state.store.prefetch(slot, 0)
+        for i in range(state.num_sub_batches):
+            g = state.store.get(slot, i)
+            if i + 1 < state.num_sub_batches:
+                state.store.prefetch(slot, i + 1)
+            with torch.enable_grad():
+                x0 = state.adapter.embed(state.input_ids[i], state.position_ids[i])
+            torch.autograd.backward(x0, g)
+        state.store.end_step()
+        return None, None
+
+
+class UnitFunction(torch.autograd.Function):
+    """Runs one unit on all N sub-batches: x_{l-1}[i] -> x_l[i].
+
+    Shapes: x (n, s, h) per sub-batch, in the parameters' compute dtype.
+    Saved for backward: nothing on the GPU. The inputs x_{l-1}[i] stay in the store and the unit
+    is recomputed per sub-batch in backward (activation memory: one sub-batch of one unit).
+    Backward, per sub-batch: fetch x_{l-1}[i] and dL/dx_l[i], recompute the unit with grad,
+    backpropagate (parameter gradients accumulate on the unsharded parameters, reduced once by
+    FSDP's post-backward), and write dL/dx_{l-1}[i] to the slot that held x_l[i].
+    Streams: all compute on the current stream; the store's ``prefetch``/``put`` start the next
+    fetch and the last store on its copy streams where it has them.
+    """
+
+    @staticmethod
+    def forward(ctx, placeholder: torch.Tensor, state: StepState, unit: Unit) -> torch.Tensor:
+        store, src, dst = state.store, unit.index - 1, unit.index
+        store.prefetch(src, 0)
+        for i in range(state.num_sub_batches):
+            x = store.get(src, i)
+            if i + 1 < state.num_sub_batches:
+                store.prefetch(src, i + 1)
+            with state.rng((unit.index, i), replay=False):
+                y = unit.forward(state.adapter, x, state.block_inputs[i])
+            store.put(dst, i, y)
+        ctx.state, ctx.unit = state, unit
+        return _placeholder(placeholder)
+
+    @staticmethod
+    def backward(ctx, grad_placeholder: torch.Tensor):
+        state: StepState = ctx.state
+        unit: Unit = ctx.unit
+        store, src = state.store, unit.index - 1
+        g_in, g_out = grad_slot(unit.index, state.num_units), grad_slot(src, state.num_units)
+        store.prefetch(src, 0)
+        store.prefetch(g_in, 0)
+        for i in range(state.num_sub_batches):
+            x = store.get(src, i).detach().requires_grad_(True)
+            g = store.get(g_in, i)
+            if i + 1 < state.num_sub_batches:
+                store.prefetch(src, i + 1)
+                store.prefetch(g_in, i + 1)
+            with torch.enable_grad(), state.rng((unit.index, i), replay=True):
+                y = unit.forward(state.adapter, x, state.block_inputs[i])
+            torch.autograd.backward(y, g)
+            store.put(g_out, i, x.grad)
+        return torch.zeros_like(grad_placeholder), None, None
+
+
+def _chunks(num_tokens: int, chunk: int) -> Iterator[slice]:
+    for start in range(0, num_tokens, chunk):
+        yield slice(start, min(start + chunk, num_tokens))
+
+
+def _chunk_loss(adapter: ModelAdapter, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy of one chunk. x (t, h), labels (t,) -> scalar fp32."""
+    logits = adapter.lm_head(adapter.final_hidden(x)).float()  # (t, V): the only full-vocabulary tensor
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+
+
+class HeadLossFunction(torch.autograd.Function):
+    """Final norm, LM head and cross-entropy of every sub-batch, chunked over tokens.
+
+    Shapes: x_U[i] (n, s, h) -> flattened (n*s, h), chunks of ``loss_chunk_tokens`` rows;
+    logits exist for one chunk at a time. Returns the mean token loss of the effective batch.
+    Saved for backward: nothing; backward recomputes each chunk with grad, scaled by the
+    incoming gradient (so ``(c * loss).backward()`` gives c times the gradients), and writes
+    dL/dx_U[i] over x_U[i] in the store.
+    """
+
+    @staticmethod
+    def forward(ctx, placeholder: torch.Tensor, state: StepState) -> torch.Tensor:
+        store, last = state.store, state.num_units
+        total = torch.zeros((), dtype=torch.float32, device=placeholder.device)
+        store.prefetch(last, 0)
+        for i in range(state.num_sub_batches):
+            x = store.get(last, i).flatten(0, 1)
+            if i + 1 < state.num_sub_batches:
+                store.prefetch(last, i + 1)
+            labels = state.shift_labels[i]
+            for c in _chunks(x.shape[0], state.loss_chunk_tokens):
+                total += _chunk_loss(state.adapter, x[c], labels[c])
+        ctx.state = state
+        return total / state.num_label_tokens
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        state: StepState = ctx.state
+        store, last = state.store, state.num_units
+        scale = grad_loss / state.num_label_tokens
+        store.prefetch(last, 0)
+        for i in range(state.num_sub_batches):
+            x_i = store.get(last, i)
+            if i + 1 < state.num_sub_batches:
+                store.prefetch(last, i + 1)
+            x = x_i.flatten(0, 1)
+            labels = state.shift_labels[i]
+            grad = torch.zeros_like(x)
+            for c in _chunks(x.shape[0], state.loss_chunk_tokens):
+                xc = x[c].detach().requires_grad_(True)
+                with torch.enable_grad():
+                    loss = _chunk_loss(state.adapter, xc, labels[c]) * scale
+                torch.autograd.backward(loss)
+                grad[c] = xc.grad
+            store.put(grad_slot(last, last), i, grad.view_as(x_i))
+        return torch.zeros((), dtype=torch.float32, device=grad_loss.device), None
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets as Hugging Face computes them: position t predicts labels[t + 1]. (n, s)."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def num_label_tokens(shifted: torch.Tensor, override: Optional[torch.Tensor | int] = None) -> torch.Tensor:
+    """Denominator of the mean loss: the counted targets of the whole effective batch."""
+    if override is not None:
+        return torch.as_tensor(override, dtype=torch.float32, device=shifted.device)
+    return (shifted != -100).sum().to(torch.float32).clamp_min(1.0)

@@ -1,0 +1,299 @@
+"""Typed configuration: one dataclass per component, validated on construction.
+
+The Hydra entry points convert their ``DictConfig`` once with :func:`TrainConfig.from_dict`;
+library code only ever sees these dataclasses. Every check raises ``ValueError`` naming the
+field and what to change, so a bad value fails before any model or memory is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def _check_choice(value: Any, name: str, choices: tuple) -> None:
+    _check(value in choices, name, f"got {value!r}; choose one of {', '.join(map(repr, choices))}")
+
+
+def _check_positive(value: Any, name: str, *, allow_zero: bool = False) -> None:
+    bound = "must be >= 0" if allow_zero else "must be >= 1"
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if allow_zero else 1)
+    _check(ok, name, f"got {value!r}; {bound} (an integer)")
+
+
+@dataclass
+class ModelConfig:
+    """A Hugging Face causal LM: shapes for a fresh model, or ``path`` to a local checkpoint."""
+
+    name: str = "llama_tiny"
+    """Label used in logs and run names."""
+    family: str = "llama"
+    """Architecture: 'llama' (LLaMA layout: LLaMA, Mistral, Qwen2, ...) or 'opt'."""
+    path: Optional[str] = None
+    """Local Hugging Face checkpoint directory (config.json + safetensors); overrides the shapes."""
+    hidden_size: int = 256
+    """Model width h."""
+    num_layers: int = 4
+    """Number of transformer blocks L."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention (LLaMA); None means num_heads."""
+    intermediate_size: int = 688
+    """MLP width (LLaMA intermediate_size, OPT ffn_dim)."""
+    vocab_size: int = 320
+    """Vocabulary size (the default byte tokenizer needs >= 257)."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the model accepts."""
+    rope_theta: float = 10000.0
+    """Rotary base (LLaMA)."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm / LayerNorm."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    dropout: float = 0.0
+    """Dropout probability (OPT); layer-major recompute replays the same masks."""
+    init_std: float = 0.02
+    """Standard deviation of the initial weights."""
+    attn_implementation: str = "sdpa"
+    """Hugging Face attention kernel: 'sdpa' or 'eager'."""
+
+    def __post_init__(self) -> None:
+        _check_choice(self.family, "model.family", ("llama", "opt"))
+        _check_choice(self.attn_implementation, "model.attn_implementation", ("sdpa", "eager"))
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size",
+                     "max_position_embeddings"):
+            _check_positive(getattr(self, name), f"model.{name}")
+        _check(self.hidden_size % self.num_heads == 0, "model.hidden_size",
+               f"{self.hidden_size} is not divisible by model.num_heads={self.num_heads}")
+        if self.num_kv_heads is not None:
+            _check_positive(self.num_kv_heads, "model.num_kv_heads")
+            _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+                   f"model.num_heads={self.num_heads} must be a multiple of it")
+        _check(0.0 <= self.dropout < 1.0, "model.dropout", f"got {self.dropout}; use a value in [0, 1)")
+        _check(self.init_std > 0, "model.init_std", f"got {self.init_std}; must be > 0")
+
+
+@dataclass
+class DataConfig:
+    """Where training tokens come from. Sequences are packed to ``seq_len``."""
+
+    source: str = "default"
+    """'default' (embedded corpus), 'synthetic' (random tokens), 'text' (.txt/.jsonl), 'tokens' (.bin)."""
+    path: Optional[str] = None
+    """File or directory for 'text'; a .bin token file for 'tokens'."""
+    tokenizer: str = "bytes"
+    """'bytes' (built in, vocab 257) or a local Hugging Face tokenizer directory."""
+    text_field: str = "text"
+    """Field holding the document text in .jsonl files."""
+    seq_len: int = 256
+    """Tokens per sequence s."""
+    seed: int = 0
+    """Seed of the sequence order and of synthetic tokens."""
+
+    def __post_init__(self) -> None:
+        _check_choice(self.source, "data.source", ("default", "synthetic", "text", "tokens"))
+        _check_positive(self.seq_len, "data.seq_len")
+        if self.source in ("text", "tokens"):
+            _check(bool(self.path), "data.path", f"data.source={self.source!r} needs data.path=<file or directory>")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warmup and decay."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine / linear)."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    lr_schedule: str = "cosine"
+    """'cosine', 'linear' or 'constant' after warmup."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", f"got {self.lr}; must be > 0")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"got {self.min_lr_ratio}; use [0, 1]")
+        _check_positive(self.warmup_steps, "optim.warmup_steps", allow_zero=True)
+        _check_choice(self.lr_schedule, "optim.lr_schedule", ("cosine", "linear", "constant"))
+        _check(self.weight_decay >= 0, "optim.weight_decay", f"got {self.weight_decay}; must be >= 0")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2", "use values in [0, 1)")
+        _check(self.grad_clip >= 0, "optim.grad_clip", f"got {self.grad_clip}; use 0 to turn clipping off")
+
+
+@dataclass
+class ScheduleConfig:
+    """How one effective batch of num_sub_batches x sub_batch_size sequences is processed."""
+
+    name: str = "speedloader"
+    """'speedloader' (layer-major) or 'canonical' (FSDP2 gradient accumulation over micro-batches)."""
+    sub_batch_size: int = 4
+    """Sequences per sub-batch n (the micro-batch size of the canonical schedule)."""
+    num_sub_batches: int = 2
+    """Sub-batches per effective batch N (accumulation steps of the canonical schedule)."""
+    blocks_per_unit: int = 1
+    """Consecutive transformer blocks per FSDP unit (the paper's on-device layers)."""
+    activation_store: str = "auto"
+    """Block-boundary activations: 'device', 'host', or 'auto' (host when parameters are offloaded)."""
+    activation_checkpointing: bool = True
+    """Canonical schedule: recompute each block in backward (speedloader always recomputes)."""
+    forward_prefetch: int = 1
+    """FSDP units whose all-gather is issued ahead in forward (0 = FSDP's default only)."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per chunk of the chunked cross-entropy (bounds the logits kept in memory)."""
+
+    def __post_init__(self) -> None:
+        _check_choice(self.name, "schedule.name", ("speedloader", "canonical"))
+        _check_positive(self.sub_batch_size, "schedule.sub_batch_size")
+        _check_positive(self.num_sub_batches, "schedule.num_sub_batches")
+        _check_positive(self.blocks_per_unit, "schedule.blocks_per_unit")
+        _check_choice(self.activation_store, "schedule.activation_store", ("auto", "device", "host"))
+        _check_positive(self.forward_prefetch, "schedule.forward_prefetch", allow_zero=True)
+        _check_positive(self.loss_chunk_tokens, "schedule.loss_chunk_tokens")
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per rank per optimizer step."""
+        return self.sub_batch_size * self.num_sub_batches
+
+
+@dataclass
+class OffloadConfig:
+    """What lives in host memory."""
+
+    params: bool = False
+    """Parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)."""
+    pin_memory: bool = True
+    """Page-lock offloaded shards so copies are asynchronous (ignored without CUDA)."""
+
+
+@dataclass
+class LoggerConfig:
+    """Weights & Biases logging (rank 0 only)."""
+
+    backend: str = "wandb"
+    """'wandb' or 'none'."""
+    project: str = "fsdp_speedloader"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (team or user); None uses the default."""
+    mode: str = "auto"
+    """'auto' (online with an API key, else offline), 'online', 'offline' or 'disabled'."""
+    group: Optional[str] = None
+    """W&B group (sweeps put all points in one group)."""
+    name: Optional[str] = None
+    """Run name; None derives one from the model and schedule."""
+    tags: list = field(default_factory=list)
+    """W&B tags."""
+
+    def __post_init__(self) -> None:
+        _check_choice(self.backend, "logger.backend", ("wandb", "none"))
+        _check_choice(self.mode, "logger.mode", ("auto", "online", "offline", "disabled"))
+
+
+@dataclass
+class CheckpointConfig:
+    """torch.distributed.checkpoint saves and resume."""
+
+    every: int = 0
+    """Save every k steps (0: only at the end)."""
+    dir: Optional[str] = None
+    """Checkpoint directory; None means <output_dir>/checkpoints."""
+    resume: Optional[str] = None
+    """None (fresh), 'auto' (latest in dir, if any) or a path to one step_* checkpoint."""
+    keep_last: int = 2
+    """How many step checkpoints to keep (older ones are deleted after a successful save)."""
+    save_final: bool = True
+    """Save after the last step."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self.every, "checkpoint.every", allow_zero=True)
+        _check_positive(self.keep_last, "checkpoint.keep_last")
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    steps: int = 200
+    """Optimizer steps."""
+    seed: int = 0
+    """Seed of weights, data order and dropout."""
+    device: str = "auto"
+    """'auto' (cuda when available), 'cuda' or 'cpu'."""
+    param_dtype: str = "auto"
+    """Compute dtype of the unsharded parameters: 'auto' (bfloat16 on cuda, float32 on cpu) or a dtype."""
+    reduce_dtype: str = "float32"
+    """Dtype of the gradient reduce-scatter."""
+    dp_replicate: int = 1
+    """HSDP replicas (usually the number of nodes); 1 means plain FSDP over all ranks."""
+    log_every: int = 1
+    """Log metrics every k steps."""
+    peak_tflops: float = 989.0
+    """Peak dense TFLOP/s of one accelerator, the denominator of MFU (989: H100/H200 bf16)."""
+    max_gpu_memory_gib: Optional[float] = None
+    """Cap this process's GPU memory (emulates a smaller card); None: no cap."""
+    output_dir: str = "outputs"
+    """Run directory (the Hydra entry point sets it; all ranks agree on it)."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self.steps, "steps")
+        _check_choice(self.device, "device", ("auto", "cuda", "cpu"))
+        _check_choice(self.param_dtype, "param_dtype", _DTYPES)
+        _check_choice(self.reduce_dtype, "reduce_dtype", _DTYPES[1:])
+        _check_positive(self.dp_replicate, "dp_replicate")
+        _check_positive(self.log_every, "log_every")
+        _check(self.peak_tflops > 0, "peak_tflops", f"got {self.peak_tflops}; must be > 0")
+        if self.max_gpu_memory_gib is not None:
+            _check(self.max_gpu_memory_gib > 0, "max_gpu_memory_gib", "must be > 0 (or null for no cap)")
+        _check(self.data.seq_len <= self.model.max_position_embeddings or self.model.path is not None,
+               "data.seq_len", f"{self.data.seq_len} exceeds model.max_position_embeddings="
+               f"{self.model.max_position_embeddings}; lower data.seq_len")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """Builds a validated config from a plain nested dict (e.g. ``OmegaConf.to_container``)."""
+        return _from_dict(cls, d, "")
+
+
+def _from_dict(cls: type, d: dict, prefix: str) -> Any:
+    if not isinstance(d, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ValueError(f"{prefix or 'config '}: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
+    kwargs = {}
+    for name, value in d.items():
+        sub = _NESTED.get((cls, name))
+        kwargs[name] = _from_dict(sub, value, f"{prefix}{name}.") if sub else value
+    return cls(**kwargs)
+
+
+_NESTED = {(TrainConfig, f.name): f.default_factory for f in dataclasses.fields(TrainConfig)
+           if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}

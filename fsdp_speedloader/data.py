@@ -1,0 +1,405 @@
+"""Training data: tokenizers, corpora, and the packed, resumable, rank-sharded loader.
+
+Sources (``DataConfig.source``):
+
+- ``default``: the corpus shipped in ``assets/`` (Python's documentation text), tokenized at load.
+- ``synthetic``: uniform random tokens; no tokenizer, no files (throughput runs).
+- ``text``: a .txt file (one document), a .jsonl file (one document per line, in ``text_field``) or
+  a directory of those, read in file-name order; documents are joined with the tokenizer's EOS.
+- ``tokens``: a pre-tokenized .bin file written by ``tools/prepare_data.py``, memory-mapped.
+
+Packing: the token stream is cut into ``num_sequences = num_tokens // seq_len`` non-overlapping
+sequences (the tail is dropped). Each epoch visits them in a fresh order drawn from ``(seed, epoch)``;
+every step takes the next ``world_size * batch_size`` sequences of that order and rank r keeps the
+r-th ``batch_size`` of them. The position is global, so all ranks hold the same loader state.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Union
+
+import numpy as np
+import torch
+
+from fsdp_speedloader.config import DataConfig
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+"""On-disk dtypes of .bin token files (always little-endian)."""
+
+PathLike = Union[str, os.PathLike]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255 plus an end-of-sequence token 256. Needs no files."""
+
+    vocab_size: int = 257
+    eos_token_id: int = 256
+
+    def __len__(self) -> int:
+        # len(tokenizer) is Hugging Face's "every id the tokenizer can emit"; keep the same meaning.
+        return self.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids
+        # EOS has no bytes; sampled ids may cut a multi-byte character in half, hence "replace".
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def build_tokenizer(name: str) -> Any:
+    """'bytes' -> :class:`ByteTokenizer`; anything else is a local Hugging Face tokenizer directory."""
+    if name == "bytes":
+        return ByteTokenizer()
+    if not Path(name).is_dir():
+        raise ValueError(f"data.tokenizer: {name!r} is neither 'bytes' nor an existing directory; use 'bytes' "
+                         "or the path of a local Hugging Face tokenizer (a directory with tokenizer.json)")
+    from transformers import AutoTokenizer  # slow import, only paid by runs that use one
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"data.tokenizer: cannot load a Hugging Face tokenizer from {name!r}: {e}") from e
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"data.tokenizer: the tokenizer in {name!r} has no eos_token, which separates "
+                         "documents; set eos_token in its tokenizer_config.json")
+    return tokenizer
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest on-disk dtype that holds every id of a vocabulary."""
+    return TOKEN_DTYPES["uint16"] if vocab_size <= 2**16 else TOKEN_DTYPES["uint32"]
+
+
+def _encode(tokenizer: Any, text: str, dtype: np.dtype) -> np.ndarray:
+    if isinstance(tokenizer, ByteTokenizer):
+        # Same ids as tokenizer.encode, without a Python int per byte (a large .txt is one document).
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype)
+    # No BOS/EOS per document (EOS goes between documents below); verbose=False silences the
+    # "longer than model_max_length" warning: documents are cut into sequences later.
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False, verbose=False), dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents
+# ---------------------------------------------------------------------------------------------
+
+
+def read_default_corpus() -> str:
+    """The built-in corpus (one document, about 466 KB of English text; see assets/README.md)."""
+    # Regenerate with tools/make_default_corpus.py.
+    data = (resources.files("fsdp_speedloader") / "assets" / "default_corpus.txt.gz").read_bytes()
+    return gzip.decompress(data).decode("utf-8")
+
+
+def text_files(path: PathLike) -> list[Path]:
+    """The files of a 'text' source: the .txt/.jsonl file itself, or a directory's, sorted by name."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"data.path: {str(p)!r} does not exist; point data.path at a .txt or .jsonl file "
+                         "or a directory of them")
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"data.path: directory {str(p)!r} holds no .txt or .jsonl files")
+    elif p.suffix in TEXT_SUFFIXES:
+        files = [p]
+    else:
+        raise ValueError(f"data.path: {str(p)!r} is not a .txt or .jsonl file "
+                         "(a pre-tokenized .bin file needs data.source=tokens)")
+    if all(f.stat().st_size == 0 for f in files):
+        raise ValueError(f"data.path: {str(p)!r} is empty; it holds no text to train on")
+    return files
+
+
+def iter_documents(files: Iterable[Path], text_field: str = "text") -> Iterator[str]:
+    """Yields one document at a time: a whole .txt file, or each line's ``text_field`` of a .jsonl."""
+    for f in files:
+        if f.suffix == ".jsonl":
+            yield from _iter_jsonl(f, text_field)
+        else:
+            try:
+                yield f.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"data.path: {str(f)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    with open(path, "rb") as fh:
+        for line_number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:  # bad JSON or bad UTF-8
+                raise ValueError(f"data.path: {str(path)!r} line {line_number} is not valid JSON ({e})") from None
+            if not isinstance(record, dict) or text_field not in record:
+                found = sorted(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+                raise ValueError(f"data.text_field: {str(path)!r} line {line_number} has no field {text_field!r} "
+                                 f"(found {found}); set data.text_field to the field that holds the text")
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise ValueError(f"data.text_field: {str(path)!r} line {line_number}: field {text_field!r} "
+                                 f"holds a {type(text).__name__}, not a string")
+            yield text
+
+
+def iter_token_chunks(documents: Iterable[str], tokenizer: Any) -> Iterator[np.ndarray]:
+    """Token ids of each document with one EOS between documents, as 1-D arrays of token_dtype."""
+    dtype = token_dtype(len(tokenizer))
+    eos = np.array([tokenizer.eos_token_id], dtype=dtype)
+    first = True
+    for text in documents:
+        if not text:
+            continue  # an empty document would only add a second EOS
+        if not first:
+            yield eos
+        first = False
+        yield _encode(tokenizer, text, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token files: <name>.bin (raw little-endian ids) + <name>.bin.json (sidecar)
+# ---------------------------------------------------------------------------------------------
+
+
+def sidecar_path(path: PathLike) -> Path:
+    return Path(f"{os.fspath(path)}.json")
+
+
+def write_token_file(path: PathLike, documents: Iterable[str], tokenizer: Any, tokenizer_name: str) -> dict:
+    """Streams documents into a .bin token file and writes its sidecar; returns the sidecar."""
+    path, sidecar = Path(path), sidecar_path(path)
+    # The sidecar goes last: a write that dies halfway leaves a .bin that loading refuses.
+    sidecar.unlink(missing_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(len(tokenizer))
+    num_tokens = 0
+    with open(path, "wb") as f:
+        for chunk in iter_token_chunks(documents, tokenizer):
+            f.write(chunk.tobytes())
+            num_tokens += len(chunk)
+    meta = {"dtype": dtype.name, "vocab_size": len(tokenizer), "num_tokens": num_tokens, "tokenizer": tokenizer_name}
+    sidecar.write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def read_sidecar(path: PathLike) -> dict:
+    """The checked sidecar of a .bin token file: dtype, vocab_size, num_tokens, tokenizer."""
+    p, sidecar = Path(path), sidecar_path(path)
+    fix = "write token files with tools/prepare_data.py"
+    if not p.is_file():
+        raise ValueError(f"data.path: token file {str(p)!r} does not exist; {fix}")
+    if not sidecar.is_file():
+        raise ValueError(f"data.path: token file {str(p)!r} has no sidecar {sidecar.name!r} (dtype, vocab_size, "
+                         f"num_tokens); {fix}")
+    try:
+        meta = json.loads(sidecar.read_text())
+    except ValueError as e:
+        raise ValueError(f"data.path: sidecar {str(sidecar)!r} is not valid JSON ({e}); {fix}") from None
+    ok = (isinstance(meta, dict) and meta.get("dtype") in TOKEN_DTYPES
+          and all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in ("vocab_size", "num_tokens")))
+    if not ok:
+        raise ValueError(f"data.path: sidecar {str(sidecar)!r} needs dtype ('uint16' or 'uint32') and "
+                         f"non-negative integers vocab_size and num_tokens, got {meta!r}; {fix}")
+    if meta["vocab_size"] > 2**16 and meta["dtype"] == "uint16":
+        raise ValueError(f"data.path: {str(p)!r} claims vocab_size={meta['vocab_size']} in uint16; {fix}")
+    expected = meta["num_tokens"] * TOKEN_DTYPES[meta["dtype"]].itemsize
+    if p.stat().st_size != expected:
+        raise ValueError(f"data.path: {str(p)!r} holds {p.stat().st_size} bytes but its sidecar promises "
+                         f"{meta['num_tokens']} {meta['dtype']} tokens ({expected} bytes); {fix}")
+    if meta["num_tokens"] == 0:
+        raise ValueError(f"data.path: token file {str(p)!r} is empty (0 tokens)")
+    return meta
+
+
+def read_token_file(path: PathLike) -> np.memmap:
+    """The ids of a .bin token file, memory-mapped read-only: (num_tokens,)."""
+    meta = read_sidecar(path)
+    return np.memmap(path, dtype=TOKEN_DTYPES[meta["dtype"]], mode="r", shape=(meta["num_tokens"],))
+
+
+# ---------------------------------------------------------------------------------------------
+# The token stream of a config, and the checks run before any model is built
+# ---------------------------------------------------------------------------------------------
+
+
+def load_tokens(cfg: DataConfig) -> np.ndarray:
+    """The whole token stream of a non-synthetic source, (num_tokens,): memory-mapped for 'tokens',
+    tokenized (once per process) for 'default' and 'text'."""
+    if cfg.source == "tokens":
+        return read_token_file(cfg.path)
+    if cfg.source == "synthetic":
+        raise ValueError("data.source: 'synthetic' has no token stream; use build_loader")
+    # File names, sizes and mtimes key the cache, so edited files are tokenized again.
+    file_stats = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
+                       for f in (text_files(cfg.path) if cfg.source == "text" else ()))
+    return _tokenize_corpus(cfg.source, file_stats, cfg.tokenizer, cfg.text_field)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenize_corpus(source: str, file_stats: tuple, tokenizer_name: str, text_field: str) -> np.ndarray:
+    # Cached because validate_data (before the model is built) and build_loader both need it.
+    tokenizer = build_tokenizer(tokenizer_name)
+    if source == "default":
+        documents: Iterable[str] = [read_default_corpus()]
+    else:
+        documents = iter_documents([Path(name) for name, _, _ in file_stats], text_field)
+    chunks = list(iter_token_chunks(documents, tokenizer))
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=token_dtype(len(tokenizer)))
+    tokens.flags.writeable = False  # shared by every caller
+    return tokens
+
+
+def validate_data(cfg: DataConfig, *, vocab_size: int) -> None:
+    """Checks that ``cfg`` yields at least one sequence of ids < vocab_size; ValueError says what to change."""
+    if cfg.source == "synthetic":
+        return
+    if cfg.source == "tokens":
+        meta = read_sidecar(cfg.path)
+        if meta["vocab_size"] > vocab_size:
+            raise ValueError(f"model.vocab_size: {cfg.path!r} was tokenized with {meta['tokenizer']!r} "
+                             f"(vocab_size={meta['vocab_size']}), larger than the model's vocab_size={vocab_size}; "
+                             f"use model.vocab_size >= {meta['vocab_size']} or re-tokenize with a smaller tokenizer")
+        num_tokens, corpus = meta["num_tokens"], repr(cfg.path)
+    else:
+        if cfg.source == "text":
+            text_files(cfg.path)  # path errors first, before a tokenizer is loaded
+        n_vocab = len(build_tokenizer(cfg.tokenizer))
+        if n_vocab > vocab_size:
+            raise ValueError(f"model.vocab_size: data.tokenizer={cfg.tokenizer!r} has {n_vocab} tokens but the "
+                             f"model's vocab_size is {vocab_size}; use model.vocab_size >= {n_vocab} or a "
+                             "smaller data.tokenizer")
+        num_tokens = len(load_tokens(cfg))
+        corpus = repr(cfg.path) if cfg.source == "text" else "the default corpus"
+        if num_tokens == 0:
+            raise ValueError(f"data.path: {corpus} holds no text (every document is empty)")
+    if num_tokens < cfg.seq_len:
+        raise ValueError(f"data.seq_len: {corpus} has {num_tokens} tokens, fewer than one sequence of "
+                         f"data.seq_len={cfg.seq_len}; lower data.seq_len or use a larger corpus")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_loader_args(seq_len: int, batch_size: int, rank: int, world_size: int, seed: int) -> None:
+    if seq_len < 1:
+        raise ValueError(f"data.seq_len: got {seq_len}; must be >= 1")
+    if batch_size < 1:
+        raise ValueError(f"batch_size: got {batch_size}; must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: got rank={rank} for world_size={world_size}; need 0 <= rank < world_size")
+    if seed < 0:
+        raise ValueError(f"data.seed: got {seed}; use a non-negative integer")
+
+
+class TokenLoader:
+    """Packed, resumable, rank-sharded batches of fixed-length sequences from one 1-D token array."""
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0) -> None:
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens: expected a 1-D array of token ids, got shape {tokens.shape}")
+        _check_loader_args(seq_len, batch_size, rank, world_size, seed)
+        self.seq_len, self.batch_size, self.rank, self.world_size, self.seed = (
+            seq_len, batch_size, rank, world_size, seed)
+        self.num_sequences = len(tokens) // seq_len
+        if self.num_sequences == 0:
+            raise ValueError(f"data.seq_len: the corpus has {len(tokens)} tokens, fewer than one sequence of "
+                             f"data.seq_len={seq_len}; lower data.seq_len or use a larger corpus")
+        # A view, even of a memmap: only the rows a batch picks are ever read.
+        self.sequences = tokens[: self.num_sequences * seq_len].reshape(self.num_sequences, seq_len)  # (S, s)
+        self.epoch = 0
+        self.position = 0  # index into this epoch's order of the next global sequence
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng((self.seed, epoch)).permutation(self.num_sequences)
+
+    def _take(self, count: int) -> np.ndarray:
+        """The next ``count`` sequence indices of the global order, running into new epochs as needed."""
+        taken = []
+        while count > 0:
+            n = min(count, self.num_sequences - self.position)
+            taken.append(self._order[self.position : self.position + n])
+            self.position += n
+            count -= n
+            if self.position == self.num_sequences:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+        return np.concatenate(taken)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        # Every rank walks the same global order and keeps its own slice: ranks never share a
+        # sequence within a step (given enough sequences), and all hold the same state.
+        global_ids = self._take(self.world_size * self.batch_size)  # (world_size * batch_size,)
+        ids = global_ids[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]  # (batch_size,)
+        input_ids = torch.from_numpy(self.sequences[ids].astype(np.int64))  # (batch_size, seq_len)
+        # Hugging Face causal LMs shift labels themselves.
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+    def state_dict(self) -> dict:
+        return {"epoch": int(self.epoch), "position": int(self.position), "num_sequences": int(self.num_sequences)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["num_sequences"]) != self.num_sequences:
+            raise ValueError(f"data: the checkpoint's loader ran over {state['num_sequences']} sequences but this "
+                             f"corpus gives {self.num_sequences}; resume with the same data.path, data.tokenizer "
+                             "and data.seq_len")
+        if not 0 <= int(state["position"]) < self.num_sequences:
+            raise ValueError(f"data: loader state position={state['position']} is out of range")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._epoch_order(self.epoch)
+
+
+class SyntheticLoader:
+    """Uniform random tokens; batch k of rank r depends only on (seed, k, r), so it resumes exactly."""
+
+    def __init__(self, *, vocab_size: int, seq_len: int, batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"model.vocab_size: got {vocab_size}; must be >= 1")
+        _check_loader_args(seq_len, batch_size, rank, world_size, seed)
+        self.vocab_size, self.seq_len, self.batch_size, self.rank, self.world_size, self.seed = (
+            vocab_size, seq_len, batch_size, rank, world_size, seed)
+        self.step = 0
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        # SeedSequence mixes the three ints well; seed + step + rank arithmetic would collide.
+        key = np.random.SeedSequence((self.seed, self.step, self.rank)).generate_state(1, dtype=np.uint64)[0]
+        generator = torch.Generator().manual_seed(int(key))
+        input_ids = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len), generator=generator)
+        self.step += 1
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+    def state_dict(self) -> dict:
+        return {"step": int(self.step)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def build_loader(cfg: DataConfig, *, vocab_size: int, batch_size: int, rank: int = 0,
+                 world_size: int = 1) -> Union[TokenLoader, SyntheticLoader]:
+    """The loader of ``cfg`` for one rank; ``batch_size`` is sequences per rank per step."""
+    validate_data(cfg, vocab_size=vocab_size)
+    if cfg.source == "synthetic":
+        return SyntheticLoader(vocab_size=vocab_size, seq_len=cfg.seq_len, batch_size=batch_size, rank=rank,
+                               world_size=world_size, seed=cfg.seed)
+    return TokenLoader(load_tokens(cfg), seq_len=cfg.seq_len, batch_size=batch_size, rank=rank,
+                       world_size=world_size, seed=cfg.seed)

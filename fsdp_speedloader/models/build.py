@@ -1,0 +1,162 @@
+"""Build a Hugging Face causal LM on the meta device, then materialise it after sharding.
+
+The torchtitan order: ``build_model`` (meta, no memory) -> shard (``apply_fsdp`` or
+``apply_speedloader``) -> ``materialize_model`` (each rank allocates only its shards, then fills
+them from a seeded initialisation or from a local safetensors checkpoint). The initialisation
+draws every parameter's full tensor from a generator seeded by (seed, parameter name), so the
+weights do not depend on the world size, the mesh or offloading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, OPTConfig, PretrainedConfig
+
+from ..config import ModelConfig
+
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "opt": "opt"}
+
+
+def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The Hugging Face config for ``cfg``: read from ``cfg.path`` or built from its shapes."""
+    if cfg.path is not None:
+        path = Path(cfg.path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model.path: {path} has no config.json; point it at a local Hugging Face "
+                             "checkpoint directory (config.json + *.safetensors)")
+        hf = AutoConfig.from_pretrained(path, local_files_only=True)
+        if hf.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model.path: model_type {hf.model_type!r} is not supported; "
+                             f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+    elif cfg.family == "llama":
+        hf = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                         num_key_value_heads=cfg.num_kv_heads or cfg.num_heads, vocab_size=cfg.vocab_size,
+                         max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
+                         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+                         attention_dropout=cfg.dropout, initializer_range=cfg.init_std)
+    else:
+        hf = OPTConfig(hidden_size=cfg.hidden_size, ffn_dim=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                       num_attention_heads=cfg.num_heads, vocab_size=cfg.vocab_size,
+                       max_position_embeddings=cfg.max_position_embeddings, word_embed_proj_dim=cfg.hidden_size,
+                       dropout=cfg.dropout, attention_dropout=cfg.dropout, layerdrop=0.0,
+                       tie_word_embeddings=cfg.tie_word_embeddings, init_std=cfg.init_std)
+    hf._attn_implementation = cfg.attn_implementation
+    return hf
+
+
+def build_model(cfg: ModelConfig, *, device: torch.device | str = "meta", seed: int = 0) -> nn.Module:
+    """An unmodified Hugging Face causal LM in fp32; on ``meta`` nothing is allocated.
+
+    On a real device the weights are initialised at once (seeded), for tests and small runs.
+    """
+    hf = build_hf_config(cfg)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf, attn_implementation=cfg.attn_implementation,
+                                                 dtype=torch.float32)
+    if str(device) != "meta":
+        init_weights(model, seed=seed, std=cfg.init_std)
+    return model
+
+
+def materialize_model(model: nn.Module, cfg: ModelConfig, *, device: torch.device, seed: int,
+                      param_device: Optional[torch.device] = None) -> None:
+    """Allocates the (sharded) parameters and fills them: from ``cfg.path`` if set, else seeded init.
+
+    ``param_device`` is where parameters live (the host when offloaded); buffers such as the
+    rotary frequencies always go to the compute ``device``.
+    """
+    model.to_empty(device=param_device or device)
+    _rebuild_buffers(model, device)
+    if cfg.path is not None:
+        load_safetensors(model, cfg.path)
+    else:
+        init_weights(model, seed=seed, std=cfg.init_std)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, *, seed: int, std: float) -> None:
+    """As Hugging Face initialises LLaMA/OPT: N(0, std) for matrices, ones/zeros for norms and biases."""
+    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
+    for name, param in model.named_parameters():
+        module = owners[id(param)]
+        full = torch.empty(param.shape, dtype=param.dtype)
+        if isinstance(module, (nn.Linear, nn.Embedding)) and name.endswith("weight"):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full.normal_(0.0, std, generator=gen)
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                full[module.padding_idx].zero_()
+        elif name.endswith("bias"):
+            full.zero_()
+        else:  # norm scales
+            full.fill_(1.0)
+        copy_full_tensor_(param, full)
+
+
+def copy_full_tensor_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copies this rank's part of the full tensor ``full`` into ``param`` (a DTensor or a plain tensor)."""
+    if full.shape != param.shape:
+        raise ValueError(f"shape mismatch: checkpoint tensor {tuple(full.shape)} vs parameter {tuple(param.shape)}")
+    if not isinstance(param, DTensor):
+        param.data.copy_(full)
+        return
+    local = full
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            chunks = torch.chunk(local, param.device_mesh.size(mesh_dim), dim=placement.dim)
+            rank = param.device_mesh.get_local_rank(mesh_dim)
+            local = chunks[rank] if rank < len(chunks) else local.narrow(placement.dim, 0, 0)
+        elif not isinstance(placement, Replicate):
+            raise ValueError(f"unsupported placement {placement}")
+    param.to_local().copy_(local)
+
+
+def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
+    # to_empty leaves computed buffers (rotary inv_freq) uninitialised: rebuild those modules.
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if "inv_freq" in dict(child.named_buffers(recurse=False)):
+                setattr(parent, child_name, type(child)(config=child.config, device=device))
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model.path: no *.safetensors files in {path}; save the model with "
+                         "save_pretrained(..., safe_serialization=True)")
+    return files
+
+
+@torch.no_grad()
+def load_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
+    """Fills the (possibly sharded) parameters from a local Hugging Face safetensors checkpoint.
+
+    Tensors are read one at a time (memory-mapped), so a rank never holds the whole model.
+    """
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    prefix = getattr(model, "base_model_prefix", "model") + "."
+    loaded: set[str] = set()
+    for file in _checkpoint_files(Path(path)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name = key if key in params else prefix + key  # bare base-model checkpoints
+                if name in params:
+                    copy_full_tensor_(params[name], f.get_tensor(key))
+                    loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"model.path: checkpoint {path} lacks {len(missing)} parameter(s), e.g. {missing[:3]}")

@@ -1,0 +1,172 @@
+"""``apply_speedloader``: turns an unmodified Hugging Face causal LM into a layer-major trainer.
+
+Wiring only: the adapter names the model's pieces, ``parallel.apply_fsdp`` shards units and
+root, ``chain`` holds the autograd Functions, the activation store holds x[l][i]. After it,
+
+    out = model(input_ids=ids, labels=ids)   # ids: (num_sub_batches * sub_batch_size, s)
+    out.loss.backward()                      # layer-major backward, one reduce-scatter per unit
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import register_fsdp_forward_method
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .activation_store import ActivationStore, build_activation_store
+from .chain import EmbedFunction, HeadLossFunction, StepState, Unit, UnitFunction, num_label_tokens, shift_labels
+from .models import ModelAdapter, get_adapter
+from .parallel import apply_fsdp, build_mesh, check_mesh, compute_device, maybe_init_process_group, \
+    set_forward_prefetch
+
+_UNIT_METHOD = "speedloader_forward"
+# Arguments of a causal LM's forward that a training step may pass and that change nothing here.
+_IGNORED_KWARGS = {"return_dict", "output_attentions", "output_hidden_states", "use_cache", "logits_to_keep"}
+
+
+class SpeedLoader:
+    """The per-model engine: holds the units and the store, runs one layer-major forward."""
+
+    def __init__(self, adapter: ModelAdapter, units: list[tuple[nn.Module, Unit]], store: ActivationStore,
+                 *, num_sub_batches: int, device: torch.device, loss_chunk_tokens: int) -> None:
+        self.adapter = adapter
+        self.units = units  # (FSDP module holding the unit's state, Unit)
+        self.store = store
+        self.num_sub_batches = num_sub_batches
+        self.device = device
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    def _check_inputs(self, input_ids, attention_mask, labels, kwargs) -> None:
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a (batch, seq_len) tensor; inputs_embeds is not supported")
+        batch, seq_len = input_ids.shape
+        n_sub = self.num_sub_batches
+        if batch % n_sub != 0:
+            raise ValueError(f"batch of {batch} sequences is not num_sub_batches={n_sub} x sub_batch_size; "
+                             f"pass a multiple of {n_sub} sequences or change num_sub_batches")
+        if seq_len > self.adapter.max_positions:
+            raise ValueError(f"sequence length {seq_len} exceeds the model's {self.adapter.max_positions} "
+                             "positions; shorten the sequences (data.seq_len)")
+        if labels is None:
+            raise ValueError("labels are required: the layer-major forward computes the loss without keeping "
+                             "logits; pass labels=input_ids, or use fsdp_speedloader.generate for inference")
+        for name, t in (("labels", labels), ("attention_mask", attention_mask)):
+            if t is not None and t.shape != input_ids.shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; it must match input_ids {tuple(input_ids.shape)}")
+        unknown = {k for k, v in kwargs.items() if v not in (None, False) and k not in _IGNORED_KWARGS}
+        if unknown or kwargs.get("use_cache"):
+            raise ValueError(f"unsupported forward argument(s) {sorted(unknown) or ['use_cache=True']} "
+                             "with apply_speedloader; pass input_ids, attention_mask and labels")
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, num_items_in_batch=None, **kwargs) -> CausalLMOutputWithPast:
+        self._check_inputs(input_ids, attention_mask, labels, kwargs)
+        adapter, device, n_sub = self.adapter, self.device, self.num_sub_batches
+        input_ids = input_ids.to(device, non_blocking=True)
+        shifted = shift_labels(labels.to(device, non_blocking=True))
+        sub = input_ids.shape[0] // n_sub
+        masks = [None] * n_sub if attention_mask is None else list(attention_mask.to(device).split(sub))
+
+        # Mask, positions and rotary tables depend on shapes (and padding) only, not on activations.
+        act_dtype = adapter.embedding.weight.dtype  # the unsharded (compute-dtype) weight, inside root forward
+        probe = torch.empty(sub, input_ids.shape[1], 1, dtype=act_dtype, device=device)
+        position_ids = [adapter.position_ids(m, probe.shape, device) for m in masks]
+        if attention_mask is None:
+            shared = adapter.block_inputs(probe, None, position_ids[0])
+            block_inputs = [shared] * n_sub
+        else:
+            block_inputs = [adapter.block_inputs(probe, m, p) for m, p in zip(masks, position_ids)]
+
+        state = StepState(
+            adapter=adapter, store=self.store, num_units=len(self.units), input_ids=list(input_ids.split(sub)),
+            position_ids=position_ids, shift_labels=[t.reshape(-1) for t in shifted.split(sub)],
+            block_inputs=block_inputs, num_label_tokens=num_label_tokens(shifted, num_items_in_batch),
+            loss_chunk_tokens=self.loss_chunk_tokens,
+            replay_rng=adapter.model.training and adapter.has_dropout and torch.is_grad_enabled())
+        self.store.begin_step(len(self.units) + 1, n_sub, (sub, input_ids.shape[1], adapter.config.hidden_size),
+                              act_dtype, device)
+
+        p = EmbedFunction.apply(adapter.embedding.weight, state)
+        for unit_module, unit in self.units:
+            p = getattr(unit_module, _UNIT_METHOD)(p, state)  # one FSDP-hooked call per unit
+        loss = HeadLossFunction.apply(p, state)
+        if not loss.requires_grad:  # no backward will come to release the slots
+            self.store.end_step()
+        return CausalLMOutputWithPast(loss=loss)
+
+
+def _unit_call(unit: Unit, placeholder: torch.Tensor, state: StepState) -> torch.Tensor:
+    return UnitFunction.apply(placeholder, state, unit)
+
+
+def _model_forward(model: nn.Module, input_ids=None, attention_mask=None, labels=None, **kwargs):
+    return model._speedloader.forward(input_ids, attention_mask, labels, **kwargs)
+
+
+def apply_speedloader(
+    model: nn.Module,
+    *,
+    num_sub_batches: int,
+    mesh: Optional[DeviceMesh] = None,
+    blocks_per_unit: int = 1,
+    activation_store: str = "auto",
+    offload_params: bool = False,
+    pin_memory: bool = True,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = torch.float32,
+    forward_prefetch: int = 1,
+    loss_chunk_tokens: int = 4096,
+) -> nn.Module:
+    """Shards ``model`` with FSDP2 and makes its forward/backward layer-major, in place.
+
+    Args:
+        model: an unmodified Hugging Face causal LM (LLaMA layout or OPT), on meta, CPU or GPU.
+        num_sub_batches: N; every forward takes N x sub_batch_size sequences.
+        mesh: FSDP (1-D) or HSDP (2-D) mesh over all ranks; None: every rank of the default group
+            (a one-process group is created when none exists).
+        blocks_per_unit: consecutive blocks per FSDP unit and chain step.
+        activation_store: 'device', 'host' or 'auto' (host when parameters are offloaded).
+        offload_params: parameters, gradients and optimizer state on the host (CPUOffloadPolicy).
+        pin_memory: page-lock offloaded shards (only with CUDA).
+        param_dtype / reduce_dtype: FSDP mixed precision (compute / gradient reduction dtype).
+        forward_prefetch: units whose unshard is issued ahead in forward.
+        loss_chunk_tokens: tokens per chunk of the chunked cross-entropy.
+    Returns:
+        ``model`` itself.
+    """
+    adapter = get_adapter(model)
+    for name, value, low in (("num_sub_batches", num_sub_batches, 1), ("blocks_per_unit", blocks_per_unit, 1),
+                             ("forward_prefetch", forward_prefetch, 0), ("loss_chunk_tokens", loss_chunk_tokens, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}={value!r}; it must be an integer >= {low}")
+    store = build_activation_store(activation_store, offload_params=offload_params)
+    if mesh is None:
+        maybe_init_process_group()
+        mesh = build_mesh("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        check_mesh(mesh)
+    if getattr(model, "_speedloader", None) is not None:
+        raise ValueError("apply_speedloader was already applied to this model")
+
+    blocks = list(adapter.blocks)
+    groups = [blocks[i : i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
+    unit_modules = apply_fsdp(model, mesh, units=groups, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                              offload_params=offload_params, pin_memory=pin_memory)
+    set_forward_prefetch(model, unit_modules, forward_prefetch)
+    units = []
+    for index, (module, group) in enumerate(zip(unit_modules, groups), start=1):
+        unit = Unit(index=index, blocks=group)
+        setattr(module, _UNIT_METHOD, functools.partial(_unit_call, unit))
+        register_fsdp_forward_method(module, _UNIT_METHOD)
+        units.append((module, unit))
+
+    model._speedloader = SpeedLoader(adapter, units, store, num_sub_batches=num_sub_batches,
+                                     device=compute_device(mesh.device_type), loss_chunk_tokens=loss_chunk_tokens)
+    model.forward = types.MethodType(_model_forward, model)
+    return model

@@ -1,0 +1,289 @@
+"""Tokenizers, corpora, packing, rank sharding, resume, and the errors a user can hit (CPU, fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fsdp_speedloader.config import DataConfig
+from fsdp_speedloader.data import (
+    ByteTokenizer,
+    SyntheticLoader,
+    TokenLoader,
+    build_loader,
+    build_tokenizer,
+    load_tokens,
+    read_default_corpus,
+    validate_data,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+EOS = ByteTokenizer.eos_token_id
+
+
+def _encode(text: str) -> list[int]:
+    return ByteTokenizer().encode(text)
+
+
+def _sequence_ids(batch: dict[str, torch.Tensor], seq_len: int) -> list[int]:
+    """Which packed sequence each row is, checking that each row is one contiguous slice of
+    a stream whose token i has value i."""
+    rows = batch["input_ids"]  # (b, s)
+    assert torch.equal(rows - rows[:, :1], torch.arange(seq_len).expand_as(rows))
+    assert bool((rows[:, 0] % seq_len == 0).all())
+    return (rows[:, 0] // seq_len).tolist()
+
+
+def _write_tiny_hf_tokenizer(directory: Path) -> dict[str, int]:
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<eos>", "hello", "world", "the", "cat", "sat"])}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]").save_pretrained(directory)
+    return vocab
+
+
+# ----- tokenizers and corpora
+
+
+def test_byte_tokenizer_round_trip():
+    tokenizer = build_tokenizer("bytes")
+    assert isinstance(tokenizer, ByteTokenizer)
+    assert (tokenizer.vocab_size, tokenizer.eos_token_id, len(tokenizer)) == (257, 256, 257)
+    text = "Hello, wörld: naïve café, 日本語, emoji 🙂\n\ttabs"
+    ids = tokenizer.encode(text)
+    assert ids == list(text.encode("utf-8")) and max(ids) < 256
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(torch.tensor(ids + [EOS])) == text  # EOS decodes to nothing
+    assert tokenizer.decode(ids[:-len("🙂\n\ttabs".encode()) + 1]).endswith("\ufffd")  # a cut character
+
+
+def test_default_corpus_is_real_text():
+    text = read_default_corpus()
+    assert len(text.encode("utf-8")) > 100_000
+    words = set(text.lower().split())
+    assert {"the", "and", "of", "is", "function", "statement", "value"} <= words
+    tokens = load_tokens(DataConfig())  # one document, byte tokenizer: exactly the UTF-8 bytes
+    np.testing.assert_array_equal(tokens, np.frombuffer(text.encode("utf-8"), dtype=np.uint8))
+
+    loader = build_loader(DataConfig(seq_len=128), vocab_size=320, batch_size=4)
+    batch = loader.next_batch()
+    assert batch["input_ids"].shape == (4, 128) and batch["input_ids"].dtype == torch.int64
+    assert loader.num_sequences == len(tokens) // 128
+
+
+def test_local_hugging_face_tokenizer(tmp_path):
+    vocab = _write_tiny_hf_tokenizer(tmp_path / "tok")
+    tokenizer = build_tokenizer(str(tmp_path / "tok"))
+    assert len(tokenizer) == len(vocab) and tokenizer.eos_token_id == vocab["<eos>"]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text(json.dumps({"text": "hello world"}) + "\n" + json.dumps({"text": "the cat sat"}) + "\n")
+    cfg = DataConfig(source="text", path=str(corpus), tokenizer=str(tmp_path / "tok"), seq_len=2)
+    expected = [vocab["hello"], vocab["world"], vocab["<eos>"], vocab["the"], vocab["cat"], vocab["sat"]]
+    assert load_tokens(cfg).tolist() == expected  # no BOS/EOS added inside documents
+    validate_data(cfg, vocab_size=len(vocab))
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        validate_data(cfg, vocab_size=len(vocab) - 1)
+
+
+def test_text_txt_jsonl_and_directory(tmp_path):
+    txt = "First paragraph, ünïcode.\n\nSecond paragraph after a blank line.\n"
+    (tmp_path / "b.txt").write_text(txt, encoding="utf-8")
+    docs = [{"text": "doc one", "id": 1}, {"text": "doc two ✓"}]
+    (tmp_path / "a.jsonl").write_text(json.dumps(docs[0]) + "\n\n" + json.dumps(docs[1]) + "\n")
+    (tmp_path / "notes.md").write_text("not part of the corpus")
+
+    def tokens(path, **kw) -> list[int]:
+        return load_tokens(DataConfig(source="text", path=str(path), seq_len=4, **kw)).tolist()
+
+    assert tokens(tmp_path / "b.txt") == _encode(txt)  # one document: paragraphs need no EOS
+    jsonl = _encode("doc one") + [EOS] + _encode("doc two ✓")
+    assert tokens(tmp_path / "a.jsonl") == jsonl
+    assert tokens(tmp_path) == jsonl + [EOS] + _encode(txt)  # file-name order, .md ignored
+
+    (tmp_path / "c.jsonl").write_text(json.dumps({"content": "other field"}) + "\n")
+    assert tokens(tmp_path / "c.jsonl", text_field="content") == _encode("other field")
+
+
+# ----- packing, sharding, resume
+
+
+def test_packing_shapes_and_one_epoch_visits_every_sequence_once():
+    seq_len, num_sequences = 8, 12
+    tokens = np.arange(num_sequences * seq_len + 5, dtype=np.uint16)  # a 5-token tail is dropped
+    loader = TokenLoader(tokens, seq_len=seq_len, batch_size=3)
+    seen = []
+    for _ in range(num_sequences // 3):
+        batch = loader.next_batch()
+        assert batch["input_ids"].shape == (3, seq_len) and batch["input_ids"].dtype == torch.int64
+        assert torch.equal(batch["labels"], batch["input_ids"])
+        assert batch["labels"].data_ptr() != batch["input_ids"].data_ptr()  # masking labels must not touch inputs
+        seen += _sequence_ids(batch, seq_len)
+    assert sorted(seen) == list(range(num_sequences))
+    assert seen != list(range(num_sequences))  # shuffled
+    assert loader.state_dict() == {"epoch": 1, "position": 0, "num_sequences": num_sequences}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rank_sharding_is_disjoint_and_covering(world_size):
+    seq_len, batch_size, steps_per_epoch = 4, 2, 3
+    num_sequences = world_size * batch_size * steps_per_epoch
+    tokens = np.arange(num_sequences * seq_len, dtype=np.uint16)
+    loaders = [TokenLoader(tokens, seq_len=seq_len, batch_size=batch_size, rank=r, world_size=world_size, seed=1)
+               for r in range(world_size)]
+    # One rank taking the whole global batch sees the same rows, in rank order.
+    single = TokenLoader(tokens, seq_len=seq_len, batch_size=world_size * batch_size, seed=1)
+    epoch = []
+    for _ in range(steps_per_epoch):
+        batches = [loader.next_batch() for loader in loaders]
+        assert torch.equal(torch.cat([b["input_ids"] for b in batches]), single.next_batch()["input_ids"])
+        step = [i for b in batches for i in _sequence_ids(b, seq_len)]
+        assert len(set(step)) == len(step) == world_size * batch_size  # disjoint within the step
+        epoch += step
+    assert sorted(epoch) == list(range(num_sequences))  # the ranks cover the epoch
+    assert all(loader.state_dict() == loaders[0].state_dict() for loader in loaders)
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 7])
+def test_resume_gives_the_uninterrupted_batches(k):
+    tokens = np.random.default_rng(0).integers(0, 257, size=10 * 16 + 7).astype(np.uint16)
+    kwargs = dict(seq_len=16, batch_size=3, rank=1, world_size=2, seed=7)  # global batch 6 of 10 sequences
+    uninterrupted = TokenLoader(tokens, **kwargs)
+    for _ in range(k):
+        uninterrupted.next_batch()
+    state = json.loads(json.dumps(uninterrupted.state_dict()))  # plain ints survive JSON
+    assert all(type(v) is int for v in state.values())
+    resumed = TokenLoader(tokens, **kwargs)
+    resumed.load_state_dict(state)
+    for _ in range(5):  # crosses epoch boundaries
+        expected, got = uninterrupted.next_batch(), resumed.next_batch()
+        assert torch.equal(expected["input_ids"], got["input_ids"])
+        assert torch.equal(expected["labels"], got["labels"])
+
+    other_corpus = TokenLoader(tokens, **{**kwargs, "seq_len": 8})
+    with pytest.raises(ValueError, match="data.seq_len"):
+        other_corpus.load_state_dict(state)
+
+
+def test_epoch_wrap_reshuffles():
+    seq_len, num_sequences = 4, 10
+    loader = TokenLoader(np.arange(num_sequences * seq_len), seq_len=seq_len, batch_size=4, seed=3)
+    ids = [i for _ in range(5) for i in _sequence_ids(loader.next_batch(), seq_len)]  # 20 = two epochs
+    first, second = ids[:num_sequences], ids[num_sequences:]
+    assert sorted(first) == sorted(second) == list(range(num_sequences))
+    assert first != second  # a new order per epoch
+    assert loader.state_dict()["epoch"] == 2 and loader.state_dict()["position"] == 0
+
+
+def test_fewer_sequences_than_one_global_batch():
+    seq_len = 4
+    tokens = np.arange(3 * seq_len + 1)
+    loaders = [TokenLoader(tokens, seq_len=seq_len, batch_size=2, rank=r, world_size=2) for r in range(2)]
+    ids = [i for _ in range(3) for loader in loaders for i in _sequence_ids(loader.next_batch(), seq_len)]
+    assert len(ids) == 12 and sorted(ids[:3]) == [0, 1, 2] and sorted(ids[3:6]) == [0, 1, 2]  # wraps epochs
+    assert loaders[0].state_dict()["epoch"] == 4
+
+    one = TokenLoader(np.arange(5), seq_len=seq_len, batch_size=3)  # a single sequence
+    assert torch.equal(one.next_batch()["input_ids"], torch.arange(seq_len).expand(3, seq_len))
+
+
+def test_synthetic_is_deterministic_and_resumable():
+    kwargs = dict(vocab_size=50, seq_len=8, batch_size=2, world_size=2, seed=3)
+    first = [SyntheticLoader(rank=0, **kwargs).next_batch()["input_ids"]]
+    loader = SyntheticLoader(rank=0, **kwargs)
+    batches = [loader.next_batch()["input_ids"] for _ in range(4)]
+    assert torch.equal(batches[0], first[0])
+    assert all(b.shape == (2, 8) and b.dtype == torch.int64 and 0 <= b.min() and b.max() < 50 for b in batches)
+    assert not torch.equal(batches[0], batches[1])  # steps differ
+    assert not torch.equal(batches[0], SyntheticLoader(rank=1, **kwargs).next_batch()["input_ids"])  # ranks differ
+    assert not torch.equal(batches[0], SyntheticLoader(rank=0, **{**kwargs, "seed": 4}).next_batch()["input_ids"])
+
+    resumed = SyntheticLoader(rank=0, **kwargs)
+    resumed.load_state_dict(json.loads(json.dumps({"step": 2})))
+    assert all(torch.equal(resumed.next_batch()["input_ids"], b) for b in batches[2:])
+
+    cfg = DataConfig(source="synthetic", seq_len=8, seed=3)
+    built = build_loader(cfg, vocab_size=50, batch_size=2, rank=0, world_size=2)
+    assert isinstance(built, SyntheticLoader) and torch.equal(built.next_batch()["input_ids"], batches[0])
+
+
+def test_prepare_data_round_trip(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("A text file, with ünïcode.\n\nAnd a second paragraph.\n" * 20)
+    (corpus / "b.jsonl").write_text("".join(json.dumps({"text": f"document {i} ✓"}) + "\n" for i in range(30)))
+    output = tmp_path / "out" / "train.bin"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "tools/prepare_data.py", "--input", str(corpus), "--tokenizer", "bytes",
+                    "--output", str(output)], cwd=REPO, env=env, check=True, capture_output=True, text=True)
+
+    expected = load_tokens(DataConfig(source="text", path=str(corpus)))
+    meta = json.loads(Path(f"{output}.json").read_text())
+    assert meta == {"dtype": "uint16", "vocab_size": 257, "num_tokens": len(expected), "tokenizer": "bytes"}
+    tokens_cfg = DataConfig(source="tokens", path=str(output), seq_len=32, seed=5)
+    tokens = load_tokens(tokens_cfg)
+    assert isinstance(tokens, np.memmap)
+    np.testing.assert_array_equal(tokens, expected)
+
+    text_cfg = DataConfig(source="text", path=str(corpus), seq_len=32, seed=5)
+    from_tokens = build_loader(tokens_cfg, vocab_size=257, batch_size=4, rank=1, world_size=2)
+    from_text = build_loader(text_cfg, vocab_size=257, batch_size=4, rank=1, world_size=2)
+    for _ in range(3):
+        assert torch.equal(from_tokens.next_batch()["input_ids"], from_text.next_batch()["input_ids"])
+
+
+# ----- errors that name what to change
+
+
+def _token_file(path: Path, num_tokens: int, vocab_size: int, *, sidecar: bool = True) -> str:
+    np.zeros(num_tokens, dtype="<u2").tofile(path)
+    if sidecar:
+        meta = {"dtype": "uint16", "vocab_size": vocab_size, "num_tokens": num_tokens, "tokenizer": "test"}
+        Path(f"{path}.json").write_text(json.dumps(meta))
+    return str(path)
+
+
+def test_errors_name_the_field_to_change(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("only a few bytes")
+    (tmp_path / "missing_field.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    (tmp_path / "no_text").mkdir()
+    cases = [
+        (DataConfig(source="text", path=str(tmp_path / "nope.txt")), r"data\.path: .*does not exist"),
+        (DataConfig(source="text", path=str(tmp_path / "empty.txt")), r"data\.path: .*is empty"),
+        (DataConfig(source="text", path=str(tmp_path / "no_text")), r"data\.path: .*no \.txt or \.jsonl"),
+        (DataConfig(source="text", path=str(tmp_path / "missing_field.jsonl")), r"data\.text_field: .*line 2 .*'text'"),
+        (DataConfig(source="text", path=str(tmp_path / "bad.jsonl")), r"data\.path: .*line 1 is not valid JSON"),
+        (DataConfig(source="text", path=str(tmp_path / "short.txt"), seq_len=64), r"data\.seq_len: .*16 tokens"),
+        (DataConfig(seq_len=10**7), r"data\.seq_len: the default corpus"),
+        (DataConfig(tokenizer=str(tmp_path / "no_tokenizer")), r"data\.tokenizer: .*existing directory"),
+        (DataConfig(source="tokens", path=str(tmp_path / "nope.bin")), r"data\.path: .*does not exist"),
+        (DataConfig(source="tokens", path=_token_file(tmp_path / "bare.bin", 100, 257, sidecar=False)),
+         r"data\.path: .*no sidecar .*prepare_data"),
+        (DataConfig(source="tokens", path=_token_file(tmp_path / "big_vocab.bin", 100, 1000)),
+         r"model\.vocab_size: .*vocab_size=1000"),
+        (DataConfig(source="tokens", path=_token_file(tmp_path / "short.bin", 10, 257), seq_len=64),
+         r"data\.seq_len: .*10 tokens"),
+    ]
+    for cfg, message in cases:
+        with pytest.raises(ValueError, match=message):
+            validate_data(cfg, vocab_size=320)
+
+    with pytest.raises(ValueError, match=r"model\.vocab_size: data\.tokenizer='bytes' has 257 tokens"):
+        validate_data(DataConfig(), vocab_size=100)
+    Path(f"{tmp_path / 'big_vocab.bin'}.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 257,
+                                                                       "num_tokens": 99, "tokenizer": "test"}))
+    with pytest.raises(ValueError, match=r"data\.path: .*200 bytes but its sidecar promises 99"):
+        validate_data(DataConfig(source="tokens", path=str(tmp_path / "big_vocab.bin")), vocab_size=320)
+    with pytest.raises(ValueError, match=r"data\.seed"):
+        TokenLoader(np.arange(10), seq_len=4, batch_size=1, seed=-1)
