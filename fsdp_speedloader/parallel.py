@@ -9,7 +9,6 @@ all-gather and one reduce-scatter however many blocks it holds.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from typing import Optional, Sequence
 
@@ -20,29 +19,28 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def maybe_init_process_group(device_type: Optional[str] = None, timeout_s: float = 1800.0) -> None:
     """Joins the torchrun group, or makes a one-process group when launched as plain ``python``.
 
     NCCL carries CUDA tensors and gloo CPU tensors (CPU-offloaded gradients, object broadcasts).
+    ``device_type`` only validates that the requested device exists.
     """
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # plain python: a group of one on a free local port
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device_type == "cuda":
+    # Both backends whenever CUDA exists: CPU meshes (tests, offloaded state) and CUDA meshes
+    # can then share the one default group, whichever is built first.
+    if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "cpu:gloo,cuda:nccl"
     else:
+        if device_type == "cuda":
+            raise ValueError("device=cuda but CUDA is not available; use device=cpu or device=auto")
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:  # torchrun (or any env:// launcher)
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:  # plain python: a group of one, in-process (no port, no environment variables touched)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def compute_device(device_type: str) -> torch.device:

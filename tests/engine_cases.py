@@ -1,0 +1,114 @@
+"""Shared pieces of the engine tests: tiny models, batches and the gradient comparison."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_speedloader.config import ModelConfig
+from fsdp_speedloader.models import build_model
+from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
+
+VOCAB = 96
+SEQ_LEN = 16
+SUB_BATCH = 2
+
+
+def cpu_mesh():
+    """A CPU (gloo) mesh over the default group, also on a machine with GPUs."""
+    maybe_init_process_group("cpu")
+    return build_mesh("cpu")
+
+
+def tiny_model(family: str, *, layers: int = 4, dropout: float = 0.0, seed: int = 1) -> nn.Module:
+    cfg = ModelConfig(family=family, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=2 if family ==
+                      "llama" else None, intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64,
+                      dropout=dropout)
+    return build_model(cfg, device="cpu", seed=seed)
+
+
+def batch(num_sub_batches: int, *, seed: int = 0, sub_batch: int = SUB_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids; labels with -100 padding at the start of one row and the end of another."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (num_sub_batches * sub_batch, SEQ_LEN), generator=gen)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    labels[-1, SEQ_LEN - 6 :] = -100
+    return ids, labels
+
+
+def reference_grads(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float = 1.0):
+    """Gradients of the UNMODIFIED model: mean over batches (ranks) of each batch's mean token loss."""
+    ref = copy.deepcopy(model)
+    losses = []
+    for ids, labels in batches:
+        loss = ref(input_ids=ids, labels=labels).loss
+        (loss * scale / len(batches)).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses), {name: p.grad.clone() for name, p in ref.named_parameters()}
+
+
+def full_grad(param: torch.Tensor) -> torch.Tensor:
+    grad = param.grad
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def assert_grads_close(model: nn.Module, ref_grads: dict, *, rtol: float = 1e-5, atol: float = 1e-8) -> None:
+    """Every parameter: relative error (Frobenius) < rtol; gradients that are zero in exact arithmetic
+    (e.g. OPT's key bias: softmax ignores a per-row constant) are compared absolutely (< atol)."""
+    checked = 0
+    for name, param in model.named_parameters():
+        got, want = full_grad(param), ref_grads[name]
+        assert got is not None, f"{name}: no gradient (lost in the chain)"
+        err = (got.float() - want.float()).norm().item()
+        ref_norm = want.float().norm().item()
+        if ref_norm > 1e-6:
+            assert err / ref_norm < rtol, f"{name}: relative error {err / ref_norm:.3e} >= {rtol}"
+        else:
+            assert err < atol, f"{name}: absolute error {err:.3e} on a ~zero gradient"
+        checked += 1
+    assert checked == len(ref_grads)
+
+
+def count_collectives() -> tuple[dict, Callable[[], None]]:
+    """Counts FSDP2 unshards (at any world size), all-gathers and reduce-scatters; returns (counts, undo).
+
+    At world size 1 FSDP2 unshards without an all-gather collective, so "unshard" is the count to
+    check there; "all_gather" matters at world size >= 2.
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+
+    counts = {"unshard": 0, "all_gather": 0, "reduce_scatter": 0}
+    originals = {"foreach_all_gather": pg.foreach_all_gather, "foreach_reduce": pg.foreach_reduce}
+    original_unshard = pg.FSDPParamGroup.unshard
+
+    def wrap(fn, key):
+        def counted(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    def counted_unshard(self, *args, **kwargs):
+        before = self._all_gather_result
+        out = original_unshard(self, *args, **kwargs)
+        counts["unshard"] += before is None and self._all_gather_result is not None
+        return out
+
+    pg.foreach_all_gather = wrap(originals["foreach_all_gather"], "all_gather")
+    pg.foreach_reduce = wrap(originals["foreach_reduce"], "reduce_scatter")
+    pg.FSDPParamGroup.unshard = counted_unshard
+
+    def undo() -> None:
+        for name, fn in originals.items():
+            setattr(pg, name, fn)
+        pg.FSDPParamGroup.unshard = original_unshard
+
+    return counts, undo
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)

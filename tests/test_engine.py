@@ -1,0 +1,134 @@
+"""Layer-major engine on CPU, world size 1: gradient parity, collective counts, optimizer steps, errors.
+
+World size 2 is in test_engine_distributed.py. Tolerances: fp32, relative gradient error < 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from engine_cases import assert_grads_close, batch, count_collectives, cpu_mesh, reference_grads, tiny_model
+from fsdp_speedloader import apply_speedloader
+from fsdp_speedloader.parallel import apply_fsdp
+
+CASES = list(itertools.product(("llama", "opt"), (1, 2, 3, 8), (1, 2), ("device", "host"), (False, True)))
+
+
+@pytest.mark.parametrize("family,num_sub_batches,blocks_per_unit,store,offload", CASES)
+def test_gradient_parity(family, num_sub_batches, blocks_per_unit, store, offload):
+    model = tiny_model(family)
+    ids, labels = batch(num_sub_batches)
+    scale = 2.5  # (c * loss).backward() must give c times the gradients
+    ref_loss, ref_grads = reference_grads(model, [(ids, labels)], scale=scale)
+    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=num_sub_batches, blocks_per_unit=blocks_per_unit,
+                      activation_store=store, offload_params=offload)
+    loss = model(input_ids=ids, labels=labels).loss
+    (scale * loss).backward()
+    torch.testing.assert_close(loss.detach(), ref_loss[0], rtol=1e-6, atol=0)
+    assert_grads_close(model, ref_grads)
+
+
+@pytest.mark.parametrize("blocks_per_unit", [1, 2])
+def test_collectives_do_not_grow_with_num_sub_batches(blocks_per_unit):
+    counts_by_n = {}
+    for n_sub in (1, 4):
+        model = tiny_model("llama")
+        apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=n_sub, blocks_per_unit=blocks_per_unit)
+        ids, labels = batch(n_sub)
+        model(input_ids=ids, labels=labels).loss.backward()  # first step: lazy init
+        counts, undo = count_collectives()
+        try:
+            model(input_ids=ids, labels=labels).loss.backward()
+        finally:
+            undo()
+        counts_by_n[n_sub] = dict(counts)  # world size 1: unshards need no all-gather collective
+    units = 4 // blocks_per_unit
+    # Forward: root + every unit once; backward: every unit once (the root stays unsharded).
+    expected = {"unshard": 2 * units + 1, "all_gather": 0, "reduce_scatter": units + 1}
+    assert counts_by_n[1] == expected, counts_by_n
+    assert counts_by_n[4] == expected, counts_by_n
+
+
+def _canonical_step(model, ids, labels, num_sub_batches):
+    """FSDP2 gradient accumulation over micro-batches, the loss normalised over the whole batch."""
+    total = (labels[:, 1:] != -100).sum()
+    for mb_ids, mb_labels in zip(ids.chunk(num_sub_batches), labels.chunk(num_sub_batches)):
+        model(input_ids=mb_ids, labels=mb_labels, num_items_in_batch=total).loss.backward()
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_two_optimizer_steps_match_canonical(family):
+    n_sub = 3
+    layer_major = tiny_model(family)
+    canonical = copy.deepcopy(layer_major)
+    apply_fsdp(canonical, cpu_mesh(), units=[[b] for b in canonical.model.layers]
+               if family == "llama" else [[b] for b in canonical.model.decoder.layers])
+    apply_speedloader(layer_major, mesh=cpu_mesh(), num_sub_batches=n_sub)
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (layer_major, canonical)]
+    for step in range(2):
+        ids, labels = batch(n_sub, seed=step)
+        layer_major(input_ids=ids, labels=labels).loss.backward()
+        _canonical_step(canonical, ids, labels, n_sub)
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
+    for (name, a), (_, b) in zip(layer_major.named_parameters(), canonical.named_parameters()):
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_dropout_is_replayed_in_recompute():
+    # One unit and one sub-batch draw random numbers in the same order as the unmodified forward,
+    # so with the same seed both see the same masks; recompute must replay them exactly.
+    model = tiny_model("opt", dropout=0.2).train()
+    ids, labels = batch(1)
+    torch.manual_seed(123)
+    _, ref_grads = reference_grads(model, [(ids, labels)])
+    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=1, blocks_per_unit=4)
+    torch.manual_seed(123)
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert_grads_close(model, ref_grads)
+
+
+def test_no_grad_forward_gives_the_loss():
+    model = tiny_model("llama")
+    ids, labels = batch(4)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=labels).loss
+    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=4, activation_store="host")
+    with torch.no_grad():
+        got = model(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert model._speedloader.store.device_bytes == 0
+
+
+def test_bad_input_says_what_to_change():
+    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=4)
+    ids, labels = batch(4)
+    with pytest.raises(ValueError, match="num_sub_batches=4 x sub_batch_size"):
+        model(input_ids=ids[:7], labels=labels[:7])
+    with pytest.raises(ValueError, match="exceeds the model's 64 positions"):
+        long = torch.zeros(8, 65, dtype=torch.long)
+        model(input_ids=long, labels=long)
+    with pytest.raises(ValueError, match="labels are required"):
+        model(input_ids=ids)
+    with pytest.raises(ValueError, match="labels has shape"):
+        model(input_ids=ids, labels=labels[:, :4])
+    with pytest.raises(ValueError, match="already applied"):
+        apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=2)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="num_sub_batches"):
+            apply_speedloader(tiny_model("llama"), num_sub_batches=bad)
+    with pytest.raises(ValueError, match="activation_store"):
+        apply_speedloader(tiny_model("llama"), num_sub_batches=2, activation_store="disk")
+
+
+def test_unsupported_model_class():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="unsupported model class GPT2LMHeadModel"):
+        apply_speedloader(gpt2, mesh=cpu_mesh(), num_sub_batches=2)

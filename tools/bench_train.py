@@ -1,0 +1,198 @@
+"""Training throughput, side by side on one GPU: speedloader vs FSDP2 offload vs on-device.
+
+Each contender runs in its own process (fresh CUDA context and allocator, the same GPU-memory
+cap), on the same model shape, sequence length and effective batch, with random tokens:
+
+  speedloader     layer-major, parameters/gradients/optimizer state on the host (CPUOffloadPolicy)
+  fsdp2-offload   FSDP2 + CPUOffloadPolicy, canonical gradient accumulation over micro-batches
+  ondevice        FSDP2 with everything on the GPU, canonical accumulation, same recompute policy
+                  (activation checkpointing of every block), the ceiling for the same blocks
+
+Usage (one GPU):
+  python tools/bench_train.py --model llama2_7b --layers 8 --seq-len 4096 --batch 8 \
+      --contender speedloader:1x8 --contender fsdp2-offload:1x8 --contender ondevice:1x8 \
+      --max-gpu-memory-gib 40 --name llama7b_L8_b8
+Each ``--contender NAME:nxN`` sets the sub-batch (micro-batch) size n and their number N.
+Writes bench/results/<name>.json (device, torch version, commit, command, config, every figure)
+and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {  # hidden, intermediate, heads, kv heads, vocab (the full models' shapes; depth is --layers)
+    "llama2_7b": (4096, 11008, 32, 32, 32000),
+    "llama2_13b": (5120, 13824, 40, 40, 32000),
+    "llama_1b": (2048, 5632, 16, 16, 32000),
+}
+
+
+def _host_rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):  # peak resident set
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def run_worker(args: argparse.Namespace) -> dict:
+    """One contender, one process: build, warm up, time ``--steps`` steps, return the figures."""
+    import torch
+
+    from fsdp_speedloader import apply_speedloader
+    from fsdp_speedloader.config import ModelConfig
+    from fsdp_speedloader.models import build_model, get_adapter, materialize_model
+    from fsdp_speedloader.parallel import apply_fsdp, build_mesh, maybe_init_process_group, set_forward_prefetch
+
+    name, shape = args.worker.split(":")
+    sub_batch, num_sub = (int(v) for v in shape.split("x"))
+    maybe_init_process_group("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    if args.max_gpu_memory_gib:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.max_gpu_memory_gib * 2**30 / total), device)
+    hidden, inter, heads, kv, vocab = SHAPES[args.model]
+    cfg = ModelConfig(name=args.model, hidden_size=hidden, intermediate_size=inter, num_layers=args.layers,
+                      num_heads=heads, num_kv_heads=kv, vocab_size=vocab, max_position_embeddings=args.seq_len)
+    model = build_model(cfg)  # meta
+    adapter = get_adapter(model)
+    offload = name != "ondevice"
+    if name == "speedloader":
+        apply_speedloader(model, num_sub_batches=num_sub, param_dtype=torch.bfloat16, offload_params=True,
+                          activation_store=args.activation_store, forward_prefetch=args.prefetch)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        units = apply_fsdp(model, build_mesh("cuda"), units=[[b] for b in adapter.blocks],
+                           param_dtype=torch.bfloat16, offload_params=offload)
+        set_forward_prefetch(model, units, args.prefetch)
+    materialize_model(model, cfg, device=device, seed=0, param_device=torch.device("cpu") if offload else device)
+    model.train()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (sub_batch * num_sub, args.seq_len), generator=gen)
+    total_targets = ids.shape[0] * (args.seq_len - 1)
+
+    def fwd_bwd() -> float:
+        if name == "speedloader":
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            return loss
+        loss_sum = 0.0
+        for mb in ids.split(sub_batch):
+            mb = mb.to(device, non_blocking=True)
+            loss = model(input_ids=mb, labels=mb, num_items_in_batch=total_targets).loss
+            loss.backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    fb_times, opt_times, losses = [], [], []
+    for step in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = fwd_bwd()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if step == args.warmup - 1:
+            torch.cuda.reset_peak_memory_stats()
+        if step >= args.warmup:
+            fb_times.append(t1 - t0)
+            opt_times.append(t2 - t1)
+            losses.append(float(loss))
+    tokens = ids.numel()
+    fb, opt = statistics.median(fb_times), statistics.median(opt_times)
+    flops_per_token = adapter.flops_per_token(args.seq_len)
+    recompute_per_token = flops_per_token / 3  # every block's forward runs twice: + (2 N + 4 L h s)
+    peak = args.peak_tflops * 1e12
+    result = {
+        "contender": name, "sub_batch_size": sub_batch, "num_sub_batches": num_sub, "tokens_per_step": tokens,
+        "fwd_bwd_s": fb, "optimizer_s": opt, "step_s": fb + opt,
+        "tokens_per_s_fwd_bwd": tokens / fb, "tokens_per_s": tokens / (fb + opt),
+        "mfu_fwd_bwd": tokens / fb * flops_per_token / peak, "mfu": tokens / (fb + opt) * flops_per_token / peak,
+        "hfu_fwd_bwd": tokens / fb * (flops_per_token + recompute_per_token) / peak,
+        "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "host_peak_rss_gib": _host_rss_gib(), "losses": losses, "flops_per_token": flops_per_token,
+        "step_times_s": [a + b for a, b in zip(fb_times, opt_times)],
+    }
+    if name == "speedloader":
+        store = model._speedloader.store
+        result["host_activation_gib"] = store.host_bytes / 2**30
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama2_7b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--contender", action="append", default=[],
+                        help="NAME:nxN with NAME in speedloader, fsdp2-offload, ondevice (repeatable)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--activation-store", default="host")
+    parser.add_argument("--max-gpu-memory-gib", type=float, default=None)
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        print("RESULT " + json.dumps(run_worker(args)), flush=True)
+        return
+
+    import torch
+
+    rows = []
+    for contender in args.contender or ["speedloader:1x8", "fsdp2-offload:1x8", "ondevice:1x8"]:
+        cmd = [sys.executable, __file__, "--worker", contender] + [
+            a for a in sys.argv[1:] if not a.startswith("--contender") and ":" not in a]
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode == 0 and lines:
+                row = json.loads(lines[-1][len("RESULT "):])
+            else:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                row = {"contender": contender, "error": " | ".join(tail)}
+        except subprocess.TimeoutExpired:
+            row = {"contender": contender, "error": f"timeout after {args.timeout}s"}
+        row["wall_s"] = time.time() - t0
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times_s")}), flush=True)
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    record = {"benchmark": "train", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "commit": commit, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+              "config": {k: v for k, v in vars(args).items() if k not in ("worker",)}, "results": rows}
+    name = args.name or f"train_{args.model}_L{args.layers}_s{args.seq_len}"
+    os.makedirs(args.out_dir, exist_ok=True)
+    Path(args.out_dir, f"{name}.json").write_text(json.dumps(record, indent=2))
+    print(f"\n| contender | n x N | tokens/s (fwd+bwd) | tokens/s (with optimizer) | MFU | peak HBM GiB |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['contender']} | - | error: {r['error'][:80]} | | | |")
+        else:
+            print(f"| {r['contender']} | {r['sub_batch_size']}x{r['num_sub_batches']} | {r['tokens_per_s_fwd_bwd']:.0f} "
+                  f"| {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['peak_hbm_gib']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
