@@ -8,6 +8,7 @@ field and what to change, so a bad value fails before any model or memory is all
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -281,6 +282,21 @@ class TrainConfig:
         return _from_dict(cls, d, "")
 
 
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    """Checks a YAML/CLI value against the field's type (ints are accepted where floats are)."""
+    optional = typing.get_origin(annotation) is typing.Union and type(None) in typing.get_args(annotation)
+    if optional:
+        if value is None:
+            return None
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    base = typing.get_origin(annotation) or annotation
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base in (int, float) and isinstance(value, bool) or not isinstance(value, base):
+        raise ValueError(f"{name}: expected {getattr(base, '__name__', base)}, got {value!r}")
+    return value
+
+
 def _from_dict(cls: type, d: dict, prefix: str) -> Any:
     if not isinstance(d, dict):
         raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(d).__name__}")
@@ -288,10 +304,12 @@ def _from_dict(cls: type, d: dict, prefix: str) -> Any:
     unknown = sorted(set(d) - set(fields))
     if unknown:
         raise ValueError(f"{prefix or 'config '}: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in d.items():
         sub = _NESTED.get((cls, name))
-        kwargs[name] = _from_dict(sub, value, f"{prefix}{name}.") if sub else value
+        kwargs[name] = (_from_dict(sub, value, f"{prefix}{name}.") if sub
+                        else _coerce(value, hints[name], f"{prefix}{name}"))
     return cls(**kwargs)
 
 

@@ -124,7 +124,8 @@ def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if "inv_freq" in dict(child.named_buffers(recurse=False)):
-                setattr(parent, child_name, type(child)(config=child.config, device=device))
+                with torch.device(device):  # the constructor's device argument varies across versions
+                    setattr(parent, child_name, type(child)(config=child.config))
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
