@@ -16,6 +16,7 @@ a hooked call inside backward silently loses the gradients).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from .activation_store import ActivationStore, grad_slot
 from .models import BlockInputs, ModelAdapter
+from .parallel import fold_unsharded_grads, fsdp_params_of
 
 
 @dataclass(eq=False)
@@ -50,6 +52,11 @@ class StepState:
     @property
     def num_sub_batches(self) -> int:
         return len(self.input_ids)
+
+    @functools.cached_property
+    def root_fsdp_params(self) -> list:
+        """Embedding, final norm and LM head: their per-sub-batch gradients are folded in fp32 too."""
+        return fsdp_params_of(self.adapter.model)
 
     @contextlib.contextmanager
     def rng(self, key: tuple[int, int], *, replay: bool) -> Iterator[None]:
@@ -77,6 +84,10 @@ class Unit:
 
     index: int
     blocks: Sequence[nn.Module]
+
+    @functools.cached_property
+    def fsdp_params(self) -> list:
+        return fsdp_params_of(self.blocks[0])  # a group's FSDP state lives on its first module
 
     def forward(self, adapter: ModelAdapter, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
         for block in self.blocks:
@@ -117,6 +128,7 @@ class EmbedFunction(torch.autograd.Function):
             with torch.enable_grad():
                 x0 = state.adapter.embed(state.input_ids[i], state.position_ids[i])
             torch.autograd.backward(x0, g)
+            fold_unsharded_grads(state.root_fsdp_params)
         state.store.end_step()
         return None, None
 
@@ -128,8 +140,8 @@ class UnitFunction(torch.autograd.Function):
     Saved for backward: nothing on the GPU. The inputs x_{l-1}[i] stay in the store and the unit
     is recomputed per sub-batch in backward (activation memory: one sub-batch of one unit).
     Backward, per sub-batch: fetch x_{l-1}[i] and dL/dx_l[i], recompute the unit with grad,
-    backpropagate (parameter gradients accumulate on the unsharded parameters, reduced once by
-    FSDP's post-backward), and write dL/dx_{l-1}[i] to the slot that held x_l[i].
+    backpropagate, fold the parameter gradients into FSDP's fp32 accumulator (reduce-scattered
+    once by FSDP's post-backward), and write dL/dx_{l-1}[i] to the slot that held x_l[i].
     Streams: all compute on the current stream; the store's ``prefetch``/``put`` start the next
     fetch and the last store on its copy streams where it has them.
     """
@@ -165,6 +177,7 @@ class UnitFunction(torch.autograd.Function):
             with torch.enable_grad(), state.rng((unit.index, i), replay=True):
                 y = unit.forward(state.adapter, x, state.block_inputs[i])
             torch.autograd.backward(y, g)
+            fold_unsharded_grads(unit.fsdp_params)
             store.put(g_out, i, x.grad)
         return torch.zeros_like(grad_placeholder), None, None
 
@@ -224,6 +237,7 @@ class HeadLossFunction(torch.autograd.Function):
                     loss = _chunk_loss(state.adapter, xc, labels[c]) * scale
                 torch.autograd.backward(loss)
                 grad[c] = xc.grad
+            fold_unsharded_grads(state.root_fsdp_params)
             store.put(grad_slot(last, last), i, grad.view_as(x_i))
         return torch.zeros((), dtype=torch.float32, device=grad_loss.device), None
 

@@ -114,6 +114,32 @@ def set_forward_prefetch(root: FSDPModule, units: Sequence[FSDPModule], depth: i
             unit.set_modules_to_forward_prefetch(nxt)
 
 
+def fsdp_params_of(module: nn.Module) -> list:
+    """The FSDPParams of the group whose state lives on ``module`` (torch 2.11: one group; 2.13: a list)."""
+    state = fully_shard.state(module)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return [p for g in groups for p in g.fsdp_params]
+
+
+def fold_unsharded_grads(fsdp_params: Sequence) -> None:
+    """Moves the unsharded gradients just computed into FSDP's reduce-dtype accumulator.
+
+    Layer-major backward runs N sub-batches through one unsharded unit; autograd would sum their
+    gradients in the compute dtype (bf16). FSDP keeps an fp32 ``unsharded_accumulated_grad`` for
+    exactly this (it is how gradient accumulation without sync works) and its post-backward
+    reduce-scatters that accumulator, so folding after every sub-batch makes the sum fp32, as
+    precise as canonical accumulation. A no-op when the compute dtype is the reduce dtype.
+    """
+    for fsdp_param in fsdp_params:
+        if fsdp_param.unsharded_accumulated_grad is None:
+            fsdp_param.to_accumulated_grad_if_needed()
+        else:
+            fsdp_param.accumulate_unsharded_grad_if_needed()
+
+
 def destroy_process_group() -> None:
     """Barrier, then tear down (a rank leaving early would hang the others' last collective)."""
     if dist.is_initialized():
