@@ -30,7 +30,8 @@ def maybe_init_process_group(device_type: Optional[str] = None, timeout_s: float
     # Both backends whenever CUDA exists: CPU meshes (tests, offloaded state) and CUDA meshes
     # can then share the one default group, whichever is built first.
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if device_type != "cpu":  # a CPU run on a GPU host may have more ranks than GPUs
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "cpu:gloo,cuda:nccl"
     else:
         if device_type == "cuda":

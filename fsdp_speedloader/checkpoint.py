@@ -1,0 +1,188 @@
+"""Saving and resuming training with ``torch.distributed.checkpoint`` (DCP).
+
+One checkpoint is one directory ``<checkpoint.dir>/step_XXXXXXXX/``:
+
+- DCP files (``.metadata``, ``*.distcp``): the model and optimizer state as each rank's shards
+  (``get_state_dict`` / ``set_state_dict``), so a checkpoint loads on another world size too;
+- ``extra_rank{r}.pt`` (``torch.save``), per rank: step, LR scheduler, data loader state and the RNG
+  states (torch CPU, CUDA when present, numpy, python ``random``).
+
+Every rank writes into ``step_XXXXXXXX.tmp/``; after a barrier rank 0 renames it to
+``step_XXXXXXXX/``. A crash therefore never leaves a directory that looks complete: resume only
+ever considers names ``step_`` + 8 digits, never ``*.tmp``. Older step directories beyond
+``keep_last`` are deleted only after the new one is complete; nothing else is ever deleted.
+All ranks must see the same ``checkpoint.dir`` (a shared file system across nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .config import CheckpointConfig
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_DCP_METADATA = ".metadata"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete step checkpoints in ``directory`` as (step, path), oldest first. ``*.tmp`` never counts."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = []
+    for p in d.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir() and (p / _DCP_METADATA).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def find_latest_checkpoint(directory: str | os.PathLike) -> Optional[Path]:
+    """The newest complete step checkpoint in ``directory``, or None."""
+    found = list_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def resolve_resume_path(cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike) -> Optional[Path]:
+    """Where to resume from: None (fresh start) or a complete step directory.
+
+    ``resume=auto`` takes the latest complete checkpoint in ``checkpoint_dir`` (None if there is
+    none); an explicit path must be a step directory, or a directory holding step directories
+    (the latest is taken). Raises ValueError before anything is built if it is not.
+    """
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        return find_latest_checkpoint(checkpoint_dir)
+    path = Path(cfg.resume)
+    if path.name.endswith(".tmp"):
+        what = "is an unfinished save (*.tmp)"
+    elif (path / _DCP_METADATA).is_file():
+        return path
+    elif (latest := find_latest_checkpoint(path)) is not None:
+        return latest
+    else:
+        what = "does not exist" if not path.exists() else "is not a complete checkpoint (no .metadata)"
+    raise ValueError(f"checkpoint.resume: {str(path)!r} {what}; give a step_XXXXXXXX directory written by a "
+                     "previous run, 'auto' (latest in checkpoint.dir, fresh start if none) or null")
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class Checkpointer:
+    """Saves and loads training state under ``checkpoint_dir`` (see the module docstring for the layout).
+
+    Args:
+        cfg: the checkpoint section of the config.
+        checkpoint_dir: ``cfg.dir`` or ``<output_dir>/checkpoints``.
+        rank: this process's global rank (rank 0 renames and prunes).
+        device: the compute device (its CUDA RNG is saved).
+    """
+
+    def __init__(self, cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike, *, rank: int,
+                 device: torch.device) -> None:
+        self.cfg = cfg
+        self.dir = Path(checkpoint_dir)
+        self.rank = rank
+        self.device = torch.device(device)
+
+    def should_save(self, step: int, total_steps: int) -> bool:
+        if self.cfg.every > 0 and step % self.cfg.every == 0:
+            return True
+        return self.cfg.save_final and step == total_steps
+
+    def save(self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: Any, loader: Any) -> Path:
+        """Writes ``step_XXXXXXXX/`` (all ranks call this); returns its path."""
+        final = self.dir / step_dir_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a save that crashed: never complete, safe to clear
+                shutil.rmtree(tmp)
+        _barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+                 "rng": _rng_state(self.device)}
+        torch.save(extra, tmp / f"extra_rank{self.rank}.pt")
+        _barrier()  # every rank's files are in tmp
+        if self.rank == 0:
+            if final.exists():  # same step saved before (an earlier run in this dir): replace it
+                stale = final.with_name(final.name + ".replaced.tmp")
+                if stale.exists():
+                    shutil.rmtree(stale)
+                os.rename(final, stale)
+                os.rename(tmp, final)
+                shutil.rmtree(stale)
+            else:
+                os.rename(tmp, final)
+            self._prune()
+            log.info("saved checkpoint %s", final)
+        _barrier()  # nobody reads the directory before the rename
+        return final
+
+    def _prune(self) -> None:
+        checkpoints = list_checkpoints(self.dir)
+        for _, path in checkpoints[: max(0, len(checkpoints) - self.cfg.keep_last)]:
+            shutil.rmtree(path)
+            log.info("deleted old checkpoint %s (checkpoint.keep_last=%d)", path, self.cfg.keep_last)
+
+    def load(self, path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: Any, loader: Any) -> int:
+        """Restores everything saved by :meth:`save` (all ranks call this); returns the step."""
+        path = Path(path)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra_file = path / f"extra_rank{self.rank}.pt"
+        same_world = extra_file.is_file()
+        if not same_world:  # saved on fewer ranks: step, scheduler and loader are the same on every rank
+            extra_file = path / "extra_rank0.pt"
+        # weights_only=False: the RNG states hold numpy arrays and tuples; we wrote this file ourselves.
+        extra = torch.load(extra_file, map_location="cpu", weights_only=False)
+        scheduler.load_state_dict(extra["scheduler"])
+        loader.load_state_dict(extra["loader"])
+        if same_world:
+            _set_rng_state(extra["rng"], self.device)
+        elif self.rank == 0:
+            log.warning("checkpoint %s was saved on another world size: RNG states are not restored", path)
+        return int(extra["step"])

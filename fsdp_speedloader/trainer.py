@@ -1,0 +1,342 @@
+"""The training loop: one ``TrainConfig`` in, a trained (and checkpointed) model out.
+
+Setup order (torchtitan's): check the data and the resume path (user errors fail before any
+memory is allocated) -> process group -> seeds -> GPU memory cap -> model on ``meta`` -> schedule
+(``apply_fsdp`` for the canonical schedule, ``apply_speedloader`` for the layer-major one) ->
+``materialize_model`` -> optimizer, LR schedule, data loader -> resume.
+
+One optimizer step processes ``num_sub_batches x sub_batch_size`` sequences per rank:
+
+- ``canonical``: gradient accumulation over ``num_sub_batches`` micro-batches of ``sub_batch_size``;
+  each micro-batch loss is a token sum divided by the label-token count T of the WHOLE effective
+  batch (``num_items_in_batch``), so the summed losses are the effective-batch mean loss.
+- ``speedloader``: one layer-major forward/backward over the whole effective batch.
+
+Library code: no Hydra, no W&B (``logger.build_logger`` imports W&B only when asked to).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from . import parallel
+from .checkpoint import Checkpointer, resolve_resume_path
+from .config import OptimConfig, TrainConfig
+from .data import build_loader, validate_data
+from .logger import MetricLogger, build_logger
+from .metrics import StepMetrics, num_block_params, recompute_flops_per_token
+from .models import build_hf_config, build_model, get_adapter, materialize_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+IGNORE_INDEX = -100
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pieces, each usable on its own
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_device_type(device: str) -> str:
+    """'auto' -> 'cuda' when available, else 'cpu'; ValueError for 'cuda' without a GPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but no CUDA device is available; use device=cpu or auto")
+    return device
+
+
+def resolve_param_dtype(param_dtype: str, device_type: str) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA, float32 on CPU."""
+    if param_dtype == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return _DTYPES[param_dtype]
+
+
+def gpu_memory_fraction(cap_gib: float, total_bytes: int) -> float:
+    """The ``set_per_process_memory_fraction`` argument for a cap of ``cap_gib``; ValueError if it exceeds the card."""
+    cap_bytes = cap_gib * 2**30
+    if cap_bytes > total_bytes:
+        raise ValueError(f"max_gpu_memory_gib: {cap_gib} GiB is more than this GPU's {total_bytes / 2**30:.2f} GiB; "
+                         "lower it or set it to null for no cap")
+    return cap_bytes / total_bytes
+
+
+def maybe_cap_gpu_memory(cap_gib: Optional[float], device: torch.device) -> None:
+    """Emulates a smaller card: this process may allocate at most ``cap_gib`` GiB on ``device``."""
+    if cap_gib is None:
+        return
+    if device.type != "cuda":
+        raise ValueError(f"max_gpu_memory_gib: caps GPU memory but the run is on {device.type}; "
+                         "set max_gpu_memory_gib=null or device=cuda")
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction(cap_gib, total), device)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Hugging Face's per-block recompute, non-reentrant (the variant that composes with FSDP2)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds python, numpy and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW, weight decay on matrices only (>= 2-D: not on norms and biases); fused where supported."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    try:  # fused runs on CUDA and (torch >= 2.4) on CPU, including FSDP2's offloaded CPU DTensors
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError) as e:
+        log.warning("fused AdamW is not supported here (%s); using the foreach implementation", e)
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """LR multiplier of the ``step``-th optimizer step (0-based): linear warmup, then decay to min_lr_ratio."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_lr_ratio) * progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
+                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    fn = functools.partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
+                           schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *, param_dtype: torch.dtype,
+                   reduce_dtype: torch.dtype) -> None:
+    """Shards the (meta) ``model`` in place for ``cfg.schedule.name``.
+
+    canonical: optional per-block activation checkpointing, FSDP2 units of ``blocks_per_unit`` blocks,
+    forward prefetch. speedloader: ``apply_speedloader`` (which shards the same units itself).
+    """
+    sched = cfg.schedule
+    if sched.name == "speedloader":
+        from .speedloader import apply_speedloader
+
+        apply_speedloader(model, num_sub_batches=sched.num_sub_batches, mesh=mesh,
+                          blocks_per_unit=sched.blocks_per_unit, activation_store=sched.activation_store,
+                          offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory,
+                          param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                          forward_prefetch=sched.forward_prefetch, loss_chunk_tokens=sched.loss_chunk_tokens)
+        return
+    if sched.activation_checkpointing:  # before sharding: FSDP's hooks then sit inside the checkpoint
+        enable_activation_checkpointing(model)
+    blocks = list(get_adapter(model).blocks)
+    units = [blocks[i : i + sched.blocks_per_unit] for i in range(0, len(blocks), sched.blocks_per_unit)]
+    unit_modules = parallel.apply_fsdp(model, mesh, units=units, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                       offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory)
+    parallel.set_forward_prefetch(model, unit_modules, sched.forward_prefetch)
+
+
+def num_label_tokens(labels: torch.Tensor) -> int:
+    """Label tokens that count in the loss, shifted as Hugging Face does (position 0 predicts nothing)."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Builds everything from ``cfg`` in the constructor; ``train()`` runs the steps.
+
+    Args:
+        cfg: the validated run configuration.
+        logger: where metrics go; None builds one from ``cfg.logger`` (rank 0 only logs).
+        run_config: the resolved config as a plain dict for the logger (W&B); None: ``cfg`` as a dict.
+
+    Attributes (after construction): ``model``, ``adapter``, ``optimizer``, ``scheduler``, ``loader``,
+    ``mesh``, ``device``, ``rank``, ``world_size``, ``step`` (optimizer steps done; > 0 after a resume).
+    """
+
+    def __init__(self, cfg: TrainConfig, *, logger: Optional[MetricLogger] = None,
+                 run_config: Optional[dict] = None) -> None:
+        self.cfg = cfg
+        sched = cfg.schedule
+
+        # 1. User errors first: nothing is allocated yet.
+        device_type = resolve_device_type(cfg.device)
+        vocab_size = build_hf_config(cfg.model).vocab_size
+        validate_data(cfg.data, vocab_size=vocab_size)
+        checkpoint_dir = Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
+        resume_path = resolve_resume_path(cfg.checkpoint, checkpoint_dir)
+
+        # 2. Processes, seeds, memory cap.
+        parallel.maybe_init_process_group(device_type)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = parallel.compute_device(device_type)
+        resume_path = self._agree(resume_path)  # rank 0's view of the checkpoint directory wins
+        # Same seed on every rank; ranks differ through their data, and weights come from named seeds.
+        seed_everything(cfg.seed)
+        maybe_cap_gpu_memory(cfg.max_gpu_memory_gib, self.device)
+        self.mesh = parallel.build_mesh(device_type, cfg.dp_replicate)
+        param_dtype = resolve_param_dtype(cfg.param_dtype, device_type)
+        reduce_dtype = _DTYPES[cfg.reduce_dtype]
+
+        # 3. The model: meta -> schedule (sharding) -> materialise this rank's shards.
+        model = build_model(cfg.model, device="meta")
+        model.train()
+        self.adapter = get_adapter(model)
+        flops_per_token = self.adapter.flops_per_token(cfg.data.seq_len)
+        recompute = sched.name == "speedloader" or sched.activation_checkpointing
+        recompute_flops = recompute_flops_per_token(
+            num_block_params=num_block_params(self.adapter.blocks), num_layers=len(self.adapter.blocks),
+            hidden_size=model.config.hidden_size, seq_len=cfg.data.seq_len) if recompute else 0.0
+        self.num_params = sum(p.numel() for p in model.parameters())
+        apply_schedule(model, cfg, self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        param_device = torch.device("cpu") if cfg.offload.params else self.device
+        materialize_model(model, cfg.model, device=self.device, seed=cfg.seed, param_device=param_device)
+        self.model = model
+
+        # 4. Optimizer, LR schedule, data, metrics, logging, checkpoints.
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.steps)
+        self.loader = build_loader(cfg.data, vocab_size=vocab_size, batch_size=sched.batch_size,
+                                   rank=self.rank, world_size=self.world_size)
+        self.metrics = StepMetrics(device=self.device, world_size=self.world_size,
+                                   tokens_per_step_per_device=sched.batch_size * cfg.data.seq_len,
+                                   flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops,
+                                   peak_tflops=cfg.peak_tflops)
+        self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_dir, rank=self.rank, device=self.device)
+        self.step = 0
+        if resume_path is not None:
+            self.step = self.checkpointer.load(resume_path, model=model, optimizer=self.optimizer,
+                                               scheduler=self.scheduler, loader=self.loader)
+            self._info("resumed from %s at step %d", resume_path, self.step)
+        elif cfg.checkpoint.resume == "auto":
+            self._info("checkpoint.resume=auto: no checkpoint in %s, starting fresh", checkpoint_dir)
+        self.logger = logger if logger is not None else build_logger(
+            cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg), cfg.output_dir, self.rank)
+        self._info("%s schedule: %s params, %d rank(s) on %s, param_dtype %s, batch %d x %d x %d tokens, %d steps",
+                   sched.name, f"{self.num_params:,}", self.world_size, self.device, param_dtype,
+                   sched.num_sub_batches, sched.sub_batch_size, cfg.data.seq_len, cfg.steps)
+
+    def _info(self, msg: str, *args: Any) -> None:
+        if self.rank == 0:
+            log.info(msg, *args)
+
+    def _agree(self, value: Any) -> Any:
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # --- one step ------------------------------------------------------------------------------
+    def _forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Accumulates the gradients of the effective-batch mean loss; returns that loss (detached)."""
+        sched = self.cfg.schedule
+        if sched.name == "speedloader":
+            loss = self.model(input_ids=input_ids, labels=labels).loss
+            loss.backward()
+            return loss.detach()
+        total = torch.zeros((), device=self.device)
+        for ids, lab in zip(input_ids.split(sched.sub_batch_size), labels.split(sched.sub_batch_size)):
+            # Token sum / T of the whole batch: the micro-batch losses add up to the batch mean.
+            loss = self.model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False).loss
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns its metrics (the loss averaged over ranks)."""
+        self.metrics.start_step()
+        batch = self.loader.next_batch()
+        labels_cpu = batch["labels"]
+        num_tokens = num_label_tokens(labels_cpu)  # on the host: no device sync
+        input_ids = batch["input_ids"].to(self.device, non_blocking=True)  # (N * n, s)
+        labels = labels_cpu.to(self.device, non_blocking=True)
+        self.metrics.mark_data_ready()
+
+        loss = self._forward_backward(input_ids, labels, num_tokens)
+        grad_norm = None
+        if self.cfg.optim.grad_clip > 0:
+            grad_norm = _full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+        if self.world_size > 1:  # gloo has no AVG: sum, then divide
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+            loss = loss / self.world_size
+        # .item() waits for the step's kernels: this is the step boundary.
+        metrics = self.metrics.end_step(loss=loss.item(), lr=float(lr),
+                                        grad_norm=grad_norm.item() if grad_norm is not None else None)
+        metrics["tokens"] = self.step * self.world_size * self.cfg.schedule.batch_size * self.cfg.data.seq_len
+        return metrics
+
+    # --- the loop ------------------------------------------------------------------------------
+    def train(self, max_steps: Optional[int] = None) -> list[dict]:
+        """Runs to step ``cfg.steps`` (or stops after step ``max_steps``, as an interrupted run would).
+
+        Returns each step's metrics (the loss averaged over ranks, so the same on every rank).
+
+        Saves checkpoints on ``checkpoint.every`` and after the last step (``checkpoint.save_final``),
+        and finishes the logger.
+        """
+        last = self.cfg.steps if max_steps is None else min(max_steps, self.cfg.steps)
+        history = []
+        try:
+            while self.step < last:
+                metrics = self.train_step()
+                metrics["step"] = self.step
+                history.append(metrics)
+                if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
+                    self.logger.log({k: v for k, v in metrics.items() if k != "step"}, step=self.step)
+                if not math.isfinite(metrics["loss"]):
+                    raise RuntimeError(f"loss is {metrics['loss']} at step {self.step}; "
+                                       "lower optim.lr or check the data")
+                if self.checkpointer.should_save(self.step, self.cfg.steps):
+                    self.save_checkpoint()
+        finally:
+            self.logger.finish()
+        return history
+
+    def save_checkpoint(self) -> Path:
+        return self.checkpointer.save(self.step, model=self.model, optimizer=self.optimizer,
+                                      scheduler=self.scheduler, loader=self.loader)
+
+
+def train(cfg: TrainConfig, **kwargs: Any) -> list[dict]:
+    """Builds a :class:`Trainer` and runs it; returns each step's metrics."""
+    return Trainer(cfg, **kwargs).train()

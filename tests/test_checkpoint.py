@@ -1,0 +1,137 @@
+"""Checkpoint and resume: an interrupted-and-resumed run continues exactly like an uninterrupted one.
+
+Resume equality: run A trains 6 steps; run B (same config, checkpoint every 3 steps) stops after
+step 3; run C is a new Trainer with ``checkpoint.resume=auto`` on B's directory and trains steps
+4-6. C's losses must equal A's steps 4-6 (fp32 on the CPU: to 1e-6). Dropout is on, so the RNG
+state must be restored too. World size 1 in-process, world size 2 in spawned gloo processes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import fsdp_speedloader.checkpoint as checkpoint_mod
+from dist_utils import run_distributed, tiny_config
+from fsdp_speedloader.checkpoint import find_latest_checkpoint, list_checkpoints, resolve_resume_path
+from fsdp_speedloader.config import CheckpointConfig
+from fsdp_speedloader.trainer import Trainer
+
+SCHEDULES = ["canonical", "speedloader"]
+
+
+def _config(out: Path, ckpt_dir: Path, schedule: str, resume=None):
+    return tiny_config(out, schedule={"name": schedule}, steps=6, model={"dropout": 0.1},
+                       checkpoint={"every": 3, "dir": str(ckpt_dir), "keep_last": 2, "save_final": False,
+                                   "resume": resume})
+
+
+def _resume_runs(root: Path, schedule: str) -> tuple[list[dict], list[dict]]:
+    """(A's 6 steps, C's steps 4-6 after B stopped at step 3); every rank calls this."""
+    uninterrupted = Trainer(_config(root / "a", root / "a_ckpt", schedule)).train()
+    Trainer(_config(root / "b", root / "b_ckpt", schedule)).train(max_steps=3)
+    assert [p.name for _, p in list_checkpoints(root / "b_ckpt")] == ["step_00000003"]
+    resumed_trainer = Trainer(_config(root / "c", root / "b_ckpt", schedule, resume="auto"))
+    assert resumed_trainer.step == 3
+    resumed = resumed_trainer.train()
+    return uninterrupted, resumed
+
+
+def _check_resume(uninterrupted: list[dict], resumed: list[dict]) -> None:
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    for key in ("loss", "lr", "grad_norm"):
+        expected = [m[key] for m in uninterrupted[3:]]
+        assert [m[key] for m in resumed] == pytest.approx(expected, rel=1e-6, abs=1e-6), key
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_resume_equals_uninterrupted(tmp_path, schedule):
+    _check_resume(*_resume_runs(tmp_path, schedule))
+
+
+def _resume_runs_2_ranks(rank: int, world_size: int, root: str) -> dict:
+    results = {}
+    for schedule in SCHEDULES:
+        results[schedule] = _resume_runs(Path(root) / schedule, schedule)
+    return results
+
+
+def test_resume_equals_uninterrupted_2_ranks(tmp_path):
+    per_rank = run_distributed(_resume_runs_2_ranks, 2, str(tmp_path))
+    for schedule in SCHEDULES:
+        uninterrupted, resumed = per_rank[0][schedule]
+        _check_resume(uninterrupted, resumed)
+        # The reported loss is averaged over ranks: every rank logs the same number.
+        assert [m["loss"] for m in per_rank[1][schedule][1]] == [m["loss"] for m in resumed]
+        step_dir = tmp_path / schedule / "b_ckpt" / "step_00000003"
+        assert (step_dir / "extra_rank0.pt").is_file() and (step_dir / "extra_rank1.pt").is_file()
+
+
+# --- directory handling ------------------------------------------------------------------------
+
+
+def _fake_step_dir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    return path
+
+
+def test_tmp_dirs_are_never_resumed(tmp_path):
+    good = _fake_step_dir(tmp_path / "step_00000003")
+    _fake_step_dir(tmp_path / "step_00000009.tmp")  # a crashed save, even with its metadata written
+    _fake_step_dir(tmp_path / "step_00000010.replaced.tmp")
+    (tmp_path / "step_00000011").mkdir()  # no .metadata: not complete
+    assert find_latest_checkpoint(tmp_path) == good
+    assert resolve_resume_path(CheckpointConfig(resume="auto"), tmp_path) == good
+    assert resolve_resume_path(CheckpointConfig(resume=str(tmp_path)), tmp_path / "elsewhere") == good
+    assert resolve_resume_path(CheckpointConfig(resume=str(good)), tmp_path / "elsewhere") == good
+    assert resolve_resume_path(CheckpointConfig(resume=None), tmp_path) is None
+    assert resolve_resume_path(CheckpointConfig(resume="auto"), tmp_path / "empty") is None
+    with pytest.raises(ValueError, match="checkpoint.resume"):
+        resolve_resume_path(CheckpointConfig(resume=str(tmp_path / "step_00000009.tmp")), tmp_path)
+
+
+def test_crashed_save_leaves_only_tmp_and_resume_starts_fresh(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, schedule={"name": "canonical"}, steps=2,
+                      checkpoint={"every": 1, "dir": str(tmp_path / "ckpt")})
+    real_save = torch.save
+
+    def crash_on_step_2(obj, f, *args, **kwargs):
+        if "step_00000002" in str(f):
+            raise OSError("disk full")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_mod.torch, "save", crash_on_step_2)
+    with pytest.raises(OSError, match="disk full"):
+        Trainer(cfg).train()
+    monkeypatch.undo()
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["step_00000001", "step_00000002.tmp"]
+    resumed = Trainer(tiny_config(tmp_path, schedule={"name": "canonical"}, steps=2,
+                                  checkpoint={"every": 1, "dir": str(tmp_path / "ckpt"), "resume": "auto"}))
+    assert resumed.step == 1
+    resumed.train()  # the stale .tmp of step 2 is cleared and step 2 is saved for real
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000001", "step_00000002"]
+
+
+def test_keep_last_prunes_only_old_step_dirs(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "notes.txt").write_text("mine")
+    (ckpt / "step_00000099.tmp").mkdir()  # another run's crashed save: not ours to delete
+    (ckpt / "other").mkdir()
+    cfg = tiny_config(tmp_path, schedule={"name": "canonical"}, steps=4,
+                      checkpoint={"every": 1, "keep_last": 2, "dir": str(ckpt), "save_final": True})
+    Trainer(cfg).train()
+    assert sorted(os.listdir(ckpt)) == ["notes.txt", "other", "step_00000003", "step_00000004", "step_00000099.tmp"]
+    saved = ckpt / "step_00000004"
+    assert (saved / ".metadata").is_file() and (saved / "extra_rank0.pt").is_file()
+
+
+def test_default_checkpoint_dir_is_under_output_dir(tmp_path):
+    cfg = tiny_config(tmp_path, schedule={"name": "canonical"}, steps=1, checkpoint={"save_final": True})
+    Trainer(cfg).train()
+    assert [p.name for _, p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000001"]

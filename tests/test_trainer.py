@@ -1,0 +1,231 @@
+"""The training loop on the CPU: both schedules train, runs are deterministic, user errors fail early.
+
+The speedloader tests need ``fsdp_speedloader.speedloader.apply_speedloader``: without it they FAIL
+(an import error), they never skip.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import fsdp_speedloader.trainer as trainer_mod
+from dist_utils import tiny_config
+from fsdp_speedloader.config import OptimConfig
+from fsdp_speedloader.logger import MetricLogger, build_logger
+from fsdp_speedloader.metrics import StepMetrics, host_rss_gib
+from fsdp_speedloader.trainer import (Trainer, build_lr_scheduler, build_optimizer, gpu_memory_fraction,
+                                      lr_factor, num_label_tokens)
+
+SCHEDULES = ["canonical", "speedloader"]
+
+
+def _losses(history: list[dict]) -> list[float]:
+    return [m["loss"] for m in history]
+
+
+def _no_model_build(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was built although the config is invalid")
+
+    monkeypatch.setattr(trainer_mod, "build_model", fail)
+
+
+# --- training runs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_loss_falls(tmp_path, schedule):
+    cfg = tiny_config(tmp_path, schedule={"name": schedule}, steps=8, log_every=4)
+    history = Trainer(cfg).train()
+    losses = _losses(history)
+    assert [m["step"] for m in history] == list(range(1, 9))
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[0] > 5.0  # about ln(320) at initialisation
+    assert sum(losses[-2:]) / 2 < losses[0] - 1.0, losses
+
+    last = history[-1]
+    tokens_per_step = 4 * 32
+    assert last["tokens"] == 8 * tokens_per_step
+    assert last["tokens_per_s"] == pytest.approx(tokens_per_step / last["step_time_s"])
+    assert last["mfu"] == pytest.approx(last["tokens_per_s"] * last["flops_per_token"] / 989e12)
+    # Both schedules recompute the blocks here (canonical: activation_checkpointing defaults to on).
+    assert last["hfu"] > last["mfu"] > 0
+    assert last["peak_gpu_mem_allocated_gib"] == 0.0 and last["host_rss_gib"] > 0
+    assert 0 < last["lr"] <= cfg.optim.lr and last["grad_norm"] > 0
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [4, 8]  # log_every=4
+    assert records[-1]["loss"] == pytest.approx(losses[-1])
+
+
+def test_speedloader_matches_canonical(tmp_path):
+    """Same seed, same data: layer-major and gradient accumulation give the same losses."""
+    a = _losses(Trainer(tiny_config(tmp_path / "a", schedule={"name": "canonical"})).train())
+    b = _losses(Trainer(tiny_config(tmp_path / "b", schedule={"name": "speedloader"})).train())
+    assert b == pytest.approx(a, rel=1e-4)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_deterministic(tmp_path, schedule):
+    a = _losses(Trainer(tiny_config(tmp_path / "a", schedule={"name": schedule})).train())
+    b = _losses(Trainer(tiny_config(tmp_path / "b", schedule={"name": schedule})).train())
+    assert a == b
+    c = _losses(Trainer(tiny_config(tmp_path / "c", schedule={"name": schedule}, seed=1)).train())
+    assert c != a  # the seed does reach the weights
+
+
+def test_canonical_loss_is_effective_batch_mean_with_ignored_labels(tmp_path):
+    """Micro-batches with different label counts: summed losses equal the whole batch's mean loss."""
+    trainer = Trainer(tiny_config(tmp_path, schedule={"name": "canonical", "num_sub_batches": 2,
+                                                      "sub_batch_size": 2, "activation_checkpointing": False}))
+    batch = trainer.loader.next_batch()
+    ids, labels = batch["input_ids"], batch["labels"].clone()
+    labels[:2, :20] = -100  # first micro-batch keeps far fewer label tokens than the second
+    labels[3, 25:] = -100
+    with torch.no_grad():
+        reference = trainer.model(input_ids=ids, labels=labels, use_cache=False).loss
+    loss = trainer._forward_backward(ids, labels, num_label_tokens(labels))
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
+    # An unweighted mean of the two micro-batch means would differ noticeably.
+    with torch.no_grad():
+        halves = [trainer.model(input_ids=ids[i : i + 2], labels=labels[i : i + 2], use_cache=False).loss
+                  for i in (0, 2)]
+    assert abs(sum(halves).item() / 2 - reference.item()) > 1e-3
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_canonical_activation_checkpointing_recomputes(tmp_path, checkpointing):
+    trainer = Trainer(tiny_config(tmp_path, steps=1, schedule={"name": "canonical",
+                                                               "activation_checkpointing": checkpointing}))
+    calls = []
+    trainer.adapter.blocks[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    trainer.train()
+    assert len(calls) == 2 * (2 if checkpointing else 1)  # 2 micro-batches, forward (+ recompute)
+
+
+def test_grad_clip_off_reports_no_norm(tmp_path):
+    history = Trainer(tiny_config(tmp_path, schedule={"name": "canonical"}, steps=1,
+                                  optim={"grad_clip": 0.0})).train()
+    assert math.isnan(history[0]["grad_norm"])
+
+
+# --- errors before anything is built -----------------------------------------------------------
+
+
+def test_missing_data_path_fails_before_model_build(tmp_path, monkeypatch):
+    _no_model_build(monkeypatch)
+    cfg = tiny_config(tmp_path, data={"source": "text", "path": str(tmp_path / "missing.txt")})
+    with pytest.raises(ValueError, match="data.path"):
+        Trainer(cfg)
+
+
+def test_missing_resume_path_fails_before_model_build(tmp_path, monkeypatch):
+    _no_model_build(monkeypatch)
+    cfg = tiny_config(tmp_path, checkpoint={"resume": str(tmp_path / "nowhere" / "step_00000003")})
+    with pytest.raises(ValueError, match="checkpoint.resume"):
+        Trainer(cfg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_gpu_fails(tmp_path, monkeypatch):
+    _no_model_build(monkeypatch)
+    with pytest.raises(ValueError, match="device"):
+        Trainer(tiny_config(tmp_path, device="cuda"))
+
+
+# --- GPU memory cap ----------------------------------------------------------------------------
+
+
+def test_gpu_memory_fraction():
+    assert gpu_memory_fraction(20.0, 80 * 2**30) == pytest.approx(0.25)
+    assert gpu_memory_fraction(80.0, 80 * 2**30) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="max_gpu_memory_gib.*more than this GPU"):
+        gpu_memory_fraction(81.0, 80 * 2**30)
+
+
+def test_gpu_memory_cap_on_cpu_fails_before_model_build(tmp_path, monkeypatch):
+    _no_model_build(monkeypatch)
+    with pytest.raises(ValueError, match="max_gpu_memory_gib"):
+        Trainer(tiny_config(tmp_path, max_gpu_memory_gib=1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_memory_cap_applies(tmp_path):
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    with pytest.raises(ValueError, match="max_gpu_memory_gib"):
+        trainer_mod.maybe_cap_gpu_memory(total + 1.0, torch.device("cuda", 0))
+    trainer_mod.maybe_cap_gpu_memory(1.0, torch.device("cuda", 0))
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+
+# --- optimizer, LR schedule, metrics, logger ---------------------------------------------------
+
+
+def test_lr_schedule():
+    kw = dict(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert [lr_factor(s, schedule="cosine", **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(4, schedule="cosine", **kw) == pytest.approx(1.0)
+    assert lr_factor(9, schedule="cosine", **kw) == pytest.approx(0.55)
+    assert lr_factor(14, schedule="cosine", **kw) == pytest.approx(0.1)
+    assert lr_factor(9, schedule="linear", **kw) == pytest.approx(0.55)
+    assert lr_factor(13, schedule="linear", **kw) == pytest.approx(1 - 0.9 * 0.9)
+    assert lr_factor(13, schedule="constant", **kw) == 1.0
+    model = torch.nn.Linear(2, 2)
+    optimizer = build_optimizer(model, OptimConfig(lr=1.0, warmup_steps=4))
+    scheduler = build_lr_scheduler(optimizer, OptimConfig(lr=1.0, warmup_steps=4), 14)
+    seen = []
+    for _ in range(5):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+
+
+def test_weight_decay_only_on_matrices():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    decay = {g["weight_decay"]: [tuple(p.shape) for p in g["params"]] for g in optimizer.param_groups}
+    assert decay == {0.1: [(4, 4)], 0.0: [(4,), (4,), (4,)]}
+
+
+def test_num_label_tokens_shifts_like_hugging_face():
+    labels = torch.tensor([[-100, 1, 2, -100], [5, 6, 7, 8]])
+    assert num_label_tokens(labels) == 2 + 3  # position 0 is never a target
+
+
+def test_step_metrics_formulas():
+    m = StepMetrics(device=torch.device("cpu"), world_size=4, tokens_per_step_per_device=1000,
+                    flops_per_token=6e9, recompute_flops_per_token=2e9, peak_tflops=1.0)
+    m.start_step()
+    m.mark_data_ready()
+    out = m.end_step(loss=2.0, lr=1e-3, grad_norm=None)
+    per_device = 1000 / out["step_time_s"]
+    assert out["tokens_per_s_per_device"] == pytest.approx(per_device)
+    assert out["tokens_per_s"] == pytest.approx(4 * per_device)
+    assert out["mfu"] == pytest.approx(per_device * 6e9 / 1e12)
+    assert out["hfu"] == pytest.approx(per_device * 8e9 / 1e12)
+    assert 0 <= out["data_wait_s"] <= out["step_time_s"]
+    assert math.isnan(out["grad_norm"])
+    assert 0 < host_rss_gib() < 1024
+
+
+def test_logger_rank0_writes_jsonl_other_ranks_nothing(tmp_path):
+    cfg = tiny_config(tmp_path).logger
+    quiet = build_logger(cfg, {}, tmp_path / "r1", rank=1)
+    assert type(quiet) is MetricLogger
+    quiet.log({"loss": 1.0}, step=1)
+    assert not (tmp_path / "r1").exists()
+    logger = build_logger(cfg, {}, tmp_path / "r0", rank=0)
+    logger.log({"loss": 1.5, "grad_norm": float("nan")}, step=3)
+    logger.finish()
+    record = json.loads((tmp_path / "r0" / "metrics.jsonl").read_text())
+    assert record == {"step": 3, "loss": 1.5, "grad_norm": None}
