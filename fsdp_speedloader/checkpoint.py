@@ -1,14 +1,14 @@
 """Saving and resuming training with ``torch.distributed.checkpoint`` (DCP).
 
-One checkpoint is one directory ``<checkpoint.dir>/step_XXXXXXXX/``:
+One checkpoint is one directory ``<checkpoint.dir>/step_NNNNNNNN/``:
 
 - DCP files (``.metadata``, ``*.distcp``): the model and optimizer state as each rank's shards
   (``get_state_dict`` / ``set_state_dict``), so a checkpoint loads on another world size too;
 - ``extra_rank{r}.pt`` (``torch.save``), per rank: step, LR scheduler, data loader state and the RNG
   states (torch CPU, CUDA when present, numpy, python ``random``).
 
-Every rank writes into ``step_XXXXXXXX.tmp/``; after a barrier rank 0 renames it to
-``step_XXXXXXXX/``. A crash therefore never leaves a directory that looks complete: resume only
+Every rank writes into ``step_NNNNNNNN.tmp/``; after a barrier rank 0 renames it to
+``step_NNNNNNNN/``. A crash therefore never leaves a directory that looks complete: resume only
 ever considers names ``step_`` + 8 digits, never ``*.tmp``. Older step directories beyond
 ``keep_last`` are deleted only after the new one is complete; nothing else is ever deleted.
 All ranks must see the same ``checkpoint.dir`` (a shared file system across nodes).
@@ -82,7 +82,7 @@ def resolve_resume_path(cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike
         return latest
     else:
         what = "does not exist" if not path.exists() else "is not a complete checkpoint (no .metadata)"
-    raise ValueError(f"checkpoint.resume: {str(path)!r} {what}; give a step_XXXXXXXX directory written by a "
+    raise ValueError(f"checkpoint.resume: {str(path)!r} {what}; give a step_NNNNNNNN directory written by a "
                      "previous run, 'auto' (latest in checkpoint.dir, fresh start if none) or null")
 
 
@@ -130,7 +130,7 @@ class Checkpointer:
 
     def save(self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: Any, loader: Any) -> Path:
-        """Writes ``step_XXXXXXXX/`` (all ranks call this); returns its path."""
+        """Writes ``step_NNNNNNNN/`` (all ranks call this); returns its path."""
         final = self.dir / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
         if self.rank == 0:
