@@ -8,10 +8,16 @@ memory beyond the activations. ``grad_slot`` is the one place that rule lives.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Optional
 
 import torch
+from torch import nn
+
+from .arena import DEFAULT_MARGIN, ArenaPlan, HostMemoryBudget, PinnedArena, move_fsdp_shards_into_arena, \
+    offloaded_fsdp_params, plan_fsdp_shards
+from .exchange import TensorExchange
 
 
 def grad_slot(index: int, num_units: int) -> int:
@@ -55,6 +61,10 @@ class ActivationStore(ABC):
     def end_step(self) -> None:
         """Drops what the step kept alive (called after the embedding backward, or a no-grad forward)."""
 
+    def step_stats(self) -> dict:
+        """Metrics of the last finished step (copy traffic, stalls, host memory); empty if the store has none."""
+        return {}
+
     @property
     def device_bytes(self) -> int:
         return 0
@@ -88,7 +98,8 @@ class DeviceActivationStore(ActivationStore):
 class HostActivationStore(ActivationStore):
     """One preallocated host buffer (num_slots, N, n, s, h); page-locked when CUDA is present.
 
-    Copies are synchronous here; ``ExchangeActivationStore`` overlaps them with compute.
+    Copies are synchronous here (``activation_store="host_sync"``); ``ExchangeActivationStore``
+    overlaps them with compute.
     """
 
     def __init__(self) -> None:
@@ -113,12 +124,154 @@ class HostActivationStore(ActivationStore):
         return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
 
 
-def build_activation_store(kind: str, *, offload_params: bool) -> ActivationStore:
-    """'device', 'host', or 'auto' (host when parameters are offloaded: HBM is the scarce resource)."""
+class ExchangeActivationStore(ActivationStore):
+    """Slots in one exact-size page-locked ``PinnedArena``; copies overlapped with compute by a ``TensorExchange``.
+
+    Slots: one arena slot 'activations' of (num_slots, N, n, s, h), planned at the first
+    ``begin_step`` and re-carved in place when a later geometry fits in it (a larger one re-plans
+    the arena: not the steady state). ``prefetch`` starts the H2D copy, ``get`` waits for it and
+    returns a ring buffer, ``put`` starts the D2H copy; see ``exchange.py`` for the ordering.
+    Per-step metrics: ``step_stats()`` (``model._speedloader.store.step_stats()``).
+
+    With ``hold_param_shards(model)`` the arena also holds the model's offloaded FSDP2 parameter
+    shards: at the first ``begin_step`` -- inside the root's forward, after FSDP2's lazy init -- they
+    are planned into the same arena, copied in, and FSDP2 is pointed at them.
+
+    Hazards the engine's schedule creates, and what orders them (all on the GPU, by events):
+    - ``get(l, i)`` then ``put(l, i, ...)`` in the same iteration (head backward, and the last unit's
+      backward, where dL/dx overwrites the slot it was fetched from): the D2H waits on the slot's
+      last H2D event, and the returned tensor is a ring buffer, not the host slot.
+    - ``put(l, i)`` in one unit, ``get(l, i)`` in the next (forward x_l, backward dL/dx): the H2D waits
+      on the slot's last D2H event.
+    - ``prefetch(l, i)`` followed by ``put(l, i)`` before the ``get``: the prefetched copy is stale;
+      ``put`` drops it and ``get`` fetches again (after the store, by the rule above).
+    - The tensor returned by ``get`` is still read by kernels queued later (autograd keeps it until the
+      recompute's backward ran): the ring reuses a buffer only once nothing aliases it, and orders
+      the copy after a compute-stream event recorded when it was first seen free.
+    - A tensor passed to ``put`` is freed by the caller right after: ``record_stream`` on the D2H
+      stream keeps its block from being reused before the copy has read it.
+    - A new geometry re-carves the same bytes: ``fence`` orders every later copy after every queued
+      one (GPU-side); a larger one needs a new arena: the host waits for the old copies first.
+    - The parameter shards in the arena: FSDP2 copies them to the device and the CPU optimizer
+      updates them in place, ordered exactly as with FSDP2's own pinned shards.
+    """
+
+    def __init__(self, *, host_memory_limit_bytes: Optional[int] = None,
+                 host_memory_margin: float = DEFAULT_MARGIN) -> None:
+        super().__init__()
+        self.host_memory_limit_bytes = host_memory_limit_bytes
+        self.host_memory_margin = host_memory_margin
+        self.arena: Optional[PinnedArena] = None
+        self.exchange: Optional[TensorExchange] = None
+        self._host: Optional[torch.Tensor] = None  # (num_slots, N, n, s, h) view of the arena
+        self._pending: dict[tuple[int, int], object] = {}  # (slot, i) -> FetchHandle
+        self._param_root: Optional[nn.Module] = None
+        self._params_in_arena = False
+        self.param_shard_bytes = 0
+
+    def hold_param_shards(self, root: nn.Module) -> None:
+        """Moves ``root``'s offloaded FSDP2 parameter shards into the arena at the first step."""
+        self._param_root = root
+
+    def _allocate(self) -> None:
+        shape = (self.num_slots, self.num_sub_batches, *self.shape)
+        nbytes = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
+        if self.exchange is not None and self.exchange.device != TensorExchange.resolve(self.device):
+            self.exchange.drain()
+            self.exchange = None
+        if self.exchange is None:
+            self.exchange = TensorExchange(self.device)
+        self.exchange.clear_ring()  # buffers of the old shape (held ones stay valid until dropped)
+        if self.arena is not None and self.arena.capacity("activations") >= nbytes:
+            # Re-carve the same bytes (generation plans its longest step first, then carves each step).
+            self.exchange.fence()  # copies into the old carving finish before any into the new one
+            self._host = self.arena.slot("activations", shape, self.dtype)
+            return
+        self.exchange.drain()  # the old region may be freed: its copies must be over
+        self._build_arena(shape)
+
+    def _build_arena(self, shape: tuple[int, ...]) -> None:
+        plan = ArenaPlan().add("activations", "activations", shape, self.dtype)
+        planned = plan_fsdp_shards(plan, offloaded_fsdp_params(self._param_root)) if self._param_root else []
+        n_slots, n_sub, n, s, _ = shape
+        hint = (f"lower schedule.num_sub_batches (N={n_sub}), schedule.sub_batch_size (n={n}) or data.seq_len "
+                f"(s={s}), or raise schedule.blocks_per_unit (the activations take {n_slots} slots of N x n x s x h)")
+        budget = HostMemoryBudget.detect(self.host_memory_limit_bytes, margin=self.host_memory_margin)
+        # Pageable shards are freed one by one as they move in; shards in an old arena are not (its
+        # region lives until the last of them has moved).
+        resident = 0 if self._params_in_arena else sum(
+            spec.nbytes for spec in plan.slots if spec.kind == "param_shards")
+        arena = PinnedArena(plan, budget=budget, hint=hint, pin=self.device.type == "cuda", resident_bytes=resident,
+                            defer_pin=True)
+        if planned and self.device.type == "cuda":
+            # FSDP2 may still be copying shards out of an old (page-locked) arena; a new plan is not
+            # the steady state, so a device-wide wait is acceptable here.
+            torch.cuda.synchronize(self.device)
+        self._host = None
+        old, self.arena = self.arena, arena
+        self.param_shard_bytes = move_fsdp_shards_into_arena(arena, planned)
+        self._params_in_arena = bool(planned)
+        self._host = arena.slot("activations")
+        self._host.zero_()  # commit its pages on all intra-op threads (the shards' are committed by their copies)
+        arena.pin()
+        if old is not None:
+            old.close()
+
+    def prefetch(self, slot: int, i: int) -> None:
+        if (slot, i) not in self._pending:
+            self._pending[slot, i] = self.exchange.fetch(self._host[slot, i])
+
+    def get(self, slot: int, i: int) -> torch.Tensor:
+        handle = self._pending.pop((slot, i), None) or self.exchange.fetch(self._host[slot, i])
+        return self.exchange.wait(handle)
+
+    def put(self, slot: int, i: int, x: torch.Tensor) -> None:
+        self._pending.pop((slot, i), None)  # a prefetch of the old content is stale now
+        self.exchange.store(x, self._host[slot, i])
+
+    def end_step(self) -> None:
+        self._pending.clear()
+        if self.exchange is not None:
+            self.exchange.end_step()
+
+    def step_stats(self) -> dict:
+        """The last finished step's exchange metrics and the arena's accounting (bytes)."""
+        out = self.exchange.step_stats() if self.exchange is not None else {}
+        if self.arena is not None:
+            out.update(self.arena.stats())
+        return out
+
+    def close(self) -> None:
+        """Waits for queued copies and releases the arena (parameter shards in it stay valid)."""
+        self._pending.clear()
+        if self.exchange is not None:
+            self.exchange.drain()
+            self.exchange.clear_ring()
+        self._host = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        self.num_slots = 0  # the next begin_step plans again
+
+    @property
+    def device_bytes(self) -> int:
+        return self.exchange.ring_bytes if self.exchange is not None and self.device.type != "cpu" else 0
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self._host is None else self._host.numel() * self._host.element_size()
+
+
+def build_activation_store(kind: str, *, offload_params: bool,
+                           host_memory_limit_bytes: Optional[int] = None) -> ActivationStore:
+    """'device', 'host' (arena + overlapped copies), 'host_sync' (synchronous copies), or 'auto'
+    (host when parameters are offloaded: HBM is the scarce resource)."""
     if kind == "auto":
         kind = "host" if offload_params else "device"
     if kind == "device":
         return DeviceActivationStore()
     if kind == "host":
+        return ExchangeActivationStore(host_memory_limit_bytes=host_memory_limit_bytes)
+    if kind == "host_sync":
         return HostActivationStore()
-    raise ValueError(f"activation_store={kind!r}; choose 'device', 'host' or 'auto'")
+    raise ValueError(f"activation_store={kind!r}; choose 'device', 'host', 'host_sync' or 'auto'")

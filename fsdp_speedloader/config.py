@@ -153,7 +153,8 @@ class ScheduleConfig:
     blocks_per_unit: int = 1
     """Consecutive transformer blocks per FSDP unit (the paper's on-device layers)."""
     activation_store: str = "auto"
-    """Block-boundary activations: 'device', 'host', or 'auto' (host when parameters are offloaded)."""
+    """Block-boundary activations: 'device', 'host' (pinned arena, overlapped copies), 'host_sync', or 'auto'
+    (host when parameters are offloaded)."""
     activation_checkpointing: bool = True
     """Canonical schedule: recompute each block in backward (speedloader always recomputes)."""
     forward_prefetch: int = 1
@@ -166,7 +167,7 @@ class ScheduleConfig:
         _check_positive(self.sub_batch_size, "schedule.sub_batch_size")
         _check_positive(self.num_sub_batches, "schedule.num_sub_batches")
         _check_positive(self.blocks_per_unit, "schedule.blocks_per_unit")
-        _check_choice(self.activation_store, "schedule.activation_store", ("auto", "device", "host"))
+        _check_choice(self.activation_store, "schedule.activation_store", ("auto", "device", "host", "host_sync"))
         _check_positive(self.forward_prefetch, "schedule.forward_prefetch", allow_zero=True)
         _check_positive(self.loss_chunk_tokens, "schedule.loss_chunk_tokens")
 

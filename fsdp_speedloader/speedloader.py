@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .activation_store import ActivationStore, build_activation_store
+from .activation_store import ActivationStore, ExchangeActivationStore, build_activation_store
 from .chain import EmbedFunction, HeadLossFunction, StepState, Unit, UnitFunction, num_label_tokens, shift_labels
 from .models import ModelAdapter, get_adapter
 from .parallel import apply_fsdp, build_mesh, check_mesh, compute_device, maybe_init_process_group, \
@@ -41,6 +41,8 @@ class SpeedLoader:
         self.num_sub_batches = num_sub_batches
         self.device = device
         self.loss_chunk_tokens = loss_chunk_tokens
+        # Called with l once unit l's gradients are final in backward (OverlappedOptimizer sets it).
+        self.grad_ready_hook = None
 
     def _check_inputs(self, input_ids, attention_mask, labels, kwargs) -> None:
         if input_ids is None or input_ids.dim() != 2:
@@ -87,7 +89,7 @@ class SpeedLoader:
             adapter=adapter, store=self.store, num_units=len(self.units), input_ids=list(input_ids.split(sub)),
             position_ids=position_ids, shift_labels=[t.reshape(-1) for t in shifted.split(sub)],
             block_inputs=block_inputs, num_label_tokens=num_label_tokens(shifted, num_items_in_batch),
-            loss_chunk_tokens=self.loss_chunk_tokens,
+            loss_chunk_tokens=self.loss_chunk_tokens, grad_ready_hook=self.grad_ready_hook,
             replay_rng=adapter.model.training and adapter.has_dropout and torch.is_grad_enabled())
         self.store.begin_step(len(self.units) + 1, n_sub, (sub, input_ids.shape[1], adapter.config.hidden_size),
                               act_dtype, device)
@@ -131,9 +133,11 @@ def apply_speedloader(
         mesh: FSDP (1-D) or HSDP (2-D) mesh over all ranks; None: every rank of the default group
             (a one-process group is created when none exists).
         blocks_per_unit: consecutive blocks per FSDP unit and chain step.
-        activation_store: 'device', 'host' or 'auto' (host when parameters are offloaded).
+        activation_store: 'device', 'host' (pinned arena, copies overlapped with compute), 'host_sync'
+            (synchronous copies) or 'auto' (host when parameters are offloaded).
         offload_params: parameters, gradients and optimizer state on the host (CPUOffloadPolicy).
-        pin_memory: page-lock offloaded shards (only with CUDA).
+        pin_memory: page-lock offloaded shards (only with CUDA); with activation_store 'host' they
+            live in the store's exact-size arena instead of FSDP2's per-shard pinned copies.
         param_dtype / reduce_dtype: FSDP mixed precision (compute / gradient reduction dtype).
         forward_prefetch: units whose unshard is issued ahead in forward.
         loss_chunk_tokens: tokens per chunk of the chunked cross-entropy.
@@ -156,8 +160,13 @@ def apply_speedloader(
 
     blocks = list(adapter.blocks)
     groups = [blocks[i : i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
+    # The exchange store's arena takes the offloaded shards (exact size, one registration): FSDP2 must
+    # not pin them shard by shard itself.
+    arena_holds_params = offload_params and pin_memory and isinstance(store, ExchangeActivationStore)
     unit_modules = apply_fsdp(model, mesh, units=groups, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                              offload_params=offload_params, pin_memory=pin_memory)
+                              offload_params=offload_params, pin_memory=pin_memory and not arena_holds_params)
+    if arena_holds_params:
+        store.hold_param_shards(model)
     set_forward_prefetch(model, unit_modules, forward_prefetch)
     units = []
     for index, (module, group) in enumerate(zip(unit_modules, groups), start=1):

@@ -1,0 +1,411 @@
+"""Pinned arena, tensor exchange and the exchange activation store on CPU (world size 1).
+
+The CUDA paths (registration, streams, events) are in test_exchange_gpu.py; here registration is
+checked against a fake ``cudart`` that records its calls. Engine tolerances: fp32, relative
+gradient error < 1e-5 against the unmodified model; the exchange store against the synchronous
+host store: identical bits (the same arithmetic, only the copies differ).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+from engine_cases import assert_grads_close, batch, reference_grads, tiny_model
+from fsdp_speedloader import apply_speedloader
+from fsdp_speedloader import arena as arena_mod
+from fsdp_speedloader.activation_store import ExchangeActivationStore, HostActivationStore, build_activation_store
+from fsdp_speedloader.arena import ALIGNMENT, ArenaPlan, HostMemoryBudget, PinnedArena, check_plan, \
+    offloaded_fsdp_params
+from fsdp_speedloader.exchange import TensorExchange
+
+MIB = 1 << 20
+
+
+# --- arena: layout, accounting, registration, budget ---------------------------------------------
+
+
+def test_slot_layout_is_aligned_typed_and_disjoint():
+    plan = (ArenaPlan().add("a", "activations", (3, 5), torch.float32)       # 60 B
+            .add("b", "staging", (7,), torch.bfloat16)                       # 14 B
+            .add("c", "activations", (2, 2, 128), torch.float16))            # 1024 B
+    arena = PinnedArena(plan, pin=False)
+    offsets = plan.offsets()
+    assert offsets == {"a": 0, "b": ALIGNMENT, "c": 2 * ALIGNMENT}
+    assert arena.nbytes == plan.nbytes == 2 * ALIGNMENT + 1024
+    views = {name: arena.slot(name) for name in "abc"}
+    assert views["a"].shape == (3, 5) and views["a"].dtype == torch.float32
+    assert views["b"].shape == (7,) and views["b"].dtype == torch.bfloat16
+    assert views["c"].shape == (2, 2, 128) and views["c"].dtype == torch.float16
+    base = arena.slot("a").data_ptr()
+    assert base % 4096 == 0  # the region is page-aligned, every slot 512-aligned
+    for name, view in views.items():
+        assert view.is_contiguous()
+        assert view.data_ptr() - base == offsets[name]
+        assert (view.data_ptr() - base) % ALIGNMENT == 0
+    for name, view in views.items():  # writing one slot leaves the others alone
+        view.fill_(1)
+        assert all(bool((other == 0).all()) for n, other in views.items() if n != name)
+        view.zero_()
+    # Re-carving: another shape or dtype that fits in the slot's bytes; not one that does not.
+    assert arena.slot("c", (512,), torch.float16).data_ptr() == views["c"].data_ptr()
+    with pytest.raises(ValueError, match="holds 1024 bytes"):
+        arena.slot("c", (513,), torch.float16)
+    with pytest.raises(ValueError, match="planned twice"):
+        plan.add("a", "staging", (1,), torch.float32)
+
+
+class FakeCudart:
+    """Stands in for ``torch.cuda.cudart()``: records register/unregister calls."""
+
+    def __init__(self, rc: int = 0) -> None:
+        self.rc = rc
+        self.registered: dict[int, tuple[int, int]] = {}
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        if self.rc == 0:
+            self.registered[ptr] = (nbytes, flags)
+        return self.rc
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_page_locked_bytes_equal_requested_bytes_and_registration_follows_the_memory(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    h = 4096
+    # Slots whose sizes are multiples of the alignment: nothing is rounded at all.
+    plan = (ArenaPlan().add("activations", "activations", (5, 3, 2, 16, h), torch.bfloat16)
+            .add("shard0", "param_shards", (1000, 128), torch.float32)
+            .add("shard1", "param_shards", (384,), torch.float32))
+    requested = 5 * 3 * 2 * 16 * h * 2 + 1000 * 128 * 4 + 384 * 4
+    arena = PinnedArena(plan, pin=True)
+    stats = arena.stats()
+    assert stats["arena_requested_bytes"] == requested
+    assert stats["arena_page_locked_bytes"] == requested == arena.nbytes
+    activations = 5 * 3 * 2 * 16 * h * 2
+    assert stats["arena_activations_page_locked_bytes"] == stats["arena_activations_requested_bytes"] == activations
+    assert stats["arena_param_shards_page_locked_bytes"] == 1000 * 128 * 4 + 384 * 4
+    # One registration of exactly the arena's bytes (4.24 MiB; one power-of-two block would lock 8 MiB).
+    base = arena.slot("activations").data_ptr()
+    assert fake.registered == {base: (requested, 0)}
+    # close() drops the arena's reference; the region stays registered while a view lives (FSDP
+    # may hold parameter shards in it), and is unregistered when the last view dies.
+    shard = arena.slot("shard1")
+    arena.close()
+    del arena
+    gc.collect()
+    assert fake.unregistered == []
+    shard.fill_(1.0)  # still valid memory
+    del shard
+    gc.collect()
+    assert fake.unregistered == [base]
+
+
+def test_unaligned_slots_pad_to_512_bytes_only():
+    plan = ArenaPlan().add("x", "activations", (3,), torch.float32).add("y", "staging", (1,), torch.uint8)
+    assert plan.requested_bytes == 13
+    assert plan.nbytes == 2 * ALIGNMENT  # < 512 bytes of padding per slot, never a power-of-two rounding
+    big = ArenaPlan().add("x", "activations", (3 * MIB + 1,), torch.uint8)
+    assert big.nbytes == 3 * MIB + ALIGNMENT
+
+
+def test_failed_registration_raises(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(rc=2))
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 512 bytes failed with cudaError 2"):
+        PinnedArena(ArenaPlan().add("x", "staging", (128,), torch.float32), pin=True)
+
+
+def test_over_large_plan_fails_before_allocating(monkeypatch):
+    allocations = []
+    monkeypatch.setattr(arena_mod, "_Region", lambda *a, **k: allocations.append(a))
+    plan = ArenaPlan().add("activations", "activations", (5, 8, 4, 4096, 4096), torch.bfloat16)  # 5 GiB
+    budget = HostMemoryBudget(limit_bytes=4 << 30, used_bytes=1 << 30, margin=0.1)
+    with pytest.raises(ValueError) as err:
+        PinnedArena(plan, budget=budget, hint="lower schedule.num_sub_batches (N=8)")
+    message = str(err.value)
+    assert "needs 5.00 GiB" in message and f"({5 << 30} bytes" in message
+    assert "2.60 GiB available: limit 4.00 GiB" in message  # 4 * 0.9 - 1
+    assert "lower schedule.num_sub_batches (N=8)" in message
+    assert allocations == []
+
+
+def test_bytes_moved_in_from_host_memory_count_once():
+    plan = (ArenaPlan().add("activations", "activations", (1 << 20,), torch.uint8)
+            .add("shard", "param_shards", (2 << 20,), torch.uint8))
+    budget = HostMemoryBudget(limit_bytes=10 << 20, used_bytes=8 << 20, margin=0.0)  # 2 MiB available
+    check_plan(plan, budget, hint="-", resident_bytes=2 << 20)  # the shard is already in `used`
+    with pytest.raises(ValueError, match=f"needs 0.00 GiB \\({3 << 20} bytes; .* but .*\\({2 << 20} bytes\\)"):
+        check_plan(plan, budget, hint="-")
+
+
+def test_budget_detection(monkeypatch):
+    monkeypatch.delenv(arena_mod.LIMIT_ENV, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    explicit = HostMemoryBudget.detect(64 << 30, margin=0.2)
+    assert (explicit.limit_bytes, explicit.margin, explicit.source) == (64 << 30, 0.2, "host_memory_limit_bytes")
+    monkeypatch.setenv(arena_mod.LIMIT_ENV, "100")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    env = HostMemoryBudget.detect()
+    assert (env.limit_bytes, env.source, env.processes) == (100 << 30, arena_mod.LIMIT_ENV, 4)
+    assert env.available_bytes == (int((100 << 30) * 0.9) - env.used_bytes) // 4
+    monkeypatch.delenv(arena_mod.LIMIT_ENV)
+    monkeypatch.setattr(arena_mod, "_cgroup_limit_and_usage", lambda: (32 << 30, 2 << 30, "cgroup memory.max"))
+    cgroup = HostMemoryBudget.detect()
+    assert (cgroup.limit_bytes, cgroup.used_bytes, cgroup.source) == (32 << 30, 2 << 30, "cgroup memory.max")
+    monkeypatch.setattr(arena_mod, "_cgroup_limit_and_usage", lambda: None)
+    assert HostMemoryBudget.detect().source == "/proc/meminfo MemTotal"
+    with pytest.raises(ValueError, match="margin"):
+        HostMemoryBudget.detect(margin=1.0)
+
+
+# --- exchange (CPU: synchronous copies, the same ring) -----------------------------------------
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_ring_never_hands_out_a_buffer_still_in_use():
+    ex = TensorExchange(torch.device("cpu"))
+    hosts = [torch.full((2, 3), float(k)) for k in range(4)]
+    a = ex.wait(ex.fetch(hosts[0]))
+    b = ex.wait(ex.fetch(hosts[1]))
+    assert _ptr(a) != _ptr(b)
+    ptr_a = _ptr(a)
+    # A derived alias (as the engine's .detach().requires_grad_()) and an autograd graph keep it in use.
+    leaf = a.detach().requires_grad_(True)
+    y = (leaf * leaf).sum()  # mul saves `leaf` for backward
+    del a
+    c = ex.wait(ex.fetch(hosts[2]))
+    assert _ptr(c) not in (ptr_a, _ptr(b))
+    assert torch.equal(leaf.detach(), hosts[0]) and torch.equal(b, hosts[1]) and torch.equal(c, hosts[2])
+    y.backward()
+    del y, leaf
+    ex.store(torch.zeros(2, 3), hosts[3])  # any exchange call sees a's buffer free
+    d = ex.wait(ex.fetch(hosts[3]))  # ...so it is reused, not a new allocation
+    assert _ptr(d) == ptr_a and torch.equal(d, torch.zeros(2, 3))
+    # A handle that was never waited for also holds its buffer.
+    pending = ex.fetch(hosts[0])
+    e = ex.wait(ex.fetch(hosts[1]))
+    live = [b, c, d, pending.tensor, e]
+    assert len({_ptr(t) for t in live}) == len(live)
+    assert ex.step_stats()["exchange_ring_buffers"] == len(live)  # grown only for tensors held at once
+
+
+def test_ring_prefers_the_buffer_freed_longest_ago():
+    ex = TensorExchange(torch.device("cpu"), max_ring_size=3)
+    host = torch.ones(4)
+    a = ex.wait(ex.fetch(host))
+    b = ex.wait(ex.fetch(host))
+    ptr_a, ptr_b = _ptr(a), _ptr(b)
+    del a
+    ex.store(torch.zeros(4), torch.empty(4))  # the ring sees a free here
+    del b
+    h1 = ex.fetch(host)  # sees b free now: a copy into b would wait on everything just queued; a is older
+    assert _ptr(h1.tensor) == ptr_a
+    h2 = ex.fetch(host)  # b was seen free by the previous call: fine
+    assert _ptr(h2.tensor) == ptr_b
+    del h2
+    h3 = ex.fetch(host)  # only b is free, and only since this call: below max_ring_size the ring grows
+    ptr_c = _ptr(h3.tensor)
+    assert ptr_c not in (ptr_a, ptr_b) and ex.step_stats()["exchange_ring_buffers"] == 3
+    h4 = ex.fetch(host)
+    assert _ptr(h4.tensor) == ptr_b
+    del h4
+    h5 = ex.fetch(host)  # at max_ring_size a buffer freed only now is taken
+    assert _ptr(h5.tensor) == ptr_b and ex.step_stats()["exchange_ring_buffers"] == 3
+    assert all(torch.equal(h.tensor, host) for h in (h1, h3, h5))
+
+
+def _store(num_slots=3, num_sub_batches=2, shape=(2, 4, 8), limit=None):
+    store = ExchangeActivationStore(host_memory_limit_bytes=limit)
+    store.begin_step(num_slots, num_sub_batches, shape, torch.float32, torch.device("cpu"))
+    return store
+
+
+def test_store_get_then_put_same_slot_and_stale_prefetch():
+    store = _store()
+    x = torch.randn(2, 4, 8)
+    store.put(2, 1, x)
+    got = store.get(2, 1)
+    store.put(2, 1, torch.zeros(2, 4, 8))  # backward overwrites the slot it just read (grad_slot)
+    assert torch.equal(got, x)  # the fetched tensor is not the host slot
+    store.prefetch(2, 1)  # fetches the zeros...
+    store.put(2, 1, x + 1)  # ...which are stale now
+    assert torch.equal(store.get(2, 1), x + 1)
+    store.end_step()
+    stats = store.step_stats()
+    assert stats["exchange_num_stores"] == 3 and stats["exchange_num_fetches"] == 3
+    assert stats["exchange_d2h_bytes"] == 3 * x.numel() * 4 == stats["exchange_h2d_bytes"]
+    assert stats["arena_activations_requested_bytes"] == 3 * 2 * x.numel() * 4 == store.host_bytes
+
+
+def test_geometry_change_recarves_or_replans():
+    store = _store(shape=(2, 4, 8))
+    arena = store.arena
+    store.begin_step(3, 2, (1, 4, 8), torch.float32, torch.device("cpu"))  # smaller: same region
+    assert store.arena is arena and store.host_bytes == 3 * 2 * 32 * 4
+    store.put(1, 1, torch.ones(1, 4, 8))
+    assert torch.equal(store.get(1, 1), torch.ones(1, 4, 8))
+    store.begin_step(3, 4, (2, 4, 8), torch.float32, torch.device("cpu"))  # larger: a new arena
+    assert store.arena is not arena and store.host_bytes == 3 * 4 * 64 * 4
+
+
+def test_activation_store_choices():
+    assert isinstance(build_activation_store("host", offload_params=False), ExchangeActivationStore)
+    assert isinstance(build_activation_store("auto", offload_params=True), ExchangeActivationStore)
+    assert isinstance(build_activation_store("host_sync", offload_params=True), HostActivationStore)
+    with pytest.raises(ValueError, match="'host_sync'"):
+        build_activation_store("pinned", offload_params=False)
+
+
+# --- the engine with the exchange store ----------------------------------------------------------
+
+
+class RecordingStore(ExchangeActivationStore):
+    """Logs every (operation, slot, sub-batch) and the host address each one touched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, int, int, int]] = []
+
+    def get(self, slot, i):
+        self.log.append(("get", slot, i, self._host[slot, i].data_ptr()))
+        return super().get(slot, i)
+
+    def put(self, slot, i, x):
+        self.log.append(("put", slot, i, self._host[slot, i].data_ptr()))
+        super().put(slot, i, x)
+
+
+@pytest.mark.parametrize("blocks_per_unit", [1, 2])
+def test_gradients_reuse_activation_slots(blocks_per_unit):
+    n_sub, layers = 3, 4
+    model = tiny_model("llama", layers=layers)
+    ids, labels = batch(n_sub)
+    _, ref_grads = reference_grads(model, [(ids, labels)])
+    apply_speedloader(model, num_sub_batches=n_sub, blocks_per_unit=blocks_per_unit, activation_store="host")
+    store = RecordingStore()
+    model._speedloader.store = store
+    loss = model(input_ids=ids, labels=labels).loss
+    forward_log, host_bytes = list(store.log), store.host_bytes
+    loss.backward()
+    assert_grads_close(model, ref_grads)
+    units = layers // blocks_per_unit
+    backward_log = store.log[len(forward_log):]
+    # Host memory: exactly (U + 1) x N activation slots, before and after backward, and backward
+    # touches no host address that forward did not.
+    assert host_bytes == store.host_bytes == (units + 1) * n_sub * 2 * 16 * 64 * 4
+    addresses = {addr for *_, addr in forward_log}
+    assert len(addresses) == (units + 1) * n_sub
+    assert {addr for *_, addr in backward_log} <= addresses
+
+    # Replay the log on the host addresses: what each put writes (the engine's order: forward x_0..x_U,
+    # backward dL/dx_U, dL/dx_{U-1}, ..., dL/dx_0, N sub-batches each), and check that every get finds
+    # what its reader needs -- so no gradient overwrote an activation or gradient still to be read.
+    put_labels = [f"x{k}" for k in range(units + 1)] + [f"g{k}" for k in range(units, -1, -1)]
+    content, puts, gets = {}, 0, []
+    for op, slot, i, addr in store.log:
+        if op == "put":
+            content[addr] = put_labels[puts // n_sub]
+            puts += 1
+        else:
+            gets.append(content[addr])
+    expected = [f"x{k}" for k in range(units + 1) for _ in range(n_sub)]  # forward: unit l reads x_{l-1}, head x_U
+    expected += [f"x{units}"] * n_sub  # head backward
+    for unit in range(units, 0, -1):
+        expected += [f"x{unit - 1}", f"g{unit}"] * n_sub  # unit backward, alternating per sub-batch
+    expected += ["g0"] * n_sub  # embedding backward
+    assert gets == expected
+
+
+@pytest.mark.parametrize("family,num_sub_batches,blocks_per_unit,offload", [
+    ("llama", 1, 1, False), ("llama", 3, 2, True), ("opt", 2, 1, True), ("opt", 8, 2, False)])
+def test_gradient_parity_with_exchange_store(family, num_sub_batches, blocks_per_unit, offload):
+    model = tiny_model(family)
+    ids, labels = batch(num_sub_batches)
+    scale = 2.5
+    ref_loss, ref_grads = reference_grads(model, [(ids, labels)], scale=scale)
+    apply_speedloader(model, num_sub_batches=num_sub_batches, blocks_per_unit=blocks_per_unit,
+                      activation_store="host", offload_params=offload)
+    assert isinstance(model._speedloader.store, ExchangeActivationStore)
+    loss = model(input_ids=ids, labels=labels).loss
+    (scale * loss).backward()
+    torch.testing.assert_close(loss.detach(), ref_loss[0], rtol=1e-6, atol=0)
+    assert_grads_close(model, ref_grads)
+
+
+def test_offloaded_shards_live_in_the_arena_and_train_like_the_sync_store():
+    n_sub = 2
+    base = tiny_model("llama")
+    models = {}
+    for store in ("host", "host_sync"):
+        models[store] = apply_speedloader(copy.deepcopy(base), num_sub_batches=n_sub, activation_store=store,
+                                          offload_params=True)
+    optims = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+    losses = {k: [] for k in models}
+    for step in range(3):
+        ids, labels = batch(n_sub, seed=step)
+        for key, model in models.items():
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            optims[key].step()
+            optims[key].zero_grad()
+            losses[key].append(loss.item())
+    assert losses["host"] == losses["host_sync"]
+    for (name, a), (_, b) in zip(models["host"].named_parameters(), models["host_sync"].named_parameters()):
+        assert torch.equal(a.to_local(), b.to_local()), name
+
+    store = models["host"]._speedloader.store
+    fsdp_params = offloaded_fsdp_params(models["host"])
+    assert len(fsdp_params) == len(list(base.parameters()))
+    lo = store.arena.slot("activations").data_ptr() - store.arena._offsets["activations"]
+    hi = lo + store.arena.nbytes
+
+    def in_arena():
+        return all(lo <= p._sharded_param_data.data_ptr() < hi
+                   and p.sharded_param._local_tensor.data_ptr() == p._sharded_param_data.data_ptr()
+                   for p in fsdp_params)
+
+    assert in_arena()
+    stats = store.step_stats()
+    assert stats["arena_param_shards_requested_bytes"] == store.param_shard_bytes == sum(
+        p.numel() * 4 for p in base.parameters())  # world size 1: no padding
+    # FSDP2's own re-pointing (load_state_dict's post hook runs reset_sharded_param) keeps them there.
+    models["host"].load_state_dict(models["host"].state_dict())
+    assert in_arena()
+
+
+def test_exchange_traffic_per_step():
+    n_sub, layers = 3, 4
+    model = apply_speedloader(tiny_model("llama", layers=layers), num_sub_batches=n_sub, activation_store="host")
+    ids, labels = batch(n_sub)
+    model(input_ids=ids, labels=labels).loss.backward()
+    first = model._speedloader.store.step_stats()
+    model(input_ids=ids, labels=labels).loss.backward()
+    stats = model._speedloader.store.step_stats()
+    a = 2 * 16 * 64 * 4  # n x s x h fp32 bytes
+    # Per unit 5 N A (forward: fetch + store; backward: 2 fetches + store), plus the embedding
+    # (store; backward fetch) and the head (forward fetch; backward fetch + store).
+    assert stats["exchange_h2d_bytes"] == (3 * layers + 3) * n_sub * a
+    assert stats["exchange_d2h_bytes"] == (2 * layers + 2) * n_sub * a
+    # After the first step the ring has what the schedule needs, and every fetch copies into a
+    # buffer freed at least one exchange call earlier (never waits on just-queued compute).
+    assert first["exchange_unpipelined_fetches"] > 0 and stats["exchange_unpipelined_fetches"] == 0
+    assert stats["exchange_ring_buffers"] == first["exchange_ring_buffers"] <= 5
+
+
+def test_over_large_activation_plan_names_the_setting():
+    model = apply_speedloader(tiny_model("llama"), num_sub_batches=4, activation_store="host")
+    model._speedloader.store.host_memory_limit_bytes = 1  # nothing is available
+    ids, labels = batch(4)
+    with pytest.raises(ValueError, match=r"lower schedule.num_sub_batches \(N=4\), schedule.sub_batch_size "
+                                         r"\(n=2\) or data.seq_len \(s=16\), or raise schedule.blocks_per_unit"):
+        model(input_ids=ids, labels=labels)

@@ -1,0 +1,197 @@
+"""Page-locked host memory of one rank: PyTorch's pinning (FSDP2 + caching host allocator) vs the arena.
+
+Computed from the model's parameter shapes on the meta device (no GPU, nothing allocated):
+
+  PyTorch's pinning  CPUOffloadPolicy(pin_memory=True) pins each padded fp32 shard separately and
+                     the caching host allocator rounds every block up to a power of two; the
+                     synchronous host store (activation_store=host_sync) pins one block for all
+                     activation slots, rounded the same way.
+  arena              one region: the padded shards and the activation slots, each slot aligned
+                     to 512 bytes, registered with cudaHostRegister (exact).
+  both               FSDP2 copies each reduce-scattered gradient to the host with
+                     ``.to("cpu", non_blocking=True)``: one power-of-two block per parameter from the
+                     caching host allocator, reused every step (not in the arena: see the README of
+                     issue 4's report).
+
+Usage:
+  python tools/arena_report.py                         # llama2_7b, the llama2_7b_offload experiment
+  python tools/arena_report.py --world-size 8 --num-sub-batches 16
+  python tools/arena_report.py --measure --layers 4 --host-memory-limit-gib 120   # GPU: also measure both ways
+
+Writes bench/results/arena_report_<model>_w<world>.json (device, torch, commit, command, config, figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from fsdp_speedloader.arena import ALIGNMENT  # noqa: E402
+
+GIB = float(1 << 30)
+
+
+def pow2(n: int) -> int:
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def model_config(name: str, layers: int | None):
+    import yaml
+
+    from fsdp_speedloader.config import ModelConfig
+
+    with open(REPO / "conf" / "model" / f"{name}.yaml") as f:
+        fields = yaml.safe_load(f)
+    if layers is not None:
+        fields["num_layers"] = layers
+    return ModelConfig(**fields)
+
+
+def shard_sizes(shape: torch.Size, world: int, rank: int) -> tuple[int, int]:
+    """(padded, this rank's) element counts of an FSDP2 Shard(0) shard (torch.chunk semantics)."""
+    rest = math.prod(shape[1:])
+    chunk = -(-shape[0] // world)
+    mine = max(0, min(chunk, shape[0] - rank * chunk))
+    return chunk * rest, mine * rest
+
+
+def compute(args: argparse.Namespace) -> dict:
+    from fsdp_speedloader.models import build_model
+
+    cfg = model_config(args.model, args.layers)
+    model = build_model(cfg, device="meta")
+    params = dict(model.named_parameters())  # tied weights appear once, as in FSDP2
+    shards = pinned_shards = arena_shards = grads = pinned_grads = 0
+    for p in params.values():
+        padded, mine = shard_sizes(p.shape, args.world_size, args.rank)
+        shards += padded * 4  # fp32 shards
+        pinned_shards += pow2(padded * 4)
+        arena_shards += align(padded * 4)
+        grads += mine * 4
+        pinned_grads += pow2(mine * 4)
+    units = -(-cfg.num_layers // args.blocks_per_unit)
+    act_bytes = (units + 1) * args.num_sub_batches * args.sub_batch_size * args.seq_len * cfg.hidden_size * 2  # bf16
+    pytorch_total = pinned_shards + pinned_grads + pow2(act_bytes)
+    arena_total = align(act_bytes) + arena_shards
+    num_params = sum(p.numel() for p in params.values())
+    optimizer = num_params * 8 // args.world_size  # Adam moments, fp32, pageable
+    return {
+        "config": {"model": args.model, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+                   "num_params": num_params, "world_size": args.world_size, "rank": args.rank,
+                   "num_sub_batches": args.num_sub_batches, "sub_batch_size": args.sub_batch_size,
+                   "seq_len": args.seq_len, "blocks_per_unit": args.blocks_per_unit, "activation_dtype": "bfloat16"},
+        "param_shards": {"requested": shards, "pinned_by_fsdp2": pinned_shards, "arena": arena_shards},
+        "gradients": {"requested": grads, "pinned_by_fsdp2": pinned_grads, "arena": None},
+        "activations": {"requested": act_bytes, "pinned_host_sync_store": pow2(act_bytes), "arena": align(act_bytes)},
+        "page_locked_total": {"pytorch_pinning": pytorch_total, "arena": arena_total + pinned_grads,
+                              "arena_region": arena_total, "gradient_blocks_outside_arena": pinned_grads,
+                              "saved": pytorch_total - arena_total - pinned_grads,
+                              "remaining_rounding_waste": pinned_grads - grads},
+        "host_total_with_adam_moments": {"pytorch_pinning": pytorch_total + optimizer,
+                                         "arena": arena_total + pinned_grads + optimizer},
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """On the GPU: one training step per store on ``--layers`` layers; the page-locked bytes both ways."""
+    out = {}
+    for store in ("host_sync", "host"):
+        code = f"""
+import json, torch, sys
+sys.path.insert(0, {str(REPO)!r})
+sys.argv = ['x']
+from fsdp_speedloader import apply_speedloader
+from fsdp_speedloader.models import build_model, materialize_model
+from tools.arena_report import model_config
+cfg = model_config({args.model!r}, {args.layers!r})
+model = build_model(cfg, device='meta')
+apply_speedloader(model, num_sub_batches={args.num_sub_batches}, activation_store={store!r}, offload_params=True,
+                  param_dtype=torch.bfloat16, blocks_per_unit={args.blocks_per_unit})
+materialize_model(model, cfg, device=torch.device('cuda'), seed=0, param_device=torch.device('cpu'))
+ids = torch.randint(0, cfg.vocab_size, ({args.num_sub_batches * args.sub_batch_size}, {args.seq_len}))
+model(input_ids=ids, labels=ids).loss.backward()
+torch.cuda.synchronize()
+s = torch.cuda.host_memory_stats()
+st = model._speedloader.store.step_stats()
+print(json.dumps({{'caching_host_allocator_bytes': s.get('allocated_bytes.current', 0),
+                  'arena_page_locked_bytes': st.get('arena_page_locked_bytes', 0),
+                  'host_store_bytes': model._speedloader.store.host_bytes,
+                  'exchange': {{k: v for k, v in st.items() if k.startswith('exchange')}}}}))
+"""
+        env = dict(os.environ)
+        if args.host_memory_limit_gib:
+            env["FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB"] = str(args.host_memory_limit_gib)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{store}: {proc.stderr[-3000:]}")
+        rec = json.loads(proc.stdout.strip().splitlines()[-1])
+        rec["page_locked_total"] = rec["caching_host_allocator_bytes"] + rec["arena_page_locked_bytes"]
+        out[store] = rec
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama2_7b", help="a conf/model/*.yaml name")
+    parser.add_argument("--layers", type=int, default=None, help="override num_layers")
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=0, help="rank 0 holds the largest (padded) shards")
+    parser.add_argument("--num-sub-batches", type=int, default=8)
+    parser.add_argument("--sub-batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--blocks-per-unit", type=int, default=1)
+    parser.add_argument("--measure", action="store_true", help="also measure on the GPU (world size 1)")
+    parser.add_argument("--host-memory-limit-gib", type=float, default=None,
+                        help="host budget for the arena check (a VM whose MemTotal grows on demand needs it)")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/arena_report_<model>_w<W>.json)")
+    args = parser.parse_args()
+
+    record = {"tool": "arena_report", "torch": torch.__version__,
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (computed)",
+              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                       cwd=REPO).stdout.strip(),
+              "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), **compute(args)}
+    if args.measure:
+        record["measured"] = measure(args)
+    default = REPO / "bench" / "results" / f"arena_report_{args.model}_w{args.world_size}.json"
+    out = Path(args.out) if args.out else default
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+
+    def gib(n):
+        return "-" if n is None else f"{n / GIB:.2f}"
+
+    print(f"{args.model}, world size {args.world_size}, rank {args.rank}: page-locked GiB")
+    print("| what | requested | PyTorch's pinning | arena |\n|---|---|---|---|")
+    print(f"| fp32 parameter shards | {gib(record['param_shards']['requested'])} | "
+          f"{gib(record['param_shards']['pinned_by_fsdp2'])} | {gib(record['param_shards']['arena'])} |")
+    print(f"| activation slots (bf16) | {gib(record['activations']['requested'])} | "
+          f"{gib(record['activations']['pinned_host_sync_store'])} | {gib(record['activations']['arena'])} |")
+    print(f"| fp32 gradients (FSDP2's copies, both ways) | {gib(record['gradients']['requested'])} | "
+          f"{gib(record['gradients']['pinned_by_fsdp2'])} | {gib(record['gradients']['pinned_by_fsdp2'])} |")
+    total = record["page_locked_total"]
+    print(f"| total | | {gib(total['pytorch_pinning'])} | {gib(total['arena'])} |")
+    if args.measure:
+        for store, rec in record["measured"].items():
+            print(f"measured ({store}): {gib(rec['page_locked_total'])} GiB page-locked "
+                  f"(caching host allocator {gib(rec['caching_host_allocator_bytes'])}, "
+                  f"arena {gib(rec['arena_page_locked_bytes'])})")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
