@@ -1,0 +1,506 @@
+"""Layer-major generation (SpeedLoader inference, paper 3.2): every unit is unsharded once per step for all N sub-batches.
+
+One step (the prefill, then one per new token), inside ONE hooked call of the root (embeddings, final
+norm and LM head stay unsharded from the first step on)::
+
+    embed every sub-batch -> activation slot 0
+    for unit u = 1..U:                       one FSDP-hooked call: unshard once (prefetched by u - 1)
+        for sub-batch i = 1..N:              blocks run through their class forward, no hooks
+            fetch x[i] and the KV of (i, unit's layers); run; store x'[i] and the new positions' KV
+    final norm + LM head on the last position of every sub-batch -> pick the next tokens (whole batch)
+
+``_unit_step`` is the schedule: which fetch, compute and store happen when. Activations go through the
+model's activation store (``apply_speedloader(activation_store=...)``), the KV cache through
+``kv_cache.py``; both copy on a ``TensorExchange``'s streams when CUDA is present.
+
+Parity with Hugging Face ``generate`` (greedy, fp32): positions are ``cumsum(mask) - 1`` as
+``generate`` computes them, the 4-D masks come from the model's own ``create_causal_mask`` (given a
+cache object that reports the same lengths as ``DynamicCache``), and attention is the block's own
+Hugging Face attention, which appends to our cache through ``Cache.update``. ``kv_cache='off'``
+recomputes the whole sequence every step, as ``generate(..., use_cache=False)`` does.
+
+CLI (Hydra, ``conf/generate.yaml``)::
+
+    python -m fsdp_speedloader.generate model=opt_tiny prompts.source=synthetic prompts.num_prompts=8
+    python -m fsdp_speedloader.generate model=llama_tiny prompts.source=file prompts.path=prompts.txt tokenizer=bytes
+    torchrun --standalone --nproc-per-node 2 -m fsdp_speedloader.generate model=opt_30b offload=params
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
+from transformers.masking_utils import create_causal_mask
+
+from .chain import Unit
+from .kv_cache import KV_CACHE_MODES, KVCache, build_kv_cache, choose_kv_mode, kv_layout_for
+from .models import BlockInputs, ModelAdapter
+
+log = logging.getLogger(__name__)
+
+_UNIT_METHOD = "speedloader_generate"  # registered on every unit's FSDP module
+_ROOT_METHOD = "speedloader_generate_step"  # registered on the root
+_MASK_PARAMS = set(inspect.signature(create_causal_mask).parameters)
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerationStats:
+    """Figures of one ``generate`` call (``return_stats=True``). Throughputs count padded prompt tokens,
+    as FlexGen does: prefill = B * prompt_len / prefill_s, decode = B * (steps - 1) / decode_s."""
+
+    batch_size: int
+    prompt_len: int
+    num_steps: int  # forward steps run = new tokens per sequence (<= max_new_tokens with EOS)
+    prefill_s: float
+    decode_s: float
+    kv_cache: str
+    io: dict = field(default_factory=dict)  # KV / activation copy bytes, arena sizes
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.batch_size * self.prompt_len / max(self.prefill_s, 1e-9)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.batch_size * max(self.num_steps - 1, 0) / max(self.decode_s, 1e-9)
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        """New tokens per second over the whole generation (FlexGen's 'total throughput')."""
+        return self.batch_size * self.num_steps / max(self.prefill_s + self.decode_s, 1e-9)
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "io"}
+        out.update(prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
+                   generated_tokens_per_s=self.generated_tokens_per_s, **self.io)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One step's state, and the schedule
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class StepState:
+    """What one step shares between the root call and the unit calls.
+
+    Passed through FSDP-hooked calls as one opaque object (FSDP rebuilds containers it finds in
+    forward arguments). ``past`` positions are cached; this step adds ``input_ids[i].shape[1]``.
+    """
+
+    run: "_Run"
+    input_ids: list[torch.Tensor]  # N x (n, q) on the device
+    mask: Optional[torch.Tensor]  # (B, past + q) on the host; None: no padding in the batch
+    positions: torch.Tensor  # (B, q) on the host
+    past: int
+    block_inputs: list[BlockInputs] = field(default_factory=list)  # N, built by the root step
+    logits: Optional[torch.Tensor] = None  # (B, V) fp32, set by the root step
+
+
+@dataclass(eq=False)
+class _Run:
+    """Everything fixed for one ``generate`` call."""
+
+    adapter: ModelAdapter
+    units: list  # (FSDP module, Unit)
+    layers: list[list[int]]  # per unit: its blocks' layer indices
+    store: object  # the model's ActivationStore
+    device: torch.device
+    num_sub_batches: int
+    sub_batch_size: int
+    capacity: int  # prompt_len + max_new_tokens
+    kv_mode: str  # 'auto' until the first step resolves it
+    host_memory_limit_bytes: Optional[int]
+    resources: "_Resources"
+    kv: Optional[KVCache] = None
+    block_kwargs: frozenset = frozenset()
+    slots_planned: bool = False
+
+
+@dataclass
+class _Resources:
+    """Kept on the model between calls: the host KV arena and its exchange are reused when they fit."""
+
+    kv_arena: object = None
+    kv_exchange: object = None
+
+
+def _unit_step(unit: Unit, state: StepState) -> None:
+    """Runs ``unit`` on every sub-batch: x[src][i] -> x[dst][i], appending to the KV cache. THE schedule.
+
+    Inside the unit's one FSDP-hooked call. Copies: the activation store's ``prefetch``/``put`` and the
+    KV cache's ``prefetch``/``update`` start H2D/D2H copies on the exchange streams; compute is on the
+    current stream. While sub-batch i computes, sub-batch i + 1's input and KV (or, for the last one,
+    the next unit's first KV) are copied in, and i - 1's outputs are copied out.
+    """
+    run = state.run
+    store, kv, n_sub = run.store, run.kv, run.num_sub_batches
+    src, dst = (unit.index - 1) % 2, unit.index % 2
+    layers = run.layers[unit.index - 1]
+    next_layers = run.layers[unit.index] if unit.index < len(run.layers) else None
+    store.prefetch(src, 0)
+    if kv is not None:
+        kv.prefetch(0, layers)
+    for i in range(n_sub):
+        x = store.get(src, i)
+        if i + 1 < n_sub:
+            store.prefetch(src, i + 1)
+            if kv is not None:
+                kv.prefetch(i + 1, layers)
+        elif next_layers is not None:  # the last sub-batch: start the next unit's first inputs
+            if kv is not None:
+                kv.prefetch(0, next_layers)
+            if n_sub > 1:
+                store.prefetch(dst, 0)  # stored one sub-batch ago; N = 1 would store it only below
+        y = unit.forward(run.adapter, x, state.block_inputs[i])
+        store.put(dst, i, y)
+
+
+def _root_step(state: StepState) -> None:
+    """One layer-major step inside the root's hooked call: embed, all units, head."""
+    run = state.run
+    adapter, store, device, n_sub = run.adapter, run.store, run.device, run.num_sub_batches
+    act_dtype = adapter.embedding.weight.dtype  # the unsharded (compute) dtype, inside the root's call
+    n, q = state.input_ids[0].shape
+    h = adapter.config.hidden_size
+    if run.kv is None and run.kv_mode != "off":  # first step: the compute dtype is known here
+        _setup_kv(run, act_dtype)
+    if not run.slots_planned:
+        # Plan the activation slots for the longest step once (a re-plan would move the parameter
+        # shards that the store's arena may hold), then carve each step's geometry out of them.
+        store.begin_step(2, n_sub, (n, run.capacity if run.kv is None else q, h), act_dtype, device)
+        run.slots_planned = True
+    store.begin_step(2, n_sub, (n, q, h), act_dtype, device)
+    if run.kv is not None:
+        run.kv.begin_step(state.past, q)
+    state.block_inputs = _step_inputs(run, act_dtype, state.mask, state.positions, state.past)
+    for i in range(n_sub):
+        store.put(0, i, adapter.embed(state.input_ids[i], state.block_inputs[i].kwargs["position_ids"]))
+    for module, _ in run.units:
+        getattr(module, _UNIT_METHOD)(state)  # one FSDP-hooked call per unit: one unshard
+    last = len(run.units) % 2
+    logits = []
+    store.prefetch(last, 0)
+    for i in range(n_sub):
+        x = store.get(last, i)
+        if i + 1 < n_sub:
+            store.prefetch(last, i + 1)
+        # As Hugging Face: final norm on every position, LM head on the last (logits_to_keep=1).
+        hidden = adapter.final_hidden(x)[:, -1:, :]
+        logits.append(adapter.lm_head(hidden)[:, -1, :].float())  # (n, V)
+    store.end_step()
+    if run.kv is not None:
+        run.kv.end_step()
+    state.logits = torch.cat(logits)
+
+
+def _setup_kv(run: _Run, dtype: torch.dtype) -> None:
+    layout = kv_layout_for(run.adapter.config, num_sub_batches=run.num_sub_batches,
+                           sub_batch_size=run.sub_batch_size, capacity=run.capacity, dtype=dtype)
+    run.kv_mode = choose_kv_mode(run.kv_mode, layout, run.device)
+    res = run.resources
+    run.kv = build_kv_cache(run.kv_mode, layout, run.device, arena=res.kv_arena, exchange=res.kv_exchange,
+                            host_memory_limit_bytes=run.host_memory_limit_bytes)
+    if run.kv_mode == "host":
+        res.kv_arena, res.kv_exchange = run.kv.arena, run.kv.exchange
+    log.debug("KV cache: %s, %.3f GiB %s", run.kv_mode, layout.nbytes / 2**30, layout.shape)
+
+
+def _registered(model: nn.Module) -> _Resources:
+    """Registers the generation forward methods on the units and the root (once per model)."""
+    res = getattr(model, "_speedloader_generation", None)
+    if res is not None:
+        return res
+    for module, unit in model._speedloader.units:
+        setattr(module, _UNIT_METHOD, functools.partial(_unit_step, unit))
+        register_fsdp_forward_method(module, _UNIT_METHOD)
+    setattr(model, _ROOT_METHOD, _root_step)
+    register_fsdp_forward_method(model, _ROOT_METHOD)
+    model._speedloader_generation = res = _Resources()
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks and positions (built on the host: Hugging Face's mask code reads the padding mask's values)
+# ---------------------------------------------------------------------------------------------
+
+
+def _causal_mask(config, dtype: torch.dtype, mask: Optional[torch.Tensor], positions: torch.Tensor, past: int,
+                 cache) -> Optional[torch.Tensor]:
+    """The model's own 4-D mask (or None) for one sub-batch, built on the host as ``generate`` would:
+    ``mask`` (n, past + q) or None, ``cache`` reporting ``past`` cached positions, or None (no cache)."""
+    n, q = positions.shape
+    kwargs = dict(config=config, inputs_embeds=torch.empty((n, q, 0), dtype=dtype), attention_mask=mask,
+                  past_key_values=cache)
+    if "position_ids" in _MASK_PARAMS:
+        kwargs["position_ids"] = positions
+    if "cache_position" in _MASK_PARAMS:  # transformers < 5.20
+        kwargs["cache_position"] = torch.arange(past, past + q)
+    return create_causal_mask(**kwargs)
+
+
+def _step_inputs(run: _Run, dtype: torch.dtype, mask: Optional[torch.Tensor], positions: torch.Tensor,
+                 past: int) -> list[BlockInputs]:
+    """Block keyword arguments of every sub-batch. ``mask`` (B, past + q) and ``positions`` (B, q) on the host."""
+    n, device = run.sub_batch_size, run.device
+    rotary = getattr(getattr(run.adapter.model, "model", None), "rotary_emb", None)  # LLaMA layout
+    out = []
+    for i in range(run.num_sub_batches):
+        rows = slice(i * n, (i + 1) * n)
+        pos = positions[rows]
+        sub_mask = None if mask is None else mask[rows]
+        cache = None if run.kv is None else run.kv.view(i)
+        attn = _causal_mask(run.adapter.config, dtype, sub_mask, pos, past, cache)
+        pos = pos.to(device, non_blocking=True)
+        kwargs = {"attention_mask": None if attn is None else attn.to(device, non_blocking=True), "position_ids": pos}
+        if rotary is not None:
+            kwargs["position_embeddings"] = rotary(torch.empty((), dtype=dtype, device=device), position_ids=pos)
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+            kwargs["use_cache"] = True
+        if "cache_position" in run.block_kwargs:
+            kwargs["cache_position"] = torch.arange(past, past + pos.shape[1], device=device)
+        out.append(BlockInputs(kwargs=kwargs))
+    return out
+
+
+def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Positions as ``generate`` computes them: ``cumsum(mask) - 1``, padding at 0. (B, s) -> (B, s)."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token selection
+# ---------------------------------------------------------------------------------------------
+
+
+def select_tokens(logits: torch.Tensor, *, do_sample: bool, temperature: float, top_k: Optional[int],
+                  top_p: Optional[float], generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Next tokens of the whole batch from fp32 logits (B, V): argmax, or temperature -> top-k -> top-p
+    -> multinomial (Hugging Face's warper order)."""
+    if not do_sample:
+        return torch.argmax(logits, dim=-1)
+    scores = logits / temperature if temperature != 1.0 else logits
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= 1 - top_p
+        remove[..., -1:] = False  # keep at least the most likely token
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The public entry
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batches, do_sample, temperature,
+                  top_k, top_p, kv_cache) -> None:
+    """ValueError, naming what to change, before anything is allocated."""
+    if getattr(model, "_speedloader", None) is None:
+        raise ValueError("generate needs a model prepared with fsdp_speedloader.apply_speedloader(model, ...)")
+    for name, value in (("max_new_tokens", max_new_tokens), ("num_sub_batches", num_sub_batches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}; it must be an integer >= 1")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+        raise ValueError("input_ids must be an integer (batch, prompt_len) tensor of token ids")
+    batch, prompt_len = input_ids.shape
+    if batch == 0 or prompt_len == 0:
+        raise ValueError(f"empty prompts: input_ids has shape {tuple(input_ids.shape)}; pass at least one prompt "
+                         "of at least one token")
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; it must match input_ids "
+                             f"{tuple(input_ids.shape)} (1 for prompt tokens, 0 for left padding)")
+        empty = (attention_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"prompt row(s) {empty[:8]} are all padding (attention_mask all 0); drop them or give "
+                             "each prompt at least one token")
+        if bool((attention_mask[:, -1] == 0).any()):
+            raise ValueError("attention_mask has padding at the end of a row: pad prompts on the LEFT "
+                             "(tokenizer.padding_side='left'), new tokens follow the last column")
+    if batch % num_sub_batches != 0:
+        raise ValueError(f"batch of {batch} prompts is not num_sub_batches={num_sub_batches} x sub_batch_size; "
+                         f"pass a multiple of {num_sub_batches} prompts or change num_sub_batches")
+    adapter = model._speedloader.adapter
+    if prompt_len + max_new_tokens > adapter.max_positions:
+        raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
+                         f"{adapter.max_positions} positions; shorten the prompts or lower max_new_tokens "
+                         f"to at most {adapter.max_positions - prompt_len}")
+    vocab = adapter.config.vocab_size
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(f"input_ids hold ids outside the vocabulary [0, {vocab})")
+    if kv_cache not in KV_CACHE_MODES:
+        raise ValueError(f"kv_cache={kv_cache!r}; choose one of {', '.join(map(repr, KV_CACHE_MODES))}")
+    if do_sample:
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature}; it must be > 0 (or do_sample=False for greedy)")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k={top_k!r}; it must be an integer >= 1 or None")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p={top_p!r}; it must be in (0, 1] or None")
+
+
+def _eos_list(eos_token_id: Union[int, Sequence[int], None]) -> list[int]:
+    if eos_token_id is None:
+        return []
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    max_new_tokens: int,
+    num_sub_batches: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    eos_token_id: Union[int, Sequence[int], None] = None,
+    pad_token_id: Optional[int] = None,
+    kv_cache: str = "auto",
+    seed: Optional[int] = None,
+    host_memory_limit_bytes: Optional[int] = None,
+    return_stats: bool = False,
+):
+    """Generates ``max_new_tokens`` tokens per prompt, layer-major, on a model prepared with ``apply_speedloader``.
+
+    Args:
+        model: prepared with ``apply_speedloader`` (parameters on the GPU or offloaded, sharded over the
+            ranks of its mesh). Every rank calls ``generate`` on its own prompts with the same
+            ``max_new_tokens`` (FSDP's all-gathers are collective). Switched to eval mode for the call.
+        input_ids: (B, prompt_len) token ids, LEFT-padded; B = num_sub_batches x sub_batch_size.
+        attention_mask: (B, prompt_len), 1 for prompt tokens and 0 for padding; None: no padding.
+        max_new_tokens: new tokens per prompt (fewer when every sequence has ended with EOS).
+        num_sub_batches: N; each unit is loaded once per step for all N sub-batches.
+        do_sample / temperature / top_k / top_p: greedy (default) or sampling.
+        eos_token_id: token id(s) that end a sequence; None: no early stop (unlike Hugging Face, the
+            model's generation config is NOT consulted). Ended sequences get ``pad_token_id``
+            (default: the first EOS id); generation stops when all have ended (on every rank).
+        kv_cache: 'device' (GPU), 'host' (page-locked host arena, copies overlapped with compute),
+            'off' (recompute the prefix every step), 'auto' (device when it fits in half of the GPU
+            memory this process may still use, else host; 'device' without CUDA).
+        seed: seeds sampling (a private generator: the global RNG is untouched); None: global RNG.
+        host_memory_limit_bytes: host budget of the KV arena (default: detected, see ``arena.py``).
+        return_stats: also return a ``GenerationStats``.
+    Returns:
+        (B, prompt_len + new tokens) LongTensor on ``input_ids``' device, as Hugging Face ``generate``.
+    """
+    _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batches, do_sample, temperature,
+                  top_k, top_p, kv_cache)
+    eos = _eos_list(eos_token_id)
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
+    engine = model._speedloader
+    adapter, device = engine.adapter, engine.device
+    batch, prompt_len = input_ids.shape
+    out_device = input_ids.device
+    mask = None if attention_mask is None else attention_mask.to("cpu", torch.long)
+    positions = prompt_positions(mask) if mask is not None else torch.arange(prompt_len).expand(batch, -1)
+    if mask is not None and bool((mask == 1).all()):
+        mask = None  # as generate: no padding, no mask (the kernels may then use their causal fast path)
+
+    resources = _registered(model)
+    blocks = list(adapter.blocks)
+    layer_of = {id(b): getattr(getattr(b, "self_attn", None), "layer_idx", k) for k, b in enumerate(blocks)}
+    if sorted(layer_of.values()) != list(range(len(blocks))):
+        raise ValueError("the model's attention layers do not carry their block index (self_attn.layer_idx)")
+    run = _Run(adapter=adapter, units=engine.units, layers=[[layer_of[id(b)] for b in u.blocks] for _, u in engine.units],
+               store=engine.store, device=device, num_sub_batches=num_sub_batches,
+               sub_batch_size=batch // num_sub_batches, capacity=prompt_len + max_new_tokens, kv_mode=kv_cache,
+               host_memory_limit_bytes=host_memory_limit_bytes, resources=resources,
+               block_kwargs=frozenset(inspect.signature(type(blocks[0]).forward).parameters))
+    generator = None
+    if do_sample and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    was_training = model.training
+    model.eval()
+    # Timing needs the GPU to finish the prefill (and the last step); without stats nothing waits for it.
+    sync = (torch.cuda.current_stream(device).synchronize if device.type == "cuda" and return_stats
+            else (lambda: None))
+    ids_all = input_ids.to(device)
+    new_tokens: list[torch.Tensor] = []
+    unfinished = torch.ones(batch, dtype=torch.long, device=device)
+    eos_t = torch.tensor(eos, device=device) if eos else None
+    n = run.sub_batch_size
+    start = time.perf_counter()
+    prefill_s = 0.0
+    try:
+        for step in range(max_new_tokens):
+            recompute = kv_cache == "off" or run.kv_mode == "off"
+            if step == 0 or recompute:  # the whole sequence so far, from position 0
+                past, step_ids = 0, torch.cat([ids_all, *[t[:, None] for t in new_tokens]], dim=1)
+                step_pos = torch.cat([positions, positions[:, -1:] + torch.arange(1, step + 1)], dim=1)
+            else:  # one new token per sequence after `past` cached positions
+                past, step_ids = prompt_len + step - 1, new_tokens[-1][:, None]
+                step_pos = positions[:, -1:] + step
+            step_mask = None if mask is None else torch.cat([mask, torch.ones(batch, step, dtype=mask.dtype)], 1)
+            state = StepState(run=run, input_ids=list(step_ids.split(n)), mask=step_mask, positions=step_pos,
+                              past=past)
+            getattr(model, _ROOT_METHOD)(state)  # the root's hooked call: one layer-major step
+            next_tokens = select_tokens(state.logits, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, generator=generator)
+            if eos_t is not None:
+                next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
+                unfinished = unfinished & ~torch.isin(next_tokens, eos_t)
+            new_tokens.append(next_tokens)
+            if step == 0:
+                sync()
+                prefill_s = time.perf_counter() - start
+            # Ranks step together (FSDP's all-gathers are collective): with several ranks every rank
+            # votes each step, also one without EOS ids, so a rank that passed none cannot hang the others.
+            if (eos_t is not None or distributed) and step + 1 < max_new_tokens:
+                alive = unfinished.max()
+                if distributed:
+                    dist.all_reduce(alive, op=dist.ReduceOp.MAX)
+                if int(alive) == 0:
+                    break
+        sync()
+        total_s = time.perf_counter() - start
+    finally:
+        if run.kv is not None:
+            run.kv.close()
+        model.train(was_training)
+    out = torch.cat([ids_all, torch.stack(new_tokens, dim=1)], dim=1).to(out_device)
+    if not return_stats:
+        return out
+    io = run.kv.stats() if run.kv is not None else {}
+    if hasattr(engine.store, "step_stats"):
+        io.update({f"activation_{k}": v for k, v in engine.store.step_stats().items()})
+    stats = GenerationStats(batch_size=batch, prompt_len=prompt_len, num_steps=len(new_tokens), prefill_s=prefill_s,
+                            decode_s=total_s - prefill_s, kv_cache=run.kv_mode, io=io)
+    return out, stats
+
+
+def main() -> None:
+    """``python -m fsdp_speedloader.generate [overrides]``: the Hydra CLI (``inference/cli.py``, conf/generate.yaml)."""
+    from .inference.cli import main as cli_main  # Hydra and W&B stay out of the library import
+
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""``python -m fsdp_speedloader.generate``: prompts in, generations (jsonl) and throughput out.
+
+One process (CPU, or one GPU)::
+
+    python -m fsdp_speedloader.generate model=opt_tiny logger=none
+    python -m fsdp_speedloader.generate model=llama_tiny prompts.source=file prompts.path=prompts.txt
+    python -m fsdp_speedloader.generate model=opt_30b offload=params prompts.num_prompts=64 \\
+        prompts.prompt_len=512 max_new_tokens=32 num_sub_batches=4 max_gpu_memory_gib=24
+
+Several GPUs (weights sharded; every rank generates its share of the prompts)::
+
+    torchrun --standalone --nproc-per-node 8 -m fsdp_speedloader.generate model=opt_175b offload=params
+
+Config: ``conf/generate.yaml`` (the ``model``, ``offload`` and ``logger`` groups are the training
+ones). Converted once into ``GenerateConfig``; the library sees typed objects only. Hydra and W&B
+are imported by this entry only (W&B through ``logger.build_logger``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import parallel
+from ..config import LoggerConfig, ModelConfig, OffloadConfig, _check, _check_choice, _check_positive, _coerce, _from_dict
+from ..kv_cache import KV_CACHE_MODES
+
+log = logging.getLogger("fsdp_speedloader.generate")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class PromptsConfig:
+    """Where prompts come from."""
+
+    source: str = "synthetic"
+    """'synthetic' (random token ids) or 'file' (.txt: one prompt per line; .jsonl: one object per line)."""
+    path: Optional[str] = None
+    """The prompt file for source 'file'."""
+    text_field: str = "text"
+    """Field of each .jsonl object that holds the prompt."""
+    num_prompts: int = 8
+    """Synthetic: number of prompts (all ranks together)."""
+    prompt_len: int = 32
+    """Synthetic: tokens per prompt (the longest, with min_prompt_len)."""
+    min_prompt_len: Optional[int] = None
+    """Synthetic: when set, prompt lengths are drawn from [min_prompt_len, prompt_len] and left-padded."""
+
+    def __post_init__(self) -> None:
+        _check_choice(self.source, "prompts.source", ("synthetic", "file"))
+        _check_positive(self.num_prompts, "prompts.num_prompts")
+        _check_positive(self.prompt_len, "prompts.prompt_len")
+        if self.min_prompt_len is not None:
+            _check(isinstance(self.min_prompt_len, int) and 1 <= self.min_prompt_len <= self.prompt_len,
+                   "prompts.min_prompt_len", f"got {self.min_prompt_len!r}; use 1..prompts.prompt_len or null")
+        if self.source == "file":
+            _check(bool(self.path), "prompts.path", "prompts.source=file needs prompts.path=<.txt or .jsonl file>")
+
+
+@dataclass
+class SamplingConfig:
+    """Greedy by default."""
+
+    do_sample: bool = False
+    """Sample instead of taking the most likely token."""
+    temperature: float = 1.0
+    """Softmax temperature (sampling)."""
+    top_k: Optional[int] = None
+    """Keep the k most likely tokens (sampling); null: all."""
+    top_p: Optional[float] = None
+    """Nucleus sampling mass (sampling); null: 1."""
+
+    def __post_init__(self) -> None:
+        _check(self.temperature > 0, "sampling.temperature", f"got {self.temperature}; must be > 0")
+        if self.top_k is not None:
+            _check_positive(self.top_k, "sampling.top_k")
+        if self.top_p is not None:
+            _check(0 < self.top_p <= 1, "sampling.top_p", f"got {self.top_p}; use (0, 1] or null")
+
+
+@dataclass
+class GenerateConfig:
+    """One generation run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    tokenizer: str = "bytes"
+    """'bytes' or a local Hugging Face tokenizer directory (prompts from files; decoding the output)."""
+    max_new_tokens: int = 32
+    """New tokens per prompt."""
+    num_sub_batches: int = 2
+    """N: each unit is loaded once per step for N sub-batches (prompts per rank must divide by it)."""
+    blocks_per_unit: int = 1
+    """Consecutive blocks per FSDP unit."""
+    kv_cache: str = "auto"
+    """'auto', 'device', 'host' or 'off' (recompute the prefix every step)."""
+    activation_store: str = "auto"
+    """Block-boundary activations between units: 'auto', 'device' or 'host'."""
+    forward_prefetch: int = 1
+    """Units whose unshard is issued ahead."""
+    stop_at_eos: bool = True
+    """Stop a sequence at the tokenizer's EOS (synthetic prompts never stop early)."""
+    warmup: bool = True
+    """Run a 2-token generation first, so the timed run excludes lazy init and page-locking."""
+    seed: int = 0
+    """Seed of the weights (when initialised), synthetic prompts and sampling."""
+    device: str = "auto"
+    """'auto' (cuda when available), 'cuda' or 'cpu'."""
+    param_dtype: str = "auto"
+    """Dtype the weights are stored and computed in: 'auto' (bfloat16 on cuda, float32 on cpu) or a dtype."""
+    dp_replicate: int = 1
+    """HSDP replicas (nodes); 1: plain FSDP over all ranks."""
+    max_gpu_memory_gib: Optional[float] = None
+    """Cap this process's GPU memory (emulates a smaller card)."""
+    host_memory_limit_gib: Optional[float] = None
+    """Host budget of the KV arena; null: detected."""
+    output_file: str = "generations.jsonl"
+    """Written in output_dir by rank 0: one line per prompt."""
+    output_dir: str = "outputs"
+    """Run directory (the Hydra entry sets it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "num_sub_batches", "blocks_per_unit", "dp_replicate"):
+            _check_positive(getattr(self, name), name)
+        _check_positive(self.forward_prefetch, "forward_prefetch", allow_zero=True)
+        _check_choice(self.kv_cache, "kv_cache", KV_CACHE_MODES)
+        _check_choice(self.activation_store, "activation_store", ("auto", "device", "host"))
+        _check_choice(self.device, "device", ("auto", "cuda", "cpu"))
+        _check_choice(self.param_dtype, "param_dtype", ("auto", *_DTYPES))
+        if self.max_gpu_memory_gib is not None:
+            _check(self.max_gpu_memory_gib > 0, "max_gpu_memory_gib", "must be > 0 (or null for no cap)")
+        if self.host_memory_limit_gib is not None:
+            _check(self.host_memory_limit_gib > 0, "host_memory_limit_gib", "must be > 0 (or null: detected)")
+        if self.prompts.source == "synthetic":
+            _check(self.prompts.prompt_len + self.max_new_tokens <= self.model.max_position_embeddings
+                   or self.model.path is not None, "max_new_tokens",
+                   f"prompts.prompt_len {self.prompts.prompt_len} + max_new_tokens {self.max_new_tokens} exceeds "
+                   f"model.max_position_embeddings={self.model.max_position_embeddings}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GenerateConfig":
+        """Builds a validated config from a plain nested dict (e.g. ``OmegaConf.to_container``)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(fields))
+        if unknown:
+            raise ValueError(f"config: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for name, value in d.items():
+            sub = fields[name].default_factory
+            kwargs[name] = (_from_dict(sub, value, f"{name}.") if dataclasses.is_dataclass(sub)
+                            else _coerce(value, hints[name], name))
+        return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------------------------
+
+
+def read_prompt_file(path: str, text_field: str = "text") -> list[str]:
+    """Prompts of a .txt (one per non-empty line) or .jsonl (``text_field`` of each object) file."""
+    p = Path(path)
+    if not p.is_file() or p.suffix not in (".txt", ".jsonl"):
+        raise ValueError(f"prompts.path: {path!r} is not a .txt or .jsonl file")
+    prompts = []
+    for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if p.suffix == ".txt":
+            prompts.append(line)
+            continue
+        try:
+            prompts.append(str(json.loads(line)[text_field]))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"prompts.path: line {number} of {path} is not a JSON object with "
+                             f"field {text_field!r} ({e})") from e
+    if not prompts:
+        raise ValueError(f"prompts.path: {path} holds no prompts")
+    return prompts
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), both (len(sequences), longest), padded on the left."""
+    longest = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, longest - len(seq):] = torch.tensor(seq)
+            mask[row, longest - len(seq):] = 1
+    return ids, mask
+
+
+def build_prompts(cfg: GenerateConfig, tokenizer: Any, vocab_size: int) -> tuple[list[Optional[str]], list[list[int]]]:
+    """All prompts (texts or None for synthetic ones) and their token ids, in order."""
+    if cfg.prompts.source == "file":
+        texts = read_prompt_file(cfg.prompts.path, cfg.prompts.text_field)
+        tokens = [list(tokenizer.encode(t)) for t in texts]
+        empty = [k for k, t in enumerate(tokens) if not t]
+        if empty:
+            raise ValueError(f"prompts.path: prompt(s) {empty[:8]} tokenize to nothing")
+        return texts, tokens
+    p = cfg.prompts
+    gen = torch.Generator().manual_seed(cfg.seed)
+    low = p.min_prompt_len or p.prompt_len
+    lengths = torch.randint(low, p.prompt_len + 1, (p.num_prompts,), generator=gen).tolist()
+    return [None] * p.num_prompts, [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
+    """Builds the model, generates every prompt (each rank its share), writes the jsonl; returns the figures."""
+    from ..data import build_tokenizer
+    from ..generate import generate
+    from ..logger import build_logger
+    from ..models import build_hf_config, build_model, materialize_model
+    from ..speedloader import apply_speedloader
+    from ..trainer import maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype
+
+    device_type = resolve_device_type(cfg.device)
+    hf_config = build_hf_config(cfg.model)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    texts, tokens = build_prompts(cfg, tokenizer, hf_config.vocab_size)
+    longest = max(len(t) for t in tokens)
+    if longest + cfg.max_new_tokens > hf_config.max_position_embeddings:
+        raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens {cfg.max_new_tokens} exceeds the "
+                         f"model's {hf_config.max_position_embeddings} positions")
+
+    parallel.maybe_init_process_group(device_type)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = parallel.compute_device(device_type)
+    torch.manual_seed(cfg.seed)
+    maybe_cap_gpu_memory(cfg.max_gpu_memory_gib, device)
+    mesh = parallel.build_mesh(device_type, cfg.dp_replicate)
+    dtype = resolve_param_dtype(cfg.param_dtype, device_type)
+
+    # Inference keeps no fp32 master weights: parameters are stored (and offloaded) in the compute dtype.
+    model = build_model(cfg.model, device="meta").to(dtype)
+    apply_speedloader(model, num_sub_batches=cfg.num_sub_batches, mesh=mesh, blocks_per_unit=cfg.blocks_per_unit,
+                      activation_store=cfg.activation_store, offload_params=cfg.offload.params,
+                      pin_memory=cfg.offload.pin_memory, forward_prefetch=cfg.forward_prefetch)
+    materialize_model(model, cfg.model, device=device, seed=cfg.seed,
+                      param_device=torch.device("cpu") if cfg.offload.params else device)
+
+    # Each rank takes every world-th prompt; the share is filled up to a multiple of N with copies.
+    mine = list(range(rank, len(tokens), world))
+    per_rank = -(-len(range(0, len(tokens), world)) // cfg.num_sub_batches) * cfg.num_sub_batches
+    rows = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+    ids, mask = left_pad([tokens[k] for k in rows], pad_id)
+    eos = eos_id if cfg.stop_at_eos and cfg.prompts.source == "file" else None
+    kwargs = dict(max_new_tokens=cfg.max_new_tokens, num_sub_batches=cfg.num_sub_batches, kv_cache=cfg.kv_cache,
+                  do_sample=cfg.sampling.do_sample, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
+                  top_p=cfg.sampling.top_p, eos_token_id=eos, pad_token_id=pad_id, seed=cfg.seed + rank,
+                  host_memory_limit_bytes=None if cfg.host_memory_limit_gib is None
+                  else int(cfg.host_memory_limit_gib * 2**30))
+    if cfg.warmup:
+        generate(model, ids, mask, **{**kwargs, "max_new_tokens": min(2, cfg.max_new_tokens)})
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    out, stats = generate(model, ids, mask, return_stats=True, **kwargs)
+
+    prompt_len = ids.shape[1]
+    records = [{"index": k, "prompt": texts[k], "prompt_tokens": tokens[k],
+                "completion_tokens": out[row, prompt_len:].tolist()} for row, k in enumerate(mine)]
+    for r in records:
+        r["completion"] = tokenizer.decode(r["completion_tokens"])
+    figures = {**stats.as_dict(), "num_ranks": world, "model": cfg.model.name,
+               "num_sub_batches": cfg.num_sub_batches, "sub_batch_size": ids.shape[0] // cfg.num_sub_batches}
+    if device.type == "cuda":
+        figures["peak_gpu_mem_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (records, figures))
+    if rank == 0:
+        all_records = sorted((r for recs, _ in gathered for r in recs), key=lambda r: r["index"])
+        out_path = Path(cfg.output_dir) / cfg.output_file
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(out_path, "w") as f:
+            for r in all_records:
+                f.write(json.dumps(r) + "\n")
+        # Throughput of all ranks together: they run concurrently, so rates add up.
+        for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "generated_tokens_per_s"):
+            figures[key] = sum(fig[key] for _, fig in gathered)
+        log.info("%d prompts -> %s | prefill %.1f tok/s (%.2f s) | decode %.1f tok/s (%.2f s) | kv_cache %s",
+                 len(all_records), out_path, figures["prefill_tokens_per_s"], figures["prefill_s"],
+                 figures["decode_tokens_per_s"], figures["decode_s"], figures["kv_cache"])
+    logger = build_logger(cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg),
+                          cfg.output_dir, rank)
+    logger.log({k: v for k, v in figures.items() if isinstance(v, (int, float, str))}, step=0)
+    logger.finish()
+    return figures
+
+
+def main() -> None:
+    """Hydra entry: ``python -m fsdp_speedloader.generate [overrides]``."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, OmegaConf
+
+    from ..train import _config_path, _rank_overrides, agree_on_run_stamp
+
+    @hydra.main(config_path=_config_path(), config_name="generate", version_base="1.3")
+    def _hydra_main(dcfg: DictConfig) -> None:
+        if int(os.environ.get("RANK", "0")) != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        container = OmegaConf.to_container(dcfg, resolve=True)
+        container.pop("hydra", None)
+        container["output_dir"] = HydraConfig.get().runtime.output_dir
+        try:
+            cfg = GenerateConfig.from_dict(container)
+            run(cfg, run_config=container)
+        except ValueError as e:  # a user error: one line, no traceback
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            sys.exit(2)
+
+    try:
+        agree_on_run_stamp()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.argv.extend(_rank_overrides(sys.argv[1:]))
+    start = time.perf_counter()
+    _hydra_main()
+    parallel.destroy_process_group()
+    log.debug("generation run took %.1f s", time.perf_counter() - start)

@@ -1,0 +1,290 @@
+"""The KV cache of layer-major generation: where each sub-batch's keys and values live between steps.
+
+Layout (one tensor, on the host or on the device)::
+
+    kv[i, l, t, c, j, k, d]     i sub-batch (N)   l layer (L)   t position (capacity T)
+                                c 0 = key, 1 = value          j sequence of the sub-batch (n)
+                                k key/value head (H_kv)       d head dimension
+
+so ``kv[i, l]`` -- everything layer ``l`` of sub-batch ``i`` has seen -- is ONE contiguous block
+(one host-to-device copy per layer per sub-batch and step), and ``kv[i, l, t]`` -- the keys and
+values of position ``t`` of every sequence of the sub-batch -- is one small contiguous write.
+
+Modes:
+- ``DeviceKVCache``: the tensor lives on the compute device; ``update`` writes the new positions in
+  place and hands the attention views of ``kv[i, l, :past + q]``.
+- ``HostKVCache``: the tensor is a slot of an exact-size page-locked ``PinnedArena``; a
+  ``TensorExchange`` moves it. Per (unit, sub-batch): ``prefetch`` starts the H2D copy of
+  ``kv[i, l, :past + q]`` for the unit's layers (the last q positions are stale; they are
+  overwritten on the device before any kernel reads them), ``update`` waits for that copy (first use,
+  so a later layer's copy still overlaps an earlier layer's compute), writes the new keys/values
+  into the device copy and stores them back with one D2H copy of ``kv[i, l, past:past + q]``.
+
+Streams and order (host mode, CUDA): fetch on the exchange's H2D stream; compute waits on the
+fetch's event; the store runs on the D2H stream after compute. A step's fetches read positions the
+previous step stored, so ``begin_step`` makes the H2D stream wait for everything the D2H stream has
+queued so far (one event per step; stores of one token are tiny, prefill stores were queued long
+before). Without CUDA the exchange copies synchronously and the same code runs.
+
+The object attention sees is ``SubBatchCache``: the part of Hugging Face's ``Cache`` interface that
+the LLaMA and OPT attention layers and ``create_causal_mask`` use (``update``, ``get_seq_length``,
+``get_mask_sizes``, ``get_query_offset``), for transformers 5.x (both the ``cache_position`` and the
+query-length forms of ``get_mask_sizes``). It is not a ``transformers.Cache`` subclass: its storage
+is this module's layout, which no ``Cache`` layer type describes, and its per-layer state is one
+integer shared by all layers (every layer has seen the same positions at the same step).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .arena import DEFAULT_MARGIN, ArenaPlan, HostMemoryBudget, PinnedArena
+from .exchange import FetchHandle, TensorExchange
+
+KV_CACHE_MODES = ("auto", "device", "host", "off")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of one generation's cache."""
+
+    num_sub_batches: int
+    num_layers: int
+    capacity: int  # positions: prompt length + max_new_tokens
+    sub_batch_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_sub_batches, self.num_layers, self.capacity, 2, self.sub_batch_size, self.num_kv_heads,
+                self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def position_bytes(self) -> int:
+        """Bytes of one position of one layer of one sub-batch (keys and values of n sequences)."""
+        return 2 * self.sub_batch_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+def kv_layout_for(config, *, num_sub_batches: int, sub_batch_size: int, capacity: int,
+                  dtype: torch.dtype) -> KVLayout:
+    """The layout for a Hugging Face decoder config (grouped-query attention included)."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return KVLayout(num_sub_batches, config.num_hidden_layers, capacity, sub_batch_size, num_kv_heads, head_dim, dtype)
+
+
+def _as_positions(key: torch.Tensor) -> torch.Tensor:
+    # (n, H_kv, q, d) as the attention produced it -> (q, n, H_kv, d), the cache's order (a view).
+    return key.permute(2, 0, 1, 3)
+
+
+def _as_attention(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # (T, 2, n, H_kv, d) -> keys and values as the attention expects them, (n, H_kv, T, d) views.
+    return block[:, 0].permute(1, 2, 0, 3), block[:, 1].permute(1, 2, 0, 3)
+
+
+class KVCache(ABC):
+    """Keys and values of all sub-batches and layers for one generation; one step at a time.
+
+    Per step: ``begin_step(past, q)``; per (unit, sub-batch) ``prefetch(i, layers)`` (a hint);
+    attention calls ``update`` through ``view(i)``; ``end_step()``.
+    """
+
+    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self.past = 0  # positions every layer has seen before this step
+        self.query = 0  # positions this step adds
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+
+    def begin_step(self, past: int, query: int) -> None:
+        if past + query > self.layout.capacity:
+            raise AssertionError(f"KV cache overflow: {past} + {query} > capacity {self.layout.capacity}")
+        self.past, self.query = past, query
+
+    def prefetch(self, i: int, layers: Sequence[int]) -> None:
+        """Hint: sub-batch ``i`` runs ``layers`` next."""
+
+    def end_step(self) -> None:
+        pass
+
+    def view(self, i: int) -> "SubBatchCache":
+        return SubBatchCache(self, i)
+
+    def _check(self, i: int, layer: int, key: torch.Tensor) -> None:
+        lay = self.layout
+        expected = (lay.sub_batch_size, lay.num_kv_heads, self.query, lay.head_dim)
+        assert tuple(key.shape) == expected and key.dtype == lay.dtype, (
+            f"attention of layer {layer} gave keys {tuple(key.shape)} {key.dtype}; cache expects {expected} {lay.dtype}")
+
+    @abstractmethod
+    def update(self, i: int, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends this step's keys/values (n, H_kv, q, d) of (i, layer); returns all (n, H_kv, past + q, d)."""
+
+    def stats(self) -> dict:
+        return {"kv_cache_bytes": self.layout.nbytes, "kv_h2d_bytes": self.h2d_bytes, "kv_d2h_bytes": self.d2h_bytes}
+
+    def close(self) -> None:
+        pass
+
+
+class DeviceKVCache(KVCache):
+    """The whole cache on the compute device: no copies."""
+
+    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+        super().__init__(layout, device)
+        self.buffer = torch.empty(layout.shape, dtype=layout.dtype, device=device)
+
+    def update(self, i, layer, key, value):
+        self._check(i, layer, key)
+        block = self.buffer[i, layer]  # (T, 2, n, H_kv, d)
+        new = block[self.past : self.past + self.query]
+        new[:, 0].copy_(_as_positions(key))
+        new[:, 1].copy_(_as_positions(value))
+        if self.past == 0:
+            return key, value  # prefill: exactly what attention would use without a cache
+        return _as_attention(block[: self.past + self.query])
+
+    def close(self) -> None:
+        self.buffer = None
+
+
+class HostKVCache(KVCache):
+    """The cache in a page-locked host arena (plain memory without CUDA), moved by a ``TensorExchange``.
+
+    The arena and the exchange may outlive one generation (``reuse``): a later generation whose
+    cache fits in the arena re-carves it without allocating or page-locking again.
+    """
+
+    SLOT = "kv_cache"
+
+    def __init__(self, layout: KVLayout, device: torch.device, *, arena: Optional[PinnedArena] = None,
+                 exchange: Optional[TensorExchange] = None, host_memory_limit_bytes: Optional[int] = None,
+                 host_memory_margin: float = DEFAULT_MARGIN) -> None:
+        super().__init__(layout, device)
+        if arena is None or self.SLOT not in arena or arena.capacity(self.SLOT) < layout.nbytes:
+            if arena is not None:
+                arena.close()
+            plan = ArenaPlan().add(self.SLOT, "kv_cache", layout.shape, layout.dtype)
+            budget = HostMemoryBudget.detect(host_memory_limit_bytes, margin=host_memory_margin)
+            hint = (f"lower the batch ({layout.num_sub_batches} sub-batches x {layout.sub_batch_size} sequences), "
+                    f"the prompt length or max_new_tokens (capacity {layout.capacity} positions), or use "
+                    "kv_cache='off' (recompute) or 'device'")
+            arena = PinnedArena(plan, budget=budget, hint=hint, pin=device.type == "cuda")
+        self.arena = arena
+        self.host = arena.slot(self.SLOT, layout.shape, layout.dtype)
+        self.exchange = exchange if exchange is not None else TensorExchange(device)
+        self._pending: dict[tuple[int, int], FetchHandle] = {}
+
+    def begin_step(self, past: int, query: int) -> None:
+        super().begin_step(past, query)
+        self._pending.clear()
+        # Every fetched block has a new length: drop the ring's buffers of the previous length (held
+        # ones stay valid; the allocator reuses the memory once their queued copies are done).
+        self.exchange.clear_ring()
+        if self.exchange.is_cuda and past > 0:
+            self.exchange.h2d.wait_stream(self.exchange.d2h)  # this step's fetches read the last stores
+
+    def prefetch(self, i: int, layers: Sequence[int]) -> None:
+        if self.past == 0:
+            return  # prefill: nothing cached yet
+        for layer in layers:
+            if (i, layer) not in self._pending:
+                src = self.host[i, layer, : self.past + self.query]
+                self.h2d_bytes += (self.past + self.query) * self.layout.position_bytes
+                self._pending[i, layer] = self.exchange.fetch(src)
+
+    def update(self, i, layer, key, value):
+        self._check(i, layer, key)
+        new_host = self.host[i, layer, self.past : self.past + self.query]
+        self.d2h_bytes += self.query * self.layout.position_bytes
+        if self.past == 0:
+            # (q, 2, n, H_kv, d): one contiguous tensor, one D2H copy.
+            self.exchange.store(torch.stack((_as_positions(key), _as_positions(value)), dim=1), new_host)
+            return key, value
+        self.prefetch(i, (layer,))  # no-op when the schedule prefetched it
+        block = self.exchange.wait(self._pending.pop((i, layer)))  # (past + q, 2, n, H_kv, d) on the device
+        new = block[self.past :]
+        new[:, 0].copy_(_as_positions(key))
+        new[:, 1].copy_(_as_positions(value))
+        self.exchange.store(new, new_host)
+        return _as_attention(block)
+
+    def end_step(self) -> None:
+        self._pending.clear()
+        self.exchange.end_step()
+
+    def close(self) -> None:
+        """Waits for queued copies; the arena stays with the caller for reuse (``self.arena``)."""
+        self._pending.clear()
+        self.exchange.drain()
+        self.exchange.clear_ring()
+        self.host = None
+
+
+class SubBatchCache:
+    """What Hugging Face attention and mask code see of the cache, for sub-batch ``i`` (all layers)."""
+
+    is_compileable = False
+
+    def __init__(self, cache: KVCache, i: int) -> None:
+        self._cache = cache
+        self._i = i
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cache.update(self._i, layer_idx, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
+        return self._cache.past
+
+    def get_query_offset(self, layer_idx: Optional[int] = 0) -> int:
+        return self._cache.past
+
+    def get_mask_sizes(self, query, layer_idx: Optional[int] = 0) -> tuple[int, int]:
+        # transformers < 5.20 passes cache_position (a tensor of the query positions), later the query length.
+        q = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
+        return self._cache.past + q, 0
+
+
+def choose_kv_mode(mode: str, layout: KVLayout, device: torch.device, *, device_fraction: float = 0.5) -> str:
+    """'auto': on the device when the whole cache takes at most ``device_fraction`` of the GPU memory this
+    process may still use (weights of the units in flight and activations need the rest), else on the host.
+    Without CUDA the host is the device: 'device'."""
+    if mode != "auto":
+        return mode
+    if device.type != "cuda":
+        return "device"
+    free, total = torch.cuda.mem_get_info(device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    allowed = fraction * total - torch.cuda.memory_reserved(device)
+    available = min(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), allowed)
+    return "device" if layout.nbytes <= device_fraction * max(0, available) else "host"
+
+
+def build_kv_cache(mode: str, layout: KVLayout, device: torch.device, *, arena: Optional[PinnedArena] = None,
+                   exchange: Optional[TensorExchange] = None, host_memory_limit_bytes: Optional[int] = None
+                   ) -> Optional[KVCache]:
+    """'device', 'host' or 'off' (None: the caller recomputes the prefix every step)."""
+    if mode == "off":
+        return None
+    if mode == "device":
+        return DeviceKVCache(layout, device)
+    if mode == "host":
+        return HostKVCache(layout, device, arena=arena, exchange=exchange,
+                           host_memory_limit_bytes=host_memory_limit_bytes)
+    raise ValueError(f"kv_cache={mode!r}; choose one of {', '.join(map(repr, KV_CACHE_MODES))}")

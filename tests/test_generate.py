@@ -1,0 +1,303 @@
+"""Layer-major generation on CPU: token-for-token parity with Hugging Face ``generate``, EOS, sampling, errors.
+
+The reference is the unmodified model (``copy.deepcopy`` of the same initialised weights), fp32, and
+its own ``generate``: greedy with the cache for kv_cache 'device'/'host', ``use_cache=False`` for
+'off' (both recompute the whole prefix every step, so the arithmetic is the same). Prompts are
+left-padded to different lengths. World size 2 (gloo): each rank generates on its own prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from engine_cases import count_collectives, cpu_mesh
+from fsdp_speedloader import apply_speedloader
+from fsdp_speedloader.config import ModelConfig
+from fsdp_speedloader.generate import GenerationStats, generate
+from fsdp_speedloader.models import build_model
+
+VOCAB, PROMPT_LEN, NEW = 96, 7, 10
+_MODELS: dict = {}
+
+
+def _tiny(family: str) -> torch.nn.Module:
+    """A 3-layer model (GQA for LLaMA), built once per family; tests deep-copy it."""
+    if family not in _MODELS:
+        cfg = ModelConfig(family=family, hidden_size=64, num_layers=3, num_heads=4,
+                          num_kv_heads=2 if family == "llama" else None, intermediate_size=128, vocab_size=VOCAB,
+                          max_position_embeddings=32)
+        _MODELS[family] = build_model(cfg, device="cpu", seed=1)
+    return _MODELS[family]
+
+
+def _prompts(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of lengths 1..PROMPT_LEN (row 0 full length, the last row one token), pad id 0."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=gen)
+    lengths = torch.randint(1, PROMPT_LEN + 1, (batch,), generator=gen)
+    lengths[0], lengths[-1] = PROMPT_LEN, 1
+    mask = (torch.arange(PROMPT_LEN)[None] >= (PROMPT_LEN - lengths)[:, None]).long()
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _reference(model, ids, mask, *, eos=None, pad=0, use_cache=True, max_new_tokens=NEW) -> torch.Tensor:
+    ref = copy.deepcopy(model)
+    ref.generation_config.eos_token_id = eos
+    ref.generation_config.pad_token_id = pad
+    return ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                        use_cache=use_cache)
+
+
+def _prepared(family: str, num_sub_batches: int, **kwargs) -> torch.nn.Module:
+    return apply_speedloader(copy.deepcopy(_tiny(family)), mesh=cpu_mesh(), num_sub_batches=num_sub_batches,
+                             **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only add noise on a shared 2-core machine
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_greedy_parity_with_hugging_face(family):
+    """Every (kv_cache, N) case on one prepared model per N: fp32 greedy tokens equal HF's exactly."""
+    ids, mask = _prompts(4)
+    cached, recomputed = _reference(_tiny(family), ids, mask), _reference(_tiny(family), ids, mask, use_cache=False)
+    assert (mask == 0).any() and cached.shape == (4, PROMPT_LEN + NEW)
+    for n_sub in (1, 2, 4):
+        model = _prepared(family, n_sub)
+        for kv_cache in ("device", "host", "off"):
+            got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=n_sub, kv_cache=kv_cache)
+            want = recomputed if kv_cache == "off" else cached
+            assert got.dtype == torch.long and torch.equal(got, want), (family, n_sub, kv_cache, got, want)
+
+
+@pytest.mark.parametrize("family,offload,blocks_per_unit", [("llama", True, 2), ("opt", True, 1), ("opt", False, 3)])
+def test_parity_with_offload_and_larger_units(family, offload, blocks_per_unit):
+    ids, mask = _prompts(4, seed=1)
+    model = _prepared(family, 2, offload_params=offload, blocks_per_unit=blocks_per_unit, activation_store="host")
+    got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, kv_cache="host")
+    assert torch.equal(got, _reference(_tiny(family), ids, mask))
+
+
+def test_no_mask_and_unpadded_prompts():
+    ids, _ = _prompts(2, seed=2)
+    model = _prepared("llama", 2)
+    want = _reference(_tiny("llama"), ids, torch.ones_like(ids))
+    assert torch.equal(generate(model, ids, max_new_tokens=NEW, num_sub_batches=2), want)
+    assert torch.equal(generate(model, ids, torch.ones_like(ids), max_new_tokens=NEW, num_sub_batches=2), want)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_eos_pads_finished_sequences_as_hugging_face(family):
+    ids, mask = _prompts(4, seed=3)
+    free = _reference(_tiny(family), ids, mask)[:, PROMPT_LEN:]
+    eos = int(free[1, 3])  # row 1 ends by its 4th new token; others may end too, or run to the end
+    want = _reference(_tiny(family), ids, mask, eos=eos, pad=1)
+    model = _prepared(family, 2)
+    got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, eos_token_id=eos, pad_token_id=1,
+                   kv_cache="host")
+    assert torch.equal(got, want)
+    first = int((free[1] == eos).nonzero()[0])  # at the latest its 4th new token
+    assert got[1, PROMPT_LEN + first] == eos and (got[1, PROMPT_LEN + first + 1 :] == 1).all()
+
+
+def test_stops_early_when_every_sequence_ended():
+    ids, mask = _prompts(1, seed=4)
+    ids, mask = ids.repeat(2, 1), mask.repeat(2, 1)  # both rows generate the same tokens
+    free = _reference(_tiny("opt"), ids, mask)[:, PROMPT_LEN:]
+    eos = int(free[0, 2])
+    first = int((free[0] == eos).nonzero()[0])  # the first time it appears (maybe before position 2)
+    model = _prepared("opt", 2)
+    got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, eos_token_id=[eos, VOCAB - 1])
+    assert got.shape == (2, PROMPT_LEN + first + 1)
+    assert torch.equal(got, _reference(_tiny("opt"), ids, mask, eos=[eos, VOCAB - 1], pad=eos))
+
+
+def test_sampling_is_reproducible_with_a_seed_and_independent_of_num_sub_batches():
+    ids, mask = _prompts(4, seed=5)
+    runs = {}
+    for n_sub in (2, 4):
+        model = _prepared("llama", n_sub)
+        for seed in (7, 8):
+            runs[n_sub, seed] = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=n_sub, do_sample=True,
+                                         temperature=0.7, top_k=20, top_p=0.9, seed=seed)
+    assert torch.equal(runs[2, 7], runs[4, 7])
+    assert not torch.equal(runs[2, 7], runs[2, 8])
+    greedy = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=4)
+    assert not torch.equal(runs[4, 7], greedy)  # it does sample
+    # top_k=1 is greedy whatever the temperature.
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=4, do_sample=True,
+                                temperature=3.0, top_k=1, seed=0), greedy)
+
+
+def test_one_unshard_per_unit_per_step_and_stats():
+    ids, mask = _prompts(4, seed=6)
+    model = _prepared("llama", 4, blocks_per_unit=1)
+    generate(model, ids, mask, max_new_tokens=2, num_sub_batches=4)  # lazy init; the root stays unsharded
+    for kv_cache in ("host", "off"):
+        counts, undo = count_collectives()
+        try:
+            out, stats = generate(model, ids, mask, max_new_tokens=5, num_sub_batches=4, kv_cache=kv_cache,
+                                  return_stats=True)
+        finally:
+            undo()
+        assert counts["unshard"] == 3 * 5, counts  # 3 units x 5 steps, whatever N
+        assert isinstance(stats, GenerationStats) and stats.num_steps == 5 and stats.kv_cache == kv_cache
+        assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+    assert out.shape == (4, PROMPT_LEN + 5)
+    assert model.training  # restored
+
+
+def test_model_generates_after_training_and_trains_after_generating():
+    ids, mask = _prompts(4, seed=7)
+    model = _prepared("opt", 2)
+    model(input_ids=ids, labels=ids).loss.backward()
+    generate(model, ids, mask, max_new_tokens=3, num_sub_batches=2, kv_cache="host")
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_new_tokens=30), "exceeds the model's 32 positions"),
+    (dict(input_ids=torch.zeros(4, 0, dtype=torch.long)), "empty prompts"),
+    (dict(attention_mask=torch.ones(4, PROMPT_LEN + 1, dtype=torch.long)), "must match input_ids"),
+    (dict(attention_mask=torch.ones(4, PROMPT_LEN, dtype=torch.long).index_fill_(0, torch.tensor([2]), 0)),
+     r"row\(s\) \[2\] are all padding"),
+    (dict(attention_mask=torch.ones(4, PROMPT_LEN, dtype=torch.long).index_fill_(1, torch.tensor([6]), 0)),
+     "pad prompts on the LEFT"),
+    (dict(num_sub_batches=3), "not num_sub_batches=3"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(kv_cache="disk"), "kv_cache='disk'"),
+    (dict(input_ids=torch.full((4, PROMPT_LEN), VOCAB)), "outside the vocabulary"),
+    (dict(do_sample=True, temperature=0.0), "temperature"),
+    (dict(do_sample=True, top_p=1.5), "top_p"),
+])
+def test_bad_input_raises_before_any_work(kwargs, message):
+    ids, mask = _prompts(4)
+    model = _prepared("llama", 2)
+    args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, num_sub_batches=2) | kwargs
+    counts, undo = count_collectives()
+    try:
+        with pytest.raises(ValueError, match=message):
+            generate(model, **args)
+    finally:
+        undo()
+    assert counts["unshard"] == 0
+
+
+def test_unprepared_model_is_refused():
+    with pytest.raises(ValueError, match="apply_speedloader"):
+        generate(copy.deepcopy(_tiny("opt")), *_prompts(2), max_new_tokens=2, num_sub_batches=1)
+
+
+def test_host_kv_arena_budget_error_names_the_settings():
+    model = _prepared("llama", 2)
+    with pytest.raises(ValueError, match="lower the batch"):
+        generate(model, *_prompts(4), max_new_tokens=NEW, num_sub_batches=2, kv_cache="host",
+                 host_memory_limit_bytes=1)
+
+
+# --- world size 2 ----------------------------------------------------------------------------
+
+
+def _sharded_generation(rank: int, world_size: int) -> list:
+    torch.set_num_threads(1)
+    out = []
+    for family, kv_cache, offload in itertools.product(("llama", "opt"), ("host", "off"), (False, True)):
+        model = _tiny(family)
+        ids, mask = _prompts(4, seed=10 + rank)  # each rank its own prompts
+        want = _reference(model, ids, mask)
+        prepared = apply_speedloader(copy.deepcopy(model), mesh=cpu_mesh(), num_sub_batches=2, offload_params=offload)
+        got = generate(prepared, ids, mask, max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache)
+        out.append(bool(torch.equal(got, want)))
+    # EOS on one rank only: the ranks agree to keep stepping until both are done (no hang), and the
+    # rank that finished pads.
+    ids, mask = _prompts(1, seed=20)
+    ids, mask = ids.repeat(2, 1), mask.repeat(2, 1)
+    eos = int(_reference(_tiny("opt"), ids, mask)[0, PROMPT_LEN + 1]) if rank == 0 else None  # rank 0 ends by step 2
+    prepared = apply_speedloader(copy.deepcopy(_tiny("opt")), mesh=cpu_mesh(), num_sub_batches=1)
+    got = generate(prepared, ids, mask, max_new_tokens=NEW, num_sub_batches=1, eos_token_id=eos, pad_token_id=5)
+    out.append(tuple(got.shape))
+    return out
+
+
+@pytest.mark.slow
+def test_generation_fsdp_sharded_on_two_ranks():
+    results = run_distributed(_sharded_generation, 2)
+    for rank, res in enumerate(results):
+        assert all(res[:-1]), (rank, res)
+        assert res[-1] == (2, PROMPT_LEN + NEW), (rank, res)
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+CLI_TINY = ["logger=none", "device=cpu", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
+            "model.intermediate_size=128", "max_new_tokens=6", "num_sub_batches=2", "warmup=false"]
+
+
+def test_generate_yaml_composes_into_a_valid_config():
+    from hydra import compose, initialize_config_dir
+
+    from fsdp_speedloader.inference.cli import GenerateConfig
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    for overrides in ([], ["model=opt_tiny", "offload=params", "kv_cache=host", "prompts.min_prompt_len=4"],
+                      ["model=opt_30b", "logger=none", "prompts.prompt_len=512"]):
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            dcfg = compose("generate", overrides=[*overrides, "output_dir=/tmp/x"])
+        cfg = GenerateConfig.from_dict(OmegaConf.to_container(dcfg, resolve=True))
+        assert cfg.model.name == (overrides[0].split("=")[1] if overrides else "llama_tiny")
+    with pytest.raises(ValueError, match="kv_cache"):
+        GenerateConfig.from_dict({"kv_cache": "disk"})
+    with pytest.raises(ValueError, match="unknown key"):
+        GenerateConfig.from_dict({"max_new_token": 3})
+
+
+def test_cli_generates_prompts_from_a_file(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "Hello world"}\n{"text": "The capital of France is"}\n\n{"text": "abc"}\n')
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.generate", *CLI_TINY, "prompts.source=file",
+                           f"prompts.path={prompts}", "kv_cache=host", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in lines] == ["Hello world", "The capital of France is", "abc"]
+    assert all(len(r["completion_tokens"]) <= 6 and isinstance(r["completion"], str) for r in lines)
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["prefill_tokens_per_s"] > 0 and metrics["decode_tokens_per_s"] > 0
+    assert "decode" in proc.stderr + proc.stdout  # the throughput line
+
+
+def test_prompt_files_and_left_padding(tmp_path):
+    from fsdp_speedloader.inference.cli import left_pad, read_prompt_file
+
+    (tmp_path / "p.txt").write_text("first prompt\n\nsecond\n")
+    assert read_prompt_file(str(tmp_path / "p.txt")) == ["first prompt", "second"]
+    (tmp_path / "p.jsonl").write_text('{"q": "a"}\n{"text": "b"}\n')
+    with pytest.raises(ValueError, match="line 1 .* field 'text'"):
+        read_prompt_file(str(tmp_path / "p.jsonl"))
+    with pytest.raises(ValueError, match="not a .txt or .jsonl file"):
+        read_prompt_file(str(tmp_path / "missing.txt"))
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]

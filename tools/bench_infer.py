@@ -1,0 +1,379 @@
+"""Offloaded generation throughput on one GPU under one GPU-memory budget: speedloader vs accelerate vs FlexGen.
+
+Every contender runs in its own process (fresh CUDA context, ``torch.cuda.set_per_process_memory_fraction``
+set to the same ``--gpu-memory-gib``), on the same model shape (``conf/model/<model>.yaml``, dummy
+weights: nothing is downloaded), prompt length and generation length, and generates EVERY token
+(no projected timings, no EOS stop). A contender that fails or times out is recorded as such.
+
+  speedloader:BxN[:kv]   this project: B prompts in N sub-batches; weights offloaded to the host when they
+                         take more than half the budget (--offload to force), KV cache 'auto' (default),
+                         'host', 'device' or 'off'
+  accelerate:B           Hugging Face generate on a model dispatched by accelerate (device_map from
+                         infer_auto_device_map with max_memory: the budget minus B's KV cache and a margin
+                         on the GPU, the rest of the layers on the host)
+  flexgen[:GBSxNGBS]     FlexGen 0.1.8 (OPT only), dummy weights, its published policy for the model
+                         (FLEXGEN_POLICIES; --flexgen-percent / --flexgen-cpu-cache-compute override)
+
+Usage (the paper's setting, one GPU, 24 GiB budget)::
+
+    pip download flexgen==0.1.8 --no-deps -d .whl          # once, where the package index is reachable
+    python tools/bench_infer.py --model opt_30b --gpu-memory-gib 24 --prompt-len 512 --gen-len 32 \\
+        --contender speedloader:64x4:host --contender flexgen --contender accelerate:8 --name infer_opt30b_24g
+
+FlexGen's dependencies besides torch/transformers/numpy: tqdm, attrs (pulp only for its cost model,
+not imported here). Its wheel is unpacked into a temporary directory and imported from there; its
+tokenizer (downloaded from the Hub in its own driver) is not used: the prompts are token ids.
+
+Writes bench/results/<name>.json (device, torch version, commit, command line, configuration, every
+figure) and prints a markdown table. Generated tokens/s = B x gen_len / (prefill + decode time),
+FlexGen's "total throughput".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = ("opt_6.7b", "opt_30b", "llama2_13b")
+# FlexGen's own policies at prompt 512 / gen 32 (its benchmark suite): percent = weights GPU/CPU,
+# cache GPU/CPU, activations GPU/CPU. OPT-6.7B fits the budget on the GPU; the batch fills the rest.
+FLEXGEN_POLICIES = {
+    "opt_6.7b": dict(percent=[100, 0, 100, 0, 100, 0], gpu_batch_size=24, num_gpu_batches=1, cpu_cache_compute=False),
+    "opt_30b": dict(percent=[20, 80, 0, 100, 0, 100], gpu_batch_size=48, num_gpu_batches=3, cpu_cache_compute=True),
+}
+FLEXGEN_NAMES = {"opt_6.7b": "facebook/opt-6.7b", "opt_30b": "facebook/opt-30b"}
+
+
+# --- shared helpers ------------------------------------------------------------------------------
+
+
+def _host_peak_rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def _model_config(args):
+    import yaml
+
+    from fsdp_speedloader.config import ModelConfig
+
+    raw = yaml.safe_load((REPO / "conf" / "model" / f"{args.model}.yaml").read_text())
+    raw["max_position_embeddings"] = max(raw["max_position_embeddings"], args.prompt_len + args.gen_len)
+    return ModelConfig(**raw)
+
+
+def _cap_gpu(args):
+    import torch
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * 2**30 / total), device)
+    return device
+
+
+def _prompts(args, batch: int, vocab: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(4, vocab, (batch, args.prompt_len), generator=gen)
+
+
+def _dummy_init(params) -> None:
+    """Small uniform values in place (the throughput does not depend on them; no generator per tensor)."""
+    import torch
+
+    with torch.no_grad():
+        for p in params:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.is_floating_point() and local.numel():
+                local.uniform_(-0.02, 0.02)
+
+
+def _kv_bytes(cfg, batch: int, positions: int) -> int:
+    kv_heads = cfg.num_kv_heads or cfg.num_heads
+    return 2 * batch * cfg.num_layers * positions * kv_heads * (cfg.hidden_size // cfg.num_heads) * 2
+
+
+# --- contenders (each runs in a worker process) --------------------------------------------------
+
+
+def run_speedloader(args, spec: str) -> dict:
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_speedloader import apply_speedloader
+    from fsdp_speedloader.generate import generate
+    from fsdp_speedloader.models import build_model, get_adapter
+    from fsdp_speedloader.models.build import _rebuild_buffers
+    from fsdp_speedloader.parallel import maybe_init_process_group
+
+    shape, _, kv_cache = spec.partition(":")
+    batch, num_sub = (int(v) for v in shape.split("x"))
+    kv_cache = kv_cache or "auto"
+    maybe_init_process_group("cuda")
+    device = _cap_gpu(args)
+    cfg = _model_config(args)
+    model = build_model(cfg, device="meta").to(torch.bfloat16)  # inference: no fp32 master weights
+    weight_bytes = sum(p.numel() for p in model.parameters()) * 2
+    offload = args.offload == "yes" or (args.offload == "auto" and weight_bytes > 0.5 * args.gpu_memory_gib * 2**30)
+    apply_speedloader(model, num_sub_batches=num_sub, offload_params=offload,
+                      activation_store="host" if offload else "device", forward_prefetch=args.prefetch)
+    # Untouched host pages until the first step moves the shards into the store's page-locked arena:
+    # the weights are never held twice (an init before the move would double the host memory).
+    model.to_empty(device=torch.device("cpu") if offload else device)
+    _rebuild_buffers(model, device)
+    ids = _prompts(args, batch, cfg.vocab_size)
+    kwargs = dict(num_sub_batches=num_sub, kv_cache=kv_cache, eos_token_id=None)
+    # Warm-up: lazy init, arenas (the longest geometry first, so the timed run re-plans nothing).
+    warm = torch.cat([ids, ids[:, : args.gen_len - 1]], dim=1) if args.gen_len > 1 else ids
+    generate(model, warm, max_new_tokens=1, **kwargs)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    _dummy_init(model.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out, stats = generate(model, ids, max_new_tokens=args.gen_len, return_stats=True, **kwargs)
+    wall = time.perf_counter() - t0
+    assert out.shape == (batch, args.prompt_len + args.gen_len)
+    adapter = get_adapter(model)
+    block_bytes = sum(p.numel() for b in adapter.blocks for p in b.parameters()) * 2
+    h, layers = cfg.hidden_size, len(adapter.blocks)
+    units = layers  # blocks_per_unit 1
+    io = {
+        "weights_h2d_bytes": block_bytes * args.gen_len if offload else 0,
+        "kv_h2d_bytes": stats.io.get("kv_h2d_bytes", 0), "kv_d2h_bytes": stats.io.get("kv_d2h_bytes", 0),
+        # Block-boundary activations cross the link twice per unit (store + fetch) when the store is on the host.
+        "activation_bytes": (2 * units * batch * h * 2 * (args.prompt_len + args.gen_len - 1)) if offload else 0,
+    }
+    return {"batch_size": batch, "num_sub_batches": num_sub, "kv_cache": stats.kv_cache, "offload_weights": offload,
+            "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "wall_s_generate": wall,
+            "generated_tokens_per_s": stats.generated_tokens_per_s, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+            "decode_tokens_per_s": stats.decode_tokens_per_s, "io": io, "kv_cache_bytes": stats.io.get("kv_cache_bytes", 0),
+            "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "host_peak_rss_gib": _host_peak_rss_gib()}
+
+
+def run_accelerate(args, spec: str) -> dict:
+    import torch
+    from accelerate import dispatch_model, infer_auto_device_map
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_speedloader.models import build_hf_config, get_adapter
+    from fsdp_speedloader.models.build import _rebuild_buffers
+
+    batch = int(spec)
+    device = _cap_gpu(args)
+    cfg = _model_config(args)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_hf_config(cfg), dtype=torch.bfloat16)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty unties shared tensors (OPT's embedding and LM head)
+    _rebuild_buffers(model, torch.device("cpu"))
+    _dummy_init(model.parameters())
+    model.eval()
+    block_cls = type(get_adapter(model).blocks[0]).__name__
+    kv = _kv_bytes(cfg, batch, args.prompt_len + args.gen_len)
+    gpu_weights = int(args.gpu_memory_gib * 2**30 - kv - args.accelerate_margin_gib * 2**30)
+    if gpu_weights <= 0:
+        raise RuntimeError(f"batch {batch}: its KV cache ({kv / 2**30:.1f} GiB) leaves no GPU memory for weights")
+    device_map = infer_auto_device_map(model, max_memory={0: gpu_weights, "cpu": int(args.host_memory_gib * 2**30)},
+                                       no_split_module_classes=[block_cls], dtype=torch.bfloat16)
+    model = dispatch_model(model, device_map=device_map)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 1
+    ids = _prompts(args, batch, cfg.vocab_size).to(device)
+    model.generate(input_ids=ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
+    torch.cuda.synchronize()
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, max_new_tokens=args.gen_len, do_sample=False)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    assert out.shape == (batch, args.prompt_len + args.gen_len)
+    on_gpu = sum(1 for v in device_map.values() if v in (0, "cuda", "cuda:0"))
+    return {"batch_size": batch, "prefill_s": prefill, "decode_s": max(total - prefill, 0.0),
+            "generated_tokens_per_s": batch * args.gen_len / total,
+            "prefill_tokens_per_s": batch * args.prompt_len / prefill,
+            "decode_tokens_per_s": batch * (args.gen_len - 1) / max(total - prefill, 1e-9),
+            "gpu_weight_budget_gib": gpu_weights / 2**30, "device_map_entries_on_gpu": on_gpu,
+            "device_map_entries": len(device_map), "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "host_peak_rss_gib": _host_peak_rss_gib(),
+            "note": "full generate timed; prefill timed separately as a 1-token generate"}
+
+
+def run_flexgen(args, spec: str) -> dict:
+    if args.model not in FLEXGEN_POLICIES:
+        raise RuntimeError(f"FlexGen 0.1.8 runs OPT models only; {args.model} is not supported")
+    wheel = Path(args.flexgen_wheel)
+    if not wheel.is_file():
+        raise RuntimeError(f"FlexGen wheel not found at {wheel}; run `pip download flexgen==0.1.8 --no-deps -d .whl`")
+    src = tempfile.mkdtemp(prefix="flexgen_")
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(src)
+    sys.path.insert(0, src)
+    import numpy as np
+    import torch
+    from flexgen.compression import CompressionConfig
+    from flexgen.flex_opt import OptLM, Policy, get_opt_config
+    from flexgen.pytorch_backend import TorchDevice, TorchDisk, TorchMixedDevice
+    from flexgen.timer import timers
+    from flexgen.utils import ExecutionEnv
+
+    _cap_gpu(args)
+    pol = dict(FLEXGEN_POLICIES[args.model])
+    if spec:
+        pol["gpu_batch_size"], pol["num_gpu_batches"] = (int(v) for v in spec.split("x"))
+    if args.flexgen_percent:
+        pol["percent"] = [int(v) for v in args.flexgen_percent.split()]
+    if args.flexgen_cpu_cache_compute is not None:
+        pol["cpu_cache_compute"] = args.flexgen_cpu_cache_compute == "yes"
+    gpu, cpu = TorchDevice("cuda:0"), TorchDevice("cpu")
+    disk = TorchDisk(tempfile.mkdtemp(prefix="flexgen_offload_"))
+    env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
+    comp = dict(num_bits=4, group_size=64, symmetric=False)
+    policy = Policy(pol["gpu_batch_size"], pol["num_gpu_batches"], *pol["percent"], True, True, True,
+                    pol["cpu_cache_compute"], 1.0, False, CompressionConfig(group_dim=0, **comp), False,
+                    CompressionConfig(group_dim=2, **comp))
+    opt_config = get_opt_config(FLEXGEN_NAMES[args.model])
+    batch = pol["gpu_batch_size"] * pol["num_gpu_batches"]
+    ids = _prompts(args, batch, opt_config.vocab_size).numpy().astype(np.int64)
+    try:
+        model = OptLM(opt_config, env, "_DUMMY_", policy)  # "_DUMMY_" in the path: dummy weights, no download
+        model.generate([list(r[:32]) for r in ids], max_new_tokens=1)  # warm-up, as FlexGen's driver
+        timers("generate").reset()
+        t0 = time.perf_counter()
+        out = model.generate([list(r) for r in ids], max_new_tokens=args.gen_len)
+        wall = time.perf_counter() - t0
+        costs = timers("generate").costs
+    finally:
+        env.close_copy_threads()
+    assert out.shape == (batch, args.prompt_len + args.gen_len)
+    prefill, decode = costs[0], sum(costs[1:])
+    return {"batch_size": batch, "policy": pol, "prefill_s": prefill, "decode_s": decode, "wall_s_generate": wall,
+            "generated_tokens_per_s": batch * args.gen_len / (prefill + decode),
+            "prefill_tokens_per_s": batch * args.prompt_len / prefill,
+            "decode_tokens_per_s": batch * (args.gen_len - 1) / max(decode, 1e-9),
+            "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30, "host_peak_rss_gib": _host_peak_rss_gib()}
+
+
+CONTENDERS = {"speedloader": run_speedloader, "accelerate": run_accelerate, "flexgen": run_flexgen}
+
+
+# --- driver --------------------------------------------------------------------------------------
+
+
+def _row(r: dict) -> str:
+    if "error" in r:
+        return f"| {r['contender']} | | error: {r['error'][:100]} | | | | |"
+    io = r.get("io")
+    io_s = (f"W {io['weights_h2d_bytes'] / 2**30:.0f} / KV {io['kv_h2d_bytes'] / 2**30:.0f}+"
+            f"{io['kv_d2h_bytes'] / 2**30:.1f} / A {io['activation_bytes'] / 2**30:.1f}") if io else ""
+    return (f"| {r['contender']} | {r['batch_size']} | {r['generated_tokens_per_s']:.1f} | "
+            f"{r['prefill_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.1f} | {r['peak_hbm_gib']:.1f} | {io_s} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="opt_30b", choices=MODELS)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument("--gpu-memory-gib", type=float, default=24.0, help="the GPU budget of every contender")
+    parser.add_argument("--host-memory-gib", type=float, default=110.0, help="accelerate's host max_memory")
+    parser.add_argument("--contender", action="append", default=[], help="see the module docstring (repeatable)")
+    parser.add_argument("--offload", choices=("auto", "yes", "no"), default="auto", help="speedloader weights")
+    parser.add_argument("--prefetch", type=int, default=1, help="speedloader forward prefetch depth")
+    parser.add_argument("--accelerate-margin-gib", type=float, default=4.0,
+                        help="GPU memory kept free of accelerate's weights for activations and transfers")
+    parser.add_argument("--flexgen-wheel", default=str(REPO / ".whl" / "flexgen-0.1.8-py3-none-any.whl"))
+    parser.add_argument("--flexgen-percent", default=None, help='six numbers, e.g. "20 80 0 100 0 100"')
+    parser.add_argument("--flexgen-cpu-cache-compute", choices=("yes", "no"), default=None)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--append", action="store_true",
+                        help="merge into an existing record of the same --name (one contender per command)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        name, _, spec = args.worker.partition(":")
+        print("RESULT " + json.dumps(CONTENDERS[name](args, spec)), flush=True)
+        return
+
+    import torch
+
+    rows = []
+    contenders = args.contender or ["speedloader:64x4", "flexgen", "accelerate:8"]
+    argv = sys.argv[1:]
+    passthrough = [a for k, a in enumerate(argv)
+                   if not a.startswith("--contender") and not (k and argv[k - 1] == "--contender")]
+    for contender in contenders:
+        name = contender.partition(":")[0]
+        if name not in CONTENDERS:
+            rows.append({"contender": contender, "error": f"unknown contender {name!r}; choose {sorted(CONTENDERS)}"})
+            continue
+        cmd = [sys.executable, __file__, "--worker", contender, *passthrough]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode == 0 and lines:
+                row = {"contender": contender, **json.loads(lines[-1][len("RESULT "):])}
+            else:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-30:]
+                message = next((line for line in reversed(tail) if line and not line.startswith(" ")), "no output")
+                row = {"contender": contender, "error": f"exit {proc.returncode}: {message}", "stderr_tail": tail}
+        except subprocess.TimeoutExpired:
+            row = {"contender": contender, "error": f"timeout after {args.timeout:.0f} s"}
+        row["wall_s"] = time.time() - t0
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "stderr_tail"}), flush=True)
+
+    name = args.name or f"infer_{args.model}_p{args.prompt_len}_g{args.gen_len}_{args.gpu_memory_gib:g}g"
+    path = Path(args.out_dir, f"{name}.json")
+    commands = [" ".join([Path(sys.argv[0]).name, *sys.argv[1:]])]
+    if args.append and path.is_file():  # earlier contenders of the same comparison (same model, lengths, budget)
+        old = json.loads(path.read_text())
+        mine = {r["contender"] for r in rows}
+        rows = [r for r in old["results"] if r["contender"] not in mine] + rows
+        commands = old.get("commands", [old.get("command", "")]) + commands
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    record = {"benchmark": "infer", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "commit": commit or "unknown",
+              "commands": commands, "config": {k: v for k, v in vars(args).items() if k != "worker"}, "results": rows}
+    ok = {r["contender"].partition(":")[0]: r["generated_tokens_per_s"] for r in rows if "error" not in r}
+    if "speedloader" in ok:
+        record["speedup"] = {f"vs_{k}": ok["speedloader"] / v for k, v in ok.items() if k != "speedloader" and v > 0}
+    os.makedirs(args.out_dir, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
+    print(f"\n{args.model}, prompt {args.prompt_len}, generate {args.gen_len}, GPU budget {args.gpu_memory_gib:g} GiB "
+          f"({record['device']})\n")
+    print("| contender | batch | generated tok/s | prefill tok/s | decode tok/s | peak HBM GiB | I/O GiB (weights / KV h2d+d2h / act) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(_row(r))
+    if record.get("speedup"):
+        print("\nspeedup of speedloader: " + ", ".join(f"{k} {v:.2f}x" for k, v in record["speedup"].items()))
+
+
+if __name__ == "__main__":
+    main()
