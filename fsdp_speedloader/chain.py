@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,12 @@ class StepState:
     loss_chunk_tokens: int
     replay_rng: bool  # dropout: recompute must see the forward's random numbers
     rng_states: dict = field(default_factory=dict)
+    grad_ready_hook: Optional[Callable[[int], None]] = None  # called with l once unit l's gradients are final
+
+    def unit_grads_ready(self, index: int) -> None:
+        """Unit ``index``'s FSDP post-backward (reduce-scatter, copy to host) has been issued."""
+        if self.grad_ready_hook is not None and 1 <= index <= self.num_units:
+            self.grad_ready_hook(index)
 
     @property
     def num_sub_batches(self) -> int:
@@ -119,6 +125,7 @@ class EmbedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_placeholder: torch.Tensor):
         state: StepState = ctx.state
+        state.unit_grads_ready(1)  # autograd ran unit 1's FSDP post-backward just before this node
         slot = grad_slot(0, state.num_units)
         state.store.prefetch(slot, 0)
         for i in range(state.num_sub_batches):
@@ -164,6 +171,7 @@ class UnitFunction(torch.autograd.Function):
     def backward(ctx, grad_placeholder: torch.Tensor):
         state: StepState = ctx.state
         unit: Unit = ctx.unit
+        state.unit_grads_ready(unit.index + 1)  # the next unit's post-backward ran just before this node
         store, src = state.store, unit.index - 1
         g_in, g_out = grad_slot(unit.index, state.num_units), grad_slot(src, state.num_units)
         store.prefetch(src, 0)
