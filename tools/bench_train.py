@@ -4,6 +4,7 @@ Each contender runs in its own process (fresh CUDA context and allocator, the sa
 cap), on the same model shape, sequence length and effective batch, with random tokens:
 
   speedloader     layer-major, parameters/gradients/optimizer state on the host (CPUOffloadPolicy)
+  speedloader-overlap  the same, each unit's CPU optimizer step overlapped with the backward
   fsdp2-offload   FSDP2 + CPUOffloadPolicy, canonical gradient accumulation over micro-batches
   ondevice        FSDP2 with everything on the GPU, canonical accumulation, same recompute policy
                   (activation checkpointing of every block), the ceiling for the same blocks
@@ -66,7 +67,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     model = build_model(cfg)  # meta
     adapter = get_adapter(model)
     offload = name != "ondevice"
-    if name == "speedloader":
+    layer_major = name.startswith("speedloader")
+    if layer_major:
         apply_speedloader(model, num_sub_batches=num_sub, param_dtype=torch.bfloat16, offload_params=True,
                           activation_store=args.activation_store, forward_prefetch=args.prefetch)
     else:
@@ -76,13 +78,21 @@ def run_worker(args: argparse.Namespace) -> dict:
         set_forward_prefetch(model, units, args.prefetch)
     materialize_model(model, cfg, device=device, seed=0, param_device=torch.device("cpu") if offload else device)
     model.train()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    def build_adamw(params):
+        return torch.optim.AdamW(params, lr=1e-5, fused=True)
+
+    if name == "speedloader-overlap":
+        from fsdp_speedloader.optimizer_overlap import OverlappedOptimizer
+
+        optim = OverlappedOptimizer(model, build_adamw)
+    else:
+        optim = build_adamw(model.parameters())
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (sub_batch * num_sub, args.seq_len), generator=gen)
     total_targets = ids.shape[0] * (args.seq_len - 1)
 
     def fwd_bwd() -> float:
-        if name == "speedloader":
+        if layer_major:
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             return loss
@@ -127,9 +137,10 @@ def run_worker(args: argparse.Namespace) -> dict:
         "host_peak_rss_gib": _host_rss_gib(), "losses": losses, "flops_per_token": flops_per_token,
         "step_times_s": [a + b for a, b in zip(fb_times, opt_times)],
     }
-    if name == "speedloader":
+    if layer_major:
         store = model._speedloader.store
         result["host_activation_gib"] = store.host_bytes / 2**30
+        result["exchange"] = store.step_stats()  # the last measured step: copy bytes, compute-stream waits
     return result
 
 
@@ -139,7 +150,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--contender", action="append", default=[],
-                        help="NAME:nxN with NAME in speedloader, fsdp2-offload, ondevice (repeatable)")
+                        help="NAME:nxN with NAME in speedloader, speedloader-overlap, fsdp2-offload, ondevice")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--prefetch", type=int, default=1)
