@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU checks, as run on the GPU machine: every `gpu`-marked test, then (optionally) a benchmark.
+#   usage: bash tools/gpu_suite.sh OUT_DIR [pytest args...]
+# Installs the carried wheels (.wheels/, from ../shared/tools/device-wheels.sh) when hydra is missing.
+set -uo pipefail
+out=${1:?usage: gpu_suite.sh OUT_DIR [pytest args]}; shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 FSL_RECORD_DIR="$out"
+# The GPU machine's MemTotal starts small and grows with use: give the arena the real budget.
+export FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB=${FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB:-120}
+python3 -c "import hydra" 2>/dev/null || python3 -m pip install -q --no-index --find-links .wheels hydra-core wandb
+python3 -m pip install -q --no-deps --no-build-isolation -e .
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+ulimit -l unlimited 2>/dev/null || true
+python3 -m pytest -q -m gpu -p no:cacheprovider -rf "$@" 2>&1 | tee "$out/pytest_gpu.log" | tail -30
