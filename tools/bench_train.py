@@ -5,7 +5,9 @@ cap), on the same model shape, sequence length and effective batch, with random 
 
   speedloader     layer-major, parameters/gradients/optimizer state on the host (CPUOffloadPolicy)
   speedloader-overlap  the same, each unit's CPU optimizer step overlapped with the backward
-  fsdp2-offload   FSDP2 + CPUOffloadPolicy, canonical gradient accumulation over micro-batches
+  fsdp2-offload   FSDP2 + CPUOffloadPolicy, canonical gradient accumulation over micro-batches without
+                  gradient sync (fp32 unsharded gradients accumulate on the GPU, one reduce-scatter)
+  fsdp2-offload-rs  the same, reduce-scattering every micro-batch (gradients accumulate on the host)
   ondevice        FSDP2 with everything on the GPU, canonical accumulation, same recompute policy
                   (activation checkpointing of every block), the ceiling for the same blocks
 
@@ -97,7 +99,9 @@ def run_worker(args: argparse.Namespace) -> dict:
             loss.backward()
             return loss
         loss_sum = 0.0
-        for mb in ids.split(sub_batch):
+        for k, mb in enumerate(ids.split(sub_batch)):
+            if name == "fsdp2-offload":  # sync (reduce-scatter, copy to host) only on the last micro-batch
+                model.set_requires_gradient_sync(k == num_sub - 1)
             mb = mb.to(device, non_blocking=True)
             loss = model(input_ids=mb, labels=mb, num_items_in_batch=total_targets).loss
             loss.backward()
@@ -150,7 +154,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--contender", action="append", default=[],
-                        help="NAME:nxN with NAME in speedloader, speedloader-overlap, fsdp2-offload, ondevice")
+                        help="NAME:nxN with NAME in speedloader, speedloader-overlap, fsdp2-offload, fsdp2-offload-rs, ondevice")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--prefetch", type=int, default=1)
