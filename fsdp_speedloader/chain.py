@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -29,26 +29,30 @@ from .models import BlockInputs, ModelAdapter
 from .parallel import fold_unsharded_grads, fsdp_params_of
 
 
-@dataclass(eq=False)
 class StepState:
     """Everything one training step shares between the Functions.
 
-    Passed to FSDP-hooked calls as an opaque object: FSDP rebuilds containers it finds in forward
-    arguments (input casting), which would lose writes into them.
+    A plain class, on purpose: it is passed through FSDP-hooked calls, and FSDP rebuilds (and casts
+    the tensors of) containers and dataclasses it finds in forward arguments, which would copy the
+    state per call and lose writes into it (DESIGN.md section 3).
     """
 
-    adapter: ModelAdapter
-    store: ActivationStore
-    num_units: int
-    input_ids: list[torch.Tensor]  # N x (n, s)
-    position_ids: list[torch.Tensor]  # N x (n or 1, s)
-    shift_labels: list[torch.Tensor]  # N x (n * s,): next-token targets, -100 ignored
-    block_inputs: list[BlockInputs]  # N (one shared object when there is no padding mask)
-    num_label_tokens: torch.Tensor  # scalar: the loss is a mean over these
-    loss_chunk_tokens: int
-    replay_rng: bool  # dropout: recompute must see the forward's random numbers
-    rng_states: dict = field(default_factory=dict)
-    grad_ready_hook: Optional[Callable[[int], None]] = None  # called with l once unit l's gradients are final
+    def __init__(self, *, adapter: ModelAdapter, store: ActivationStore, num_units: int,
+                 input_ids: list[torch.Tensor], position_ids: list[torch.Tensor], shift_labels: list[torch.Tensor],
+                 block_inputs: list[BlockInputs], num_label_tokens: torch.Tensor, loss_chunk_tokens: int,
+                 replay_rng: bool, grad_ready_hook: Optional[Callable[[int], None]] = None) -> None:
+        self.adapter = adapter
+        self.store = store
+        self.num_units = num_units
+        self.input_ids = input_ids  # N x (n, s)
+        self.position_ids = position_ids  # N x (n or 1, s)
+        self.shift_labels = shift_labels  # N x (n * s,): next-token targets, -100 ignored
+        self.block_inputs = block_inputs  # N (one shared object when there is no padding mask)
+        self.num_label_tokens = num_label_tokens  # scalar: the loss is a mean over these
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.replay_rng = replay_rng  # dropout: recompute must see the forward's random numbers
+        self.rng_states: dict = {}
+        self.grad_ready_hook = grad_ready_hook  # called with l once unit l's gradients are final
 
     def unit_grads_ready(self, index: int) -> None:
         """Unit ``index``'s FSDP post-backward (reduce-scatter, copy to host) has been issued."""

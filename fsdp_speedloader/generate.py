@@ -95,21 +95,24 @@ class GenerationStats:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(eq=False)
 class StepState:
     """What one step shares between the root call and the unit calls.
 
-    Passed through FSDP-hooked calls as one opaque object (FSDP rebuilds containers it finds in
-    forward arguments). ``past`` positions are cached; this step adds ``input_ids[i].shape[1]``.
+    A plain class, not a dataclass: it passes through FSDP-hooked calls, and FSDP rebuilds
+    containers and dataclasses it finds in forward arguments (on CUDA the root's call copies them
+    to the device), which would lose ``logits`` written into the copy. ``past`` positions are
+    cached; this step adds ``input_ids[i].shape[1]``.
     """
 
-    run: "_Run"
-    input_ids: list[torch.Tensor]  # N x (n, q) on the device
-    mask: Optional[torch.Tensor]  # (B, past + q) on the host; None: no padding in the batch
-    positions: torch.Tensor  # (B, q) on the host
-    past: int
-    block_inputs: list[BlockInputs] = field(default_factory=list)  # N, built by the root step
-    logits: Optional[torch.Tensor] = None  # (B, V) fp32, set by the root step
+    def __init__(self, *, run: "_Run", input_ids: list[torch.Tensor], mask: Optional[torch.Tensor],
+                 positions: torch.Tensor, past: int) -> None:
+        self.run = run
+        self.input_ids = input_ids  # N x (n, q) on the device
+        self.mask = mask  # (B, past + q) on the host; None: no padding in the batch
+        self.positions = positions  # (B, q) on the host
+        self.past = past
+        self.block_inputs: list[BlockInputs] = []  # N, built by the root step
+        self.logits: Optional[torch.Tensor] = None  # (B, V) fp32, set by the root step
 
 
 @dataclass(eq=False)

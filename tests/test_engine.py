@@ -155,3 +155,19 @@ def test_bf16_sub_batch_gradients_accumulate_in_fp32():
                                     param_dtype=torch.bfloat16)
     layer_major(input_ids=ids, labels=labels).loss.backward()
     assert error(layer_major) <= 1.05 * error(canonical), (error(layer_major), error(canonical))
+
+
+def test_step_state_reaches_every_unit_uncopied(monkeypatch):
+    """FSDP rebuilds dataclasses and containers in forward arguments (and casts their tensors under
+    mixed precision); the step state must reach every unit's hooked call as the same object."""
+    from fsdp_speedloader import speedloader
+
+    seen, unit_call = [], speedloader._unit_call
+    monkeypatch.setattr(speedloader, "_unit_call", lambda unit, p, state: (seen.append(state), unit_call(unit, p, state))[1])
+    head = speedloader.HeadLossFunction
+    monkeypatch.setattr(speedloader, "HeadLossFunction",
+                        type("Head", (), {"apply": staticmethod(lambda p, state: (seen.append(state), head.apply(p, state))[1])}))
+    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=2, param_dtype=torch.bfloat16)
+    ids, labels = batch(2)
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert len(seen) == 5 and all(state is seen[-1] for state in seen)  # 4 units, then the head
