@@ -47,6 +47,51 @@ def _host_rss_gib() -> float:
     return 0.0
 
 
+def _union_s(intervals: list) -> float:
+    """Seconds covered by the union of (start_us, end_us) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e6
+
+
+def summarize_trace(path: str, step_s: float) -> dict:
+    """One profiled step: busy time per CUDA stream, copies by direction, top kernels.
+
+    The compute stream is the one with the most kernel time; its idle time within the step is an
+    upper bound on the time compute waited (on copies, collectives or the CPU).
+    """
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    kernels: dict = {}
+    copies: dict = {}
+    by_name: dict = {}
+    for e in events:
+        cat = e.get("cat", "")
+        if e.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        span = (e["ts"], e["ts"] + e["dur"])
+        if cat == "gpu_memcpy":
+            kind = e["name"].split("(")[0].replace("Memcpy", "").strip()  # HtoD, DtoH, DtoD
+            c = copies.setdefault(kind, {"bytes": 0, "spans": []})
+            c["bytes"] += e.get("args", {}).get("bytes", 0)
+            c["spans"].append(span)
+        elif cat == "kernel":
+            kernels.setdefault(e.get("args", {}).get("stream", -1), []).append(span)
+            by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"] / 1e6
+    busy = {str(k): _union_s(v) for k, v in kernels.items()}
+    compute = max(busy, key=busy.get) if busy else None
+    return {
+        "step_s": step_s,
+        "stream_busy_s": busy,
+        "compute_stream": compute,
+        "compute_idle_fraction": (1 - busy[compute] / step_s) if compute else None,
+        "copies": {k: {"gib": v["bytes"] / 2**30, "busy_s": _union_s(v["spans"])} for k, v in copies.items()},
+        "top_kernels_s": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:15]),
+    }
+
+
 def run_worker(args: argparse.Namespace) -> dict:
     """One contender, one process: build, warm up, time ``--steps`` steps, return the figures."""
     import torch
@@ -125,6 +170,21 @@ def run_worker(args: argparse.Namespace) -> dict:
             fb_times.append(t1 - t0)
             opt_times.append(t2 - t1)
             losses.append(float(loss))
+    profile = None
+    if args.profile:  # one more step, traced; summarized, the trace itself is not kept
+        trace = f"/tmp/fsl_trace_{os.getpid()}.json"
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fwd_bwd()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            traced_s = time.perf_counter() - t0
+        prof.export_chrome_trace(trace)
+        profile = summarize_trace(trace, traced_s)
+        os.remove(trace)
     tokens = ids.numel()
     fb, opt = statistics.median(fb_times), statistics.median(opt_times)
     flops_per_token = adapter.flops_per_token(args.seq_len)
@@ -141,6 +201,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         "host_peak_rss_gib": _host_rss_gib(), "losses": losses, "flops_per_token": flops_per_token,
         "step_times_s": [a + b for a, b in zip(fb_times, opt_times)],
     }
+    if profile is not None:
+        result["profile"] = profile
     if layer_major:
         store = model._speedloader.store
         result["host_activation_gib"] = store.host_bytes / 2**30
@@ -161,6 +223,7 @@ def main() -> None:
     parser.add_argument("--activation-store", default="host")
     parser.add_argument("--max-gpu-memory-gib", type=float, default=None)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--profile", action="store_true", help="trace one extra step and summarize it")
     parser.add_argument("--name", default=None)
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     parser.add_argument("--timeout", type=float, default=900)
