@@ -26,7 +26,7 @@ from torch import nn
 
 from .activation_store import ActivationStore, grad_slot
 from .models import BlockInputs, ModelAdapter
-from .parallel import fold_unsharded_grads, fsdp_params_of
+from .fsdp_internals import fold_unsharded_grads, fsdp_params_of
 
 
 class StepState:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .parallel import fsdp_params_of
+from .fsdp_internals import fsdp_params_of
 
 
 class OverlappedOptimizer:

@@ -38,10 +38,30 @@ def maybe_init_process_group(device_type: Optional[str] = None, timeout_s: float
             raise ValueError("device=cuda but CUDA is not available; use device=cpu or device=auto")
         backend = "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if "RANK" in os.environ:  # torchrun (or any env:// launcher)
+    if (store := _restarted_attempt_store(timeout)) is not None:
+        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    elif "RANK" in os.environ:  # torchrun (or any env:// launcher)
         dist.init_process_group(backend=backend, timeout=timeout)
     else:  # plain python: a group of one, in-process (no port, no environment variables touched)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _restarted_attempt_store(timeout: timedelta) -> Optional[dist.Store]:
+    """torchrun's own store, seen under a per-attempt prefix, in an attempt after a restart; else None.
+
+    torchrun's c10d agent keeps ONE store across ``--max-restarts`` attempts and its workers use it
+    unprefixed, so the keys a failed attempt wrote (gloo/NCCL addresses, barriers) are read as the
+    new attempt's, and ``init_process_group`` hangs or connects to dead ranks (pytorch#135712; seen
+    on torch 2.13 with gloo). Every agent restarts its workers together, so the restart count is
+    the same on every rank. (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun does the same.)
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"fsdp_speedloader/attempt_{attempt}", store)
 
 
 def compute_device(device_type: str) -> torch.device:
@@ -113,32 +133,6 @@ def set_forward_prefetch(root: FSDPModule, units: Sequence[FSDPModule], depth: i
         nxt = list(units[i + 1 : i + 1 + depth])
         if nxt:
             unit.set_modules_to_forward_prefetch(nxt)
-
-
-def fsdp_params_of(module: nn.Module) -> list:
-    """The FSDPParams of the group whose state lives on ``module`` (torch 2.11: one group; 2.13: a list)."""
-    state = fully_shard.state(module)
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [] if group is None else [group]
-    return [p for g in groups for p in g.fsdp_params]
-
-
-def fold_unsharded_grads(fsdp_params: Sequence) -> None:
-    """Moves the unsharded gradients just computed into FSDP's reduce-dtype accumulator.
-
-    Layer-major backward runs N sub-batches through one unsharded unit; autograd would sum their
-    gradients in the compute dtype (bf16). FSDP keeps an fp32 ``unsharded_accumulated_grad`` for
-    exactly this (it is how gradient accumulation without sync works) and its post-backward
-    reduce-scatters that accumulator, so folding after every sub-batch makes the sum fp32, as
-    precise as canonical accumulation. A no-op when the compute dtype is the reduce dtype.
-    """
-    for fsdp_param in fsdp_params:
-        if fsdp_param.unsharded_accumulated_grad is None:
-            fsdp_param.to_accumulated_grad_if_needed()
-        else:
-            fsdp_param.accumulate_unsharded_grad_if_needed()
 
 
 def destroy_process_group() -> None:

@@ -21,6 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .activation_store import ActivationStore, ExchangeActivationStore, build_activation_store
 from .chain import EmbedFunction, HeadLossFunction, StepState, Unit, UnitFunction, num_label_tokens, shift_labels
+from .fsdp_internals import enable_single_rank_prefetch
 from .models import ModelAdapter, get_adapter
 from .parallel import apply_fsdp, build_mesh, check_mesh, compute_device, maybe_init_process_group, \
     set_forward_prefetch
@@ -168,6 +169,8 @@ def apply_speedloader(
     if arena_holds_params:
         store.hold_param_shards(model)
     set_forward_prefetch(model, unit_modules, forward_prefetch)
+    if forward_prefetch > 0:  # one rank, offloaded: FSDP2 itself would load each unit on the compute stream
+        enable_single_rank_prefetch(unit_modules)
     units = []
     for index, (module, group) in enumerate(zip(unit_modules, groups), start=1):
         unit = Unit(index=index, blocks=group)

@@ -107,3 +107,29 @@ def test_peak_gpu_memory_flat_in_num_sub_batches():
     peaks = [r["peak_allocated_gib"] for r in rows]
     assert peaks[2] <= peaks[0] * 1.05 + 0.02, peaks  # N=32 vs N=2 at a fixed sub-batch size
     assert device_rows[1]["peak_allocated_gib"] > device_rows[0]["peak_allocated_gib"]  # the contrast is real
+
+
+def test_offloaded_parameter_loads_run_off_the_compute_stream(monkeypatch):
+    """One rank, offloaded: every unit's host-to-device parameter load is staged on FSDP's copy-in
+    stream at prefetch time, never run on the compute stream when the unit is needed."""
+    from fsdp_speedloader import fsdp_internals
+
+    maybe_init_process_group("cuda")
+    model = apply_speedloader(_model(), num_sub_batches=2, param_dtype=BF16, offload_params=True)
+    ids, labels = _batch(4, 128)
+    model(input_ids=ids, labels=labels).loss.backward()  # lazy init
+    unit_params = {id(p) for module, _ in model._speedloader.units for p in fsdp_internals.fsdp_params_of(module)}
+    streams = []
+    original = fsdp_internals._original_inputs
+
+    def recording(fsdp_param):
+        if id(fsdp_param) in unit_params:
+            streams.append(torch.cuda.current_stream() == torch.cuda.default_stream())
+        return original.fget(fsdp_param)
+
+    monkeypatch.setattr(fsdp_internals, "_original_inputs", property(recording))
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=labels).loss.backward()
+    num_units, params_per_block = len(model._speedloader.units), len(list(model.model.layers[0].parameters()))
+    assert len(streams) == 2 * num_units * params_per_block  # forward and backward loads of every unit
+    assert not any(streams), f"{sum(streams)} loads ran on the compute stream"
