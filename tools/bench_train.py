@@ -255,7 +255,9 @@ def main() -> None:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times_s")}), flush=True)
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    # The GPU machine's copy of the tree has no .git: pass FSL_COMMIT=$(git rev-parse HEAD) there.
+    commit = os.environ.get("FSL_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     record = {"benchmark": "train", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": commit, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
               "config": {k: v for k, v in vars(args).items() if k not in ("worker",)}, "results": rows}
