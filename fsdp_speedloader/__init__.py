@@ -2,6 +2,7 @@
 
 from .generate import generate
 from .speedloader import apply_speedloader
+from .tuner import TunePlan, tune
 
-__all__ = ["apply_speedloader", "generate"]
+__all__ = ["TunePlan", "apply_speedloader", "generate", "tune"]
 __version__ = "0.1.0"

@@ -145,7 +145,7 @@ class ScheduleConfig:
     """How one effective batch of num_sub_batches x sub_batch_size sequences is processed."""
 
     name: str = "speedloader"
-    """'speedloader' (layer-major) or 'canonical' (FSDP2 gradient accumulation over micro-batches)."""
+    """'speedloader' (layer-major), 'canonical' (FSDP2 gradient accumulation) or 'auto' (layer-major, tuned)."""
     sub_batch_size: int = 4
     """Sequences per sub-batch n (the micro-batch size of the canonical schedule)."""
     num_sub_batches: int = 2
@@ -161,15 +161,30 @@ class ScheduleConfig:
     """FSDP units whose all-gather is issued ahead in forward (0 = FSDP's default only)."""
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the chunked cross-entropy (bounds the logits kept in memory)."""
+    gpu_memory_budget_gib: Optional[float] = None
+    """auto: GPU memory the plan may fill (peak, less 10%); null: max_gpu_memory_gib, else the device's."""
+    host_memory_budget_gib: Optional[float] = None
+    """auto: host memory for model states and activation slots; null: detected (as the host arena's budget)."""
+    target_batch_size: Optional[int] = None
+    """auto: at most this many sequences per rank per step (caps n x N); null: as many as memory holds."""
+    tune_blocks_per_unit: list = field(default_factory=list)
+    """auto: more blocks_per_unit values to choose from (two trial steps each); empty: blocks_per_unit only."""
 
     def __post_init__(self) -> None:
-        _check_choice(self.name, "schedule.name", ("speedloader", "canonical"))
+        _check_choice(self.name, "schedule.name", ("speedloader", "canonical", "auto"))
         _check_positive(self.sub_batch_size, "schedule.sub_batch_size")
         _check_positive(self.num_sub_batches, "schedule.num_sub_batches")
         _check_positive(self.blocks_per_unit, "schedule.blocks_per_unit")
         _check_choice(self.activation_store, "schedule.activation_store", ("auto", "device", "host", "host_sync"))
         _check_positive(self.forward_prefetch, "schedule.forward_prefetch", allow_zero=True)
         _check_positive(self.loss_chunk_tokens, "schedule.loss_chunk_tokens")
+        for name in ("gpu_memory_budget_gib", "host_memory_budget_gib"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, f"schedule.{name}", f"got {value}; must be > 0 (or null)")
+        if self.target_batch_size is not None:
+            _check_positive(self.target_batch_size, "schedule.target_batch_size")
+        for value in self.tune_blocks_per_unit:
+            _check_positive(value, "schedule.tune_blocks_per_unit")
 
     @property
     def batch_size(self) -> int:

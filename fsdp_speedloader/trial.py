@@ -1,0 +1,269 @@
+"""Trial steps for the tuner: a throw-away copy of the model, and the memory one training step takes.
+
+``TrialModel`` builds the model exactly as a run does (meta -> ``apply_speedloader`` -> materialise,
+the run's optimizer), and ``measure(n)`` runs one step (forward, backward, optimizer step) at
+sub-batch size n and returns a :class:`Measurement`:
+
+- GPU: ``torch.cuda.max_memory_allocated`` over the step. Without CUDA the CPU stands in for the GPU:
+  the bytes of the model states resident on the compute device (those not offloaded) plus the highest
+  net allocation during the step, from the profiler's allocator events (``torch.profiler`` with
+  ``profile_memory=True``). It follows the same law as GPU memory, so the tuner runs and is testable
+  on a CPU; the figures then mean CPU memory.
+- Host, exactly (``measure_host_bytes``): the activation store's pinned arena as a fresh one would be
+  planned at this geometry (activations and parameter shards, with alignment), every other host
+  storage of parameters, gradients and optimizer state (when offloaded), and on CUDA the page-locked
+  blocks of PyTorch's caching host allocator in use at the step's end (FSDP2's gradient copies, with
+  that allocator's rounding).
+
+``prime`` does the one-time work first, in one step at lr 0 (FSDP lazy init, planning the arena at the
+largest trial geometry and moving the parameter shards into it, first-backward buffers, the optimizer
+state), so every measured step is a steady-state step. Several ranks measure together: each figure is
+the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .activation_store import DeviceActivationStore
+from .arena import ALIGNMENT
+from .config import ModelConfig
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass
+class Measurement:
+    """One trial step: its geometry and the memory it took (bytes; the maximum over ranks)."""
+
+    sub_batch_size: int
+    num_sub_batches: int
+    blocks_per_unit: int
+    seq_len: int
+    num_slots: int
+    """Activation slots: units + 1."""
+    gpu_peak_bytes: int
+    """Peak GPU memory allocated during the step (the CPU stand-in without CUDA)."""
+    host_bytes: int
+    """Host memory, exactly: the sum of ``host_breakdown``."""
+    host_breakdown: dict = field(default_factory=dict)
+    gpu_reserved_bytes: int = 0
+    """Peak reserved by the CUDA caching allocator (0 on CPU); for information."""
+    activation_bytes_per_token: int = 0
+    """Bytes of one token's activation in one slot (h x element size)."""
+    activations_on_device: bool = False
+    """The activation slots live in GPU memory (activation_store 'device')."""
+    step_s: float = 0.0
+
+    @property
+    def activation_tokens(self) -> int:
+        """Tokens held in activation slots: (U + 1) x N x n x s."""
+        return self.num_slots * self.num_sub_batches * self.sub_batch_size * self.seq_len
+
+    @property
+    def device_activation_bytes(self) -> int:
+        return self.activation_tokens * self.activation_bytes_per_token if self.activations_on_device else 0
+
+
+def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, *, grads: bool = True) -> Iterable:
+    for p in model.parameters():
+        yield p
+        if grads and p.grad is not None:
+            yield p.grad
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _cpu_storage_bytes(tensors: Iterable, *, seen: set, skip_pinned: bool = False) -> int:
+    """Bytes of the distinct CPU storages under ``tensors`` (``seen``: storage pointers already counted)."""
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        if not (skip_pinned and t.is_pinned()):
+            total += storage.nbytes()
+    return total
+
+
+def measure_host_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *, offload_params: bool) -> dict:
+    """Host memory of a layer-major model right after its optimizer step (bytes, exact, this rank).
+
+    ``arena``: the store's arena as a fresh one would be planned at the current geometry;
+    ``model_states``: other host storages of parameters, gradients and optimizer state (offloaded);
+    ``pinned``: caching-host-allocator blocks in use (CUDA); ``store``: a host store's buffer outside an
+    arena (CPU only: on CUDA it is one of the ``pinned`` blocks).
+    """
+    store = model._speedloader.store
+    cuda = store.device.type == "cuda"
+    out = {"arena": 0, "arena_activations": 0, "model_states": 0, "pinned": 0, "store": 0}
+    seen = set()
+    arena = getattr(store, "arena", None)
+    if arena is not None and "activations" in arena:
+        seen.add(arena.slot("activations").untyped_storage().data_ptr())  # parameter shards in it: counted here
+        # The arena may be planned for a larger geometry and re-carved: count this geometry's share.
+        out["arena"] = arena.nbytes - _align(arena.capacity("activations")) + _align(store.host_bytes)
+        out["arena_activations"] = store.host_bytes
+    elif not cuda:
+        out["store"] = store.host_bytes
+    if offload_params:
+        out["model_states"] = _cpu_storage_bytes(_state_tensors(model, optimizer), seen=seen, skip_pinned=cuda)
+    if cuda:  # in use now, at the step's end, while every gradient copy is alive
+        try:
+            stats = torch.cuda.host_memory_stats()
+        except (AttributeError, RuntimeError):  # a torch without host allocator statistics
+            stats = {}
+        out["pinned"] = int(stats.get("active_bytes.current", stats.get("allocated_bytes.current", 0)))
+    out["total"] = out["arena"] + out["model_states"] + out["pinned"] + out["store"]
+    return out
+
+
+def profiled_peak_bytes(fn: Callable[[], None]) -> int:
+    """Highest net CPU allocation while ``fn`` runs, from the profiler's allocator events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")), key=lambda e: e.start_ns())
+    current = peak = 0
+    for e in events:
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def reduce_over_ranks(values: list[float], op=None) -> list[float]:
+    """``values`` reduced over every rank (default: maximum); unchanged with one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)  # gloo: the default group has it for CPU tensors
+    dist.all_reduce(t, op=op or dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+class TrialModel:
+    """A throw-away copy of the model, built and sharded as the run will build it. A context manager:
+    leaving it frees the model, its optimizer state and its arena.
+
+    Args:
+        model_config: the model.
+        speedloader_kwargs: ``apply_speedloader``'s arguments (``num_sub_batches``, ``blocks_per_unit``,
+            ``mesh``, ``offload_params``, ...), as the run will pass them.
+        device: the compute device.
+        build_optimizer: the run's optimizer for a model.
+        seed: weights and tokens.
+    """
+
+    def __init__(self, model_config: ModelConfig, speedloader_kwargs: dict, *, device: torch.device,
+                 build_optimizer: Callable[[nn.Module], torch.optim.Optimizer], seed: int) -> None:
+        from .models import build_model, materialize_model
+        from .speedloader import apply_speedloader
+
+        self.device = device
+        self.offload_params = bool(speedloader_kwargs.get("offload_params", False))
+        self.num_sub_batches = speedloader_kwargs["num_sub_batches"]
+        self.blocks_per_unit = speedloader_kwargs.get("blocks_per_unit", 1)
+        model = build_model(model_config, device="meta")
+        model.train()
+        apply_speedloader(model, **speedloader_kwargs)
+        materialize_model(model, model_config, device=device, seed=seed,
+                          param_device=torch.device("cpu") if self.offload_params else device)
+        self.model = model
+        self.optimizer = build_optimizer(model)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _ids(self, n: int, seq_len: int) -> torch.Tensor:
+        shape = (self.num_sub_batches * n, seq_len)
+        return torch.randint(0, self.model.config.vocab_size, shape, generator=self.generator)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def prime(self, n: int, seq_len: int) -> None:
+        """One-time work before any measured step: one full step at sub-batch size n and lr 0 (lazy init,
+        the arena planned for this geometry -- give the largest --, first-backward buffers, the optimizer
+        state), so that every measured step is a steady-state step. The weights do not move."""
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        try:
+            self._step(self._ids(n, seq_len))
+        finally:
+            for g, lr in zip(self.optimizer.param_groups, lrs):
+                g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync()
+
+    def _step(self, ids: torch.Tensor) -> None:
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.optimizer.step()
+
+    def measure(self, n: int, seq_len: int) -> Measurement:
+        """One training step (forward, backward, optimizer step) at sub-batch size n, and its memory."""
+        ids = self._ids(n, seq_len)
+        step = functools.partial(self._step, ids)
+        self._sync()
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            step()
+            self._sync()
+            gpu_peak = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+        else:  # the CPU stand-in (module docstring)
+            resident = 0 if self.offload_params else _cpu_storage_bytes(
+                [*_state_tensors(self.model, self.optimizer, grads=False), *self.model.buffers()], seen=set())
+            gpu_peak, reserved = resident + profiled_peak_bytes(step), 0
+        step_s = time.perf_counter() - start
+        host = measure_host_bytes(self.model, self.optimizer, offload_params=self.offload_params)
+        self.optimizer.zero_grad(set_to_none=True)
+        gpu_peak, reserved, host_total = reduce_over_ranks([gpu_peak, reserved, host["total"]])
+        store = self.model._speedloader.store
+        return Measurement(
+            sub_batch_size=n, num_sub_batches=self.num_sub_batches, blocks_per_unit=self.blocks_per_unit,
+            seq_len=seq_len, num_slots=store.num_slots, gpu_peak_bytes=int(gpu_peak), host_bytes=int(host_total),
+            host_breakdown=host, gpu_reserved_bytes=int(reserved),
+            activation_bytes_per_token=store.shape[-1] * torch.empty((), dtype=store.dtype).element_size(),
+            activations_on_device=isinstance(store, DeviceActivationStore), step_s=step_s)
+
+    def close(self) -> None:
+        """Frees the model, its optimizer state and its arena (host and GPU memory go back)."""
+        if self.model is None:
+            return
+        store = self.model._speedloader.store
+        if hasattr(store, "close"):
+            store.close()
+        self.optimizer.state.clear()
+        self.model = self.optimizer = None
+        gc.collect()  # FSDP's hooks make reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            empty_host_cache = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+                                or getattr(torch._C, "_host_emptyCache", None))  # the name before torch 2.13
+            if empty_host_cache is not None:  # cached page-locked blocks (gradient copies) go back to the OS
+                empty_host_cache()
+
+    def __enter__(self) -> "TrialModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,107 @@
+"""``python -m fsdp_speedloader.tune``: plan sub_batch_size x num_sub_batches for a training run.
+
+Takes the training run's own overrides (``conf/tune.yaml`` is ``config.yaml`` with ``schedule.name``
+forced to ``auto``), runs the tuner's two trial steps (``fsdp_speedloader/tuner.py``) and prints the
+plan, the fitted memory models and the overrides that run it; nothing is trained. The plan goes to
+``<run dir>/tune_plan.json`` and to W&B (``logger=none`` turns W&B off)::
+
+    python -m fsdp_speedloader.tune experiment=tiny_cpu logger=none
+    python -m fsdp_speedloader.tune experiment=llama2_7b_offload schedule.gpu_memory_budget_gib=40
+    python -m fsdp_speedloader.tune experiment=llama2_7b_offload schedule.tune_blocks_per_unit=[1,2]
+    torchrun --standalone --nproc-per-node 8 -m fsdp_speedloader.tune experiment=llama2_13b_offload
+
+``schedule=auto`` in ``python -m fsdp_speedloader.train`` does the same and then trains with the plan.
+The package attribute ``fsdp_speedloader.tune`` is the function (``tuner.tune``); this module is the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import parallel
+from .config import TrainConfig
+from .tuner import TunePlan, tune_train_config
+
+log = logging.getLogger("fsdp_speedloader.tune")
+
+PLAN_FILE = "tune_plan.json"
+
+
+def _commit() -> str:
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=repo).stdout.strip()
+
+
+def run(cfg: TrainConfig, *, run_config: Optional[dict] = None) -> TunePlan:
+    """Tunes ``cfg`` (its schedule is planned whatever its name) on this process group; rank 0 reports."""
+    from .logger import build_logger
+    from .trainer import _DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, seed_everything
+
+    device_type = resolve_device_type(cfg.device)
+    parallel.maybe_init_process_group(device_type)
+    rank = dist.get_rank()
+    device = parallel.compute_device(device_type)
+    seed_everything(cfg.seed)
+    maybe_cap_gpu_memory(cfg.max_gpu_memory_gib, device)
+    mesh = parallel.build_mesh(device_type, cfg.dp_replicate)
+    plan = tune_train_config(cfg, mesh=mesh, param_dtype=resolve_param_dtype(cfg.param_dtype, device_type),
+                             reduce_dtype=_DTYPES[cfg.reduce_dtype])
+    record = {"plan": plan.as_dict(), "overrides": plan.overrides(), "world_size": dist.get_world_size(),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "commit": _commit(), "command": " ".join(sys.argv),
+              "config": run_config if run_config is not None else dataclasses.asdict(cfg)}
+    if rank == 0:
+        log.info("tuned in %.1f s\n%s", plan.trial_s, plan.summary())
+        out = Path(cfg.output_dir) / PLAN_FILE
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2))
+        log.info("plan written to %s", out)
+    logger_cfg = cfg.logger if cfg.logger.name else dataclasses.replace(cfg.logger, name=f"{cfg.model.name}-tune")
+    logger = build_logger(logger_cfg, {**record["config"], "tune_plan": record["plan"]}, cfg.output_dir, rank)
+    logger.log(plan.as_metrics(), step=0)
+    logger.finish()
+    return plan
+
+
+def main() -> None:
+    """Hydra entry: ``python -m fsdp_speedloader.tune [overrides]`` (conf/tune.yaml)."""
+    import hydra
+    from omegaconf import DictConfig
+
+    from .train import _config_path, _rank_overrides, agree_on_run_stamp, to_train_config
+
+    @hydra.main(config_path=_config_path(), config_name="tune", version_base="1.3")
+    def _hydra_main(dcfg: DictConfig) -> None:
+        if int(os.environ.get("RANK", "0")) != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        try:
+            cfg = to_train_config(dcfg)
+            run(cfg, run_config=dataclasses.asdict(cfg))
+        except ValueError as e:  # a user error (a budget too small, a bad value): one line, no traceback
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            sys.exit(2)
+
+    try:
+        agree_on_run_stamp()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.argv.extend(_rank_overrides(sys.argv[1:]))
+    _hydra_main()
+    parallel.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

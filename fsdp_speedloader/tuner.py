@@ -1,0 +1,622 @@
+"""One-shot tuner: two trial steps, a linear memory model, and the plan that fills GPU and host memory.
+
+SpeedLoader's hyperparameter strategy (paper 3.3, A.2). With everything else fixed, memory is linear
+(DESIGN.md section 7):
+
+    peak GPU bytes = c0 + c_n n                      (+ c_b b + c_nb n b when blocks_per_unit b is tuned)
+    host bytes     = d0 + d_t (U + 1) N n s          (model states + U + 1 activation slots of N x n x s tokens)
+
+``tune`` builds a throw-away copy of the model exactly as the run will (``trial.TrialModel``), runs
+one short training step at each of two sub-batch sizes, measures peak GPU memory (allocator) and host
+memory (exact accounting), fits the two lines, and picks the largest sub-batch size n whose predicted
+peak fits the GPU budget, then the largest number of sub-batches N whose host memory fits the host
+budget (a target effective batch, if given, caps n x N). With two points a line goes through both:
+R^2 = 1 by construction, and the plan says so; ``tools/sweep_plan.py`` checks linearity on a grid.
+When activations stay on the GPU (activation_store 'device') their exact bytes, (U + 1) N n s h x
+element size, are added to the GPU line and N is bounded by the GPU budget too.
+
+If the plan runs out of memory anyway, :meth:`TunePlan.memory_error` names the budget that was wrong
+and by how much (the trainer uses it for ``schedule.name=auto``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .arena import HostMemoryBudget
+from .config import ModelConfig, ScheduleConfig, TrainConfig
+from .trial import Measurement, TrialModel, reduce_over_ranks
+
+log = logging.getLogger(__name__)
+
+GIB = float(1 << 30)
+DEFAULT_GPU_MARGIN = 0.10  # of the GPU budget, left for allocator fragmentation and what the fit misses
+_HARD_CAP = 1 << 24  # a search bound: no sub-batch or number of sub-batches is larger
+
+
+def _gib(nbytes: float) -> float:
+    return nbytes / GIB
+
+
+def _size(nbytes: float) -> str:
+    """'1.234 GiB', or MiB below 0.1 GiB (tiny models on the CPU)."""
+    return f"{nbytes / GIB:.3f} GiB" if abs(nbytes) >= 0.1 * GIB else f"{nbytes / (1 << 20):.3f} MiB"
+
+
+def num_units(num_layers: int, blocks_per_unit: int) -> int:
+    return -(-num_layers // blocks_per_unit)
+
+
+# --- measurements and fits -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """``y = sum(coef[k] * feature[k])``, least squares; feature '1' is the intercept."""
+
+    features: tuple[str, ...]
+    coef: tuple[float, ...]
+    r2: float
+    num_points: int
+
+    @property
+    def exact(self) -> bool:
+        """As many points as coefficients: the line goes through every point and R^2 = 1 says nothing."""
+        return self.num_points <= len(self.features)
+
+    def predict(self, values: dict[str, float]) -> float:
+        return float(sum(c * (1.0 if f == "1" else values[f]) for f, c in zip(self.features, self.coef)))
+
+    def describe(self, unit: float = GIB, unit_name: str = "GiB") -> str:
+        terms = " + ".join(f"{c / unit:.4g} {unit_name}" + ("" if f == "1" else f" x {f}")
+                           for f, c in zip(self.features, self.coef))
+        quality = (f"R^2 = 1 by construction ({self.num_points} points, {len(self.features)} coefficients)"
+                   if self.exact else f"R^2 = {self.r2:.6f} over {self.num_points} points")
+        return f"{terms}  [{quality}]"
+
+
+def fit_linear(rows: Sequence[dict[str, float]], y: Sequence[float], features: Sequence[str]) -> LinearFit:
+    """Least-squares fit of ``y`` on ``features`` (each row maps a feature name to its value)."""
+    X = np.array([[1.0 if f == "1" else float(r[f]) for f in features] for r in rows], dtype=np.float64)
+    Y = np.asarray(y, dtype=np.float64)
+    if len(rows) < len(features) or np.linalg.matrix_rank(X) < len(features):
+        raise ValueError(f"cannot fit {' + '.join(features)} from {len(rows)} trial(s) at "
+                         f"{[dict(r) for r in rows]}: the trials must differ in every tuned setting "
+                         "(two different trial_sub_batch_sizes, and two blocks_per_unit values when tuning it)")
+    coef, *_ = np.linalg.lstsq(X, Y, rcond=None)
+    residual = Y - X @ coef
+    ss_tot = float(((Y - Y.mean()) ** 2).sum())
+    ss_res = float((residual ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return LinearFit(tuple(features), tuple(float(c) for c in coef), r2, len(rows))
+
+
+def _gpu_values(n: int, b: int) -> dict[str, float]:
+    return {"n": n, "b": b, "n*b": n * b}
+
+
+# --- the plan ----------------------------------------------------------------------------------
+
+
+class PlanMemoryError:
+    """Mixin of the errors raised when a tuned plan runs out of memory: which budget, by how much."""
+
+    budget: str = ""
+    predicted_bytes: Optional[int] = None
+    needed_bytes: Optional[int] = None
+
+
+class GpuPlanMemoryError(PlanMemoryError, torch.OutOfMemoryError):
+    """The GPU memory budget (or the fit) was wrong: the tuned plan ran out of GPU memory."""
+
+    budget = "gpu"
+
+
+class HostPlanMemoryError(PlanMemoryError, ValueError):
+    """The host memory budget was wrong: the tuned plan's pinned arena does not fit."""
+
+    budget = "host"
+
+
+_TRIED = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|B)\b")
+_UNITS = {"GiB": GIB, "MiB": float(1 << 20), "KiB": 1024.0, "B": 1.0}
+_ARENA_NEEDS = re.compile(r"pinned host arena needs [\d.]+ GiB \((\d+) bytes")
+_ARENA_AVAILABLE = re.compile(r"available: .*?\((\d+) bytes\)")
+
+
+@dataclass
+class TunePlan:
+    """The tuner's answer: the plan, the fitted memory models, the budgets and the trial measurements."""
+
+    sub_batch_size: int
+    num_sub_batches: int
+    blocks_per_unit: int
+    seq_len: int
+    num_layers: int
+    gpu_fit: LinearFit
+    """Peak GPU bytes on n (and b, n x b), without the activation slots when they are on the GPU."""
+    host_fit: LinearFit
+    """Host bytes on activation_tokens = (U + 1) x N x n x s."""
+    gpu_budget_bytes: int
+    gpu_budget_source: str
+    gpu_margin: float
+    host_budget_bytes: int
+    host_budget_source: str
+    predicted_gpu_bytes: int = 0
+    predicted_host_bytes: int = 0
+    limited_by: dict = dataclasses.field(default_factory=dict)
+    """What stopped n and N: 'gpu budget', 'host budget', 'target_batch_size', 'max_sub_batch_size', ..."""
+    measurements: list = dataclasses.field(default_factory=list)
+    device: str = "cpu"
+    gpu_measure: str = "CPU stand-in"
+    activations_on_device: bool = False
+    activation_bytes_per_token: int = 0
+    """Bytes of one token in one activation slot (h x element size)."""
+    trial_s: float = 0.0
+
+    # --- the memory model ----------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        """Sequences per rank per optimizer step."""
+        return self.sub_batch_size * self.num_sub_batches
+
+    @property
+    def gpu_target_bytes(self) -> int:
+        """What the predicted peak may reach: the budget less the margin."""
+        return int(self.gpu_budget_bytes * (1.0 - self.gpu_margin))
+
+    def activation_tokens(self, n: int, N: int, b: int) -> int:
+        return (num_units(self.num_layers, b) + 1) * N * n * self.seq_len
+
+    def predict_gpu_bytes(self, n: int, N: int = 1, b: Optional[int] = None) -> float:
+        b = self.blocks_per_unit if b is None else b
+        slots = self.activation_tokens(n, N, b) * self.activation_bytes_per_token if self.activations_on_device else 0
+        return self.gpu_fit.predict(_gpu_values(n, b)) + slots
+
+    def predict_host_bytes(self, n: int, N: int, b: Optional[int] = None) -> float:
+        b = self.blocks_per_unit if b is None else b
+        return self.host_fit.predict({"activation_tokens": self.activation_tokens(n, N, b)})
+
+    def _fitted(self, m: Measurement) -> tuple[float, float]:
+        args = (m.sub_batch_size, m.num_sub_batches, m.blocks_per_unit)
+        return self.predict_gpu_bytes(*args), self.predict_host_bytes(*args)
+
+    # --- using it --------------------------------------------------------------------------------
+    def schedule_config(self, base: ScheduleConfig) -> ScheduleConfig:
+        """``base`` as a layer-major schedule with the plan's n, N and blocks_per_unit."""
+        return dataclasses.replace(base, name="speedloader", sub_batch_size=self.sub_batch_size,
+                                   num_sub_batches=self.num_sub_batches, blocks_per_unit=self.blocks_per_unit)
+
+    def overrides(self) -> list[str]:
+        """The training overrides that run this plan without tuning again."""
+        return ["schedule=speedloader", f"schedule.sub_batch_size={self.sub_batch_size}",
+                f"schedule.num_sub_batches={self.num_sub_batches}", f"schedule.blocks_per_unit={self.blocks_per_unit}"]
+
+    def memory_error(self, error: BaseException) -> Optional[Exception]:
+        """For a GPU out-of-memory error, or the arena's host budget error, raised while running this plan:
+        an error that names the budget that was wrong and by how much. None for any other error."""
+        if isinstance(error, PlanMemoryError):
+            return None
+        if isinstance(error, torch.OutOfMemoryError):
+            return self._gpu_error(error)
+        if isinstance(error, ValueError) and _ARENA_NEEDS.search(str(error)):
+            return self._host_error(error)
+        return None
+
+    def _name(self) -> str:
+        return f"n={self.sub_batch_size} x N={self.num_sub_batches}, blocks_per_unit={self.blocks_per_unit}"
+
+    def _gpu_error(self, error: BaseException) -> Exception:
+        predicted, needed = self.predicted_gpu_bytes, None
+        fix = "Lower schedule.gpu_memory_budget_gib"
+        how = "the error does not say how much was needed"
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            match = _TRIED.search(str(error))
+            tried = float(match.group(1)) * _UNITS[match.group(2)] if match else 0.0
+            allocated = torch.cuda.memory_allocated()
+            needed = int(max(torch.cuda.max_memory_allocated(), allocated + tried))
+            short = needed - predicted
+            how = (f"the step needed at least {_size(needed)} ({_size(allocated)} allocated when "
+                   f"{_size(tried)} more were asked for): {_size(short)} "
+                   f"({short / max(predicted, 1):.1%}) more than predicted")
+            fix += f" to about {_gib(self.gpu_budget_bytes - short / (1.0 - self.gpu_margin)):.1f}"
+        exc = GpuPlanMemoryError(
+            f"out of GPU memory with the tuned plan ({self._name()}): the GPU memory budget was wrong. The tuner "
+            f"predicted a peak of {_size(predicted)} within {_size(self.gpu_target_bytes)} (budget "
+            f"{_size(self.gpu_budget_bytes)} from {self.gpu_budget_source}, less {self.gpu_margin:.0%}); "
+            f"{how}. {fix}, or set the schedule by hand (schedule=speedloader). The error: {error}")
+        exc.predicted_bytes, exc.needed_bytes = predicted, needed
+        return exc
+
+    def _host_error(self, error: BaseException) -> Exception:
+        needs = int(_ARENA_NEEDS.search(str(error)).group(1))
+        available = _ARENA_AVAILABLE.search(str(error))
+        short = needs - int(available.group(1)) if available else None
+        shortfall = (f"only {_size(needs - short)} were available for its {_size(needs)}: short by "
+                     f"{_size(short)}" if short is not None else f"its {_size(needs)} did not fit")
+        exc = HostPlanMemoryError(
+            f"the tuned plan ({self._name()}) does not fit in host memory: the host memory budget was wrong. The "
+            f"tuner predicted {_size(self.predicted_host_bytes)} of host memory (model states and activation "
+            f"slots) within a budget of {_size(self.host_budget_bytes)} ({self.host_budget_source}), but when "
+            f"the pinned arena was planned {shortfall}. Lower schedule.host_memory_budget_gib by that much, or free "
+            f"host memory. The error: {error}")
+        exc.predicted_bytes = self.predicted_host_bytes
+        exc.needed_bytes = self.predicted_host_bytes + short if short is not None else None
+        return exc
+
+    def first_step_metrics(self, metrics: dict) -> dict:
+        """The predicted peak next to the one the first real step measured (CUDA only), for the logger."""
+        measured = metrics.get("peak_gpu_mem_allocated_gib")
+        if self.device != "cuda" or not measured:
+            return {}
+        predicted = _gib(self.predicted_gpu_bytes)
+        return {"tune/predicted_gpu_peak_gib": predicted, "tune/measured_gpu_peak_gib": measured,
+                "tune/gpu_prediction_error": predicted / measured - 1.0}
+
+    # --- reporting -------------------------------------------------------------------------------
+    def as_dict(self) -> dict:
+        """Everything, JSON-ready; each measurement with what the fits give at its point."""
+        out = dataclasses.asdict(self)
+        out.update(batch_size=self.batch_size, gpu_target_bytes=self.gpu_target_bytes)
+        for record, m in zip(out["measurements"], self.measurements):
+            record.update(zip(("fitted_gpu_bytes", "fitted_host_bytes"), self._fitted(m)),
+                          activation_tokens=m.activation_tokens)
+        return out
+
+    def as_metrics(self) -> dict:
+        """Flat scalars under ``tune/`` (W&B, metrics.jsonl); intercepts in GiB, slopes in bytes."""
+        out = {"tune/sub_batch_size": self.sub_batch_size, "tune/num_sub_batches": self.num_sub_batches,
+               "tune/blocks_per_unit": self.blocks_per_unit, "tune/batch_size": self.batch_size,
+               "tune/gpu_budget_gib": _gib(self.gpu_budget_bytes), "tune/gpu_target_gib": _gib(self.gpu_target_bytes),
+               "tune/host_budget_gib": _gib(self.host_budget_bytes),
+               "tune/predicted_gpu_peak_gib": _gib(self.predicted_gpu_bytes),
+               "tune/predicted_host_gib": _gib(self.predicted_host_bytes), "tune/trial_s": self.trial_s}
+        for name, fit in (("gpu", self.gpu_fit), ("host", self.host_fit)):
+            out.update({f"tune/{name}_r2": fit.r2, f"tune/{name}_fit_points": fit.num_points})
+            for f, c in zip(fit.features, fit.coef):
+                key = "intercept_gib" if f == "1" else f.replace("*", "_x_") + "_bytes"
+                out[f"tune/{name}_coef_{key}"] = _gib(c) if f == "1" else c
+        for k, m in enumerate(self.measurements):
+            gpu, host = self._fitted(m)
+            out.update({f"tune/trial{k}/measured_gpu_gib": _gib(m.gpu_peak_bytes), f"tune/trial{k}/fitted_gpu_gib":
+                        _gib(gpu), f"tune/trial{k}/measured_host_gib": _gib(m.host_bytes),
+                        f"tune/trial{k}/fitted_host_gib": _gib(host)})
+        return out
+
+    def summary(self) -> str:
+        """A few lines for the console: the plan, both fits and budgets, a table of the trials."""
+        lines = [
+            f"plan: n={self.sub_batch_size} sequences per sub-batch (limited by {self.limited_by['sub_batch_size']}), "
+            f"N={self.num_sub_batches} sub-batches (limited by {self.limited_by['num_sub_batches']}), blocks_per_unit="
+            f"{self.blocks_per_unit}: {self.batch_size} x {self.seq_len} tokens per rank per step",
+            f"GPU ({self.gpu_measure}): predicted peak {_size(self.predicted_gpu_bytes)} <= "
+            f"{_size(self.gpu_target_bytes)} (budget {_size(self.gpu_budget_bytes)} from "
+            f"{self.gpu_budget_source}, less {self.gpu_margin:.0%}); fit {self.gpu_fit.describe()}",
+            f"host (exact accounting): predicted {_size(self.predicted_host_bytes)} <= budget "
+            f"{_size(self.host_budget_bytes)} ({self.host_budget_source}); fit {self.host_fit.describe(1.0, 'B')}",
+            "| trial | n | N | blocks/unit | GPU GiB measured | fitted | host GiB measured | fitted | step s |",
+            "|---|---|---|---|---|---|---|---|---|"]
+        for k, m in enumerate(self.measurements):
+            gpu, host = self._fitted(m)
+            lines.append(f"| {k} | {m.sub_batch_size} | {m.num_sub_batches} | {m.blocks_per_unit} | "
+                         f"{_gib(m.gpu_peak_bytes):.3f} | {_gib(gpu):.3f} | {_gib(m.host_bytes):.3f} | "
+                         f"{_gib(host):.3f} "
+                         f"| {m.step_s:.2f} |")
+        lines.append("run it: " + " ".join(self.overrides()))
+        return "\n".join(lines)
+
+
+def _largest(ok: Callable[[int], bool], cap: Optional[int]) -> int:
+    """The largest k in [1, cap] with ok(k) (ok monotone: true up to some k); 0 if ok(1) is false."""
+    hi = min(cap or _HARD_CAP, _HARD_CAP)
+    if not ok(1):
+        return 0
+    lo, probe = 1, 2
+    while probe <= hi and ok(probe):  # exponential probe, then bisect
+        lo, probe = probe, probe * 2
+    hi = min(hi, probe - 1) if probe <= hi else hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def _min_cap(*caps: tuple[Optional[int], str]) -> tuple[Optional[int], str]:
+    given = [(c, name) for c, name in caps if c is not None]
+    return min(given) if given else (None, "")
+
+
+def plan_from_measurements(
+    measurements: Sequence[Measurement], *, num_layers: int, gpu_budget_bytes: int, host_budget_bytes: int,
+    gpu_margin: float = DEFAULT_GPU_MARGIN, blocks_per_unit: Optional[Sequence[int]] = None,
+    max_sub_batch_size: Optional[int] = None, max_num_sub_batches: Optional[int] = None,
+    target_batch_size: Optional[int] = None, **plan_fields,
+) -> TunePlan:
+    """Fits the two memory models to ``measurements`` and picks the plan (no model runs here).
+
+    n: the largest sub-batch size for which one sub-batch fits both budgets; N: then the largest number
+    of sub-batches that fits both (GPU memory does not depend on N unless the activations are on the
+    GPU). With several ``blocks_per_unit`` candidates the plan with the most sequences per step wins
+    (then the larger n, then the smaller blocks_per_unit). ``plan_fields``: more :class:`TunePlan`
+    fields (budget sources, device, ...). Raises ``ValueError`` naming the budget that cannot hold one
+    sequence per sub-batch.
+    """
+    if not measurements:
+        raise ValueError("no trial measurements to fit")
+    if not 0.0 <= gpu_margin < 1.0:
+        raise ValueError(f"gpu_margin={gpu_margin}; use a fraction in [0, 1)")
+    caps = {"max_sub_batch_size": max_sub_batch_size, "max_num_sub_batches": max_num_sub_batches,
+            "target_batch_size": target_batch_size}
+    for name, value in caps.items():
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r}; it must be an integer >= 1 (or None)")
+    measured_b = sorted({m.blocks_per_unit for m in measurements})
+    candidates = sorted(set(blocks_per_unit or measured_b))
+    if len(measured_b) == 1 and candidates != measured_b:
+        raise ValueError(f"blocks_per_unit {candidates} asked for, but the trials ran at {measured_b} only")
+    gpu_features = ("1", "n", "b", "n*b") if len(measured_b) > 1 else ("1", "n")
+    m0 = measurements[0]
+    plan = TunePlan(
+        sub_batch_size=0, num_sub_batches=0, blocks_per_unit=candidates[0], seq_len=m0.seq_len, num_layers=num_layers,
+        gpu_fit=fit_linear([_gpu_values(m.sub_batch_size, m.blocks_per_unit) for m in measurements],
+                           [m.gpu_peak_bytes - m.device_activation_bytes for m in measurements], gpu_features),
+        host_fit=fit_linear([{"activation_tokens": m.activation_tokens} for m in measurements],
+                            [m.host_bytes for m in measurements], ("1", "activation_tokens")),
+        gpu_budget_bytes=int(gpu_budget_bytes), gpu_margin=gpu_margin, host_budget_bytes=int(host_budget_bytes),
+        measurements=list(measurements), activations_on_device=m0.activations_on_device,
+        activation_bytes_per_token=m0.activation_bytes_per_token,
+        **{"gpu_budget_source": "gpu_memory_budget_bytes", "host_budget_source": "host_memory_budget_bytes",
+           **plan_fields})
+    choices = [c for c in (_choose(plan, b, **caps) for b in candidates) if c is not None]
+    if not choices:
+        raise _too_small_error(plan, candidates[0])
+    _, n, N, b, limited = max(choices, key=lambda c: c[0])
+    plan.sub_batch_size, plan.num_sub_batches, plan.blocks_per_unit, plan.limited_by = n, N, b, limited
+    plan.predicted_gpu_bytes = int(plan.predict_gpu_bytes(n, N, b))
+    plan.predicted_host_bytes = int(plan.predict_host_bytes(n, N, b))
+    return plan
+
+
+def _fits(plan: TunePlan, n: int, N: int, b: int) -> tuple[bool, bool]:
+    """(GPU fits, host fits) for the plan's fitted models at (n, N, b), to the byte (the fit's rounding aside)."""
+    return (round(plan.predict_gpu_bytes(n, N, b)) <= plan.gpu_target_bytes,
+            round(plan.predict_host_bytes(n, N, b)) <= plan.host_budget_bytes)
+
+
+def _choose(plan: TunePlan, b: int, *, max_sub_batch_size: Optional[int], max_num_sub_batches: Optional[int],
+            target_batch_size: Optional[int]) -> Optional[tuple]:
+    """((sort key), n, N, b, limited_by) for blocks_per_unit b, or None if not one sequence fits."""
+    n_cap = _min_cap((max_sub_batch_size, "max_sub_batch_size"), (target_batch_size, "target_batch_size"))
+    n = _largest(lambda k: all(_fits(plan, k, 1, b)), n_cap[0])
+    if n == 0:
+        return None
+    if n == _HARD_CAP:
+        raise ValueError("neither budget bounds the sub-batch size (no memory grows with it in the fits); "
+                         "set target_batch_size or max_sub_batch_size")
+    N_cap = _min_cap((max_num_sub_batches, "max_num_sub_batches"),
+                     (target_batch_size // n if target_batch_size else None, "target_batch_size"))
+    N = _largest(lambda k: all(_fits(plan, n, k, b)), N_cap[0])
+
+    def limit(value: int, cap: tuple[Optional[int], str], next_fits: tuple[bool, bool]) -> str:
+        if cap[0] is not None and value >= cap[0]:
+            return cap[1]
+        return "host budget" if next_fits[0] else "gpu budget"
+
+    limited = {"sub_batch_size": limit(n, n_cap, _fits(plan, n + 1, 1, b)),
+               "num_sub_batches": limit(N, N_cap, _fits(plan, n, N + 1, b))}
+    return (N * n, n, -b), n, N, b, limited
+
+
+def _too_small_error(plan: TunePlan, b: int) -> ValueError:
+    """The error when not even n = N = 1 fits: it names the budget, what one sequence needs, what to change."""
+    s = plan.seq_len
+    if not _fits(plan, 1, 1, b)[0]:
+        return ValueError(
+            f"GPU memory budget too small for even one sub-batch: one sequence of {s} tokens per sub-batch "
+            f"(blocks_per_unit={b}) needs a predicted peak of {_size(plan.predict_gpu_bytes(1, 1, b))} (fitted "
+            f"from the trial steps: {plan.gpu_fit.describe()}), but the budget is {_size(plan.gpu_budget_bytes)} "
+            f"from {plan.gpu_budget_source}, {_size(plan.gpu_target_bytes)} after the {plan.gpu_margin:.0%} "
+            "margin. Raise schedule.gpu_memory_budget_gib (or max_gpu_memory_gib), shorten data.seq_len, or offload "
+            "the parameters (offload=params)")
+    d0, per_token = plan.host_fit.coef
+    return ValueError(
+        f"host memory budget too small for even one sub-batch: the model states and the activation slots of one "
+        f"sequence of {s} tokens (blocks_per_unit={b}) need {_size(plan.predict_host_bytes(1, 1, b))} "
+        f"({_size(d0)} fixed + {per_token:.0f} bytes x {num_units(plan.num_layers, b) + 1} slots x {s} "
+        f"tokens), but the budget is {_size(plan.host_budget_bytes)} ({plan.host_budget_source}). Raise "
+        "schedule.host_memory_budget_gib or, if this machine has more memory than it reports, set "
+        "FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB; or shorten data.seq_len, or raise schedule.blocks_per_unit")
+
+
+# --- the tuner -----------------------------------------------------------------------------------
+
+
+def _resolve_budgets(device: torch.device, gpu_budget: Optional[int], host_budget: Optional[int],
+                     names: tuple[str, str]) -> tuple[int, str, int, str]:
+    detected = None
+    if host_budget is None or (gpu_budget is None and device.type != "cuda"):
+        detected = HostMemoryBudget.detect()
+    if host_budget is not None:
+        host_source = names[1]
+    else:
+        host_budget, host_source = detected.available_bytes, f"detected: {detected.describe()}"
+    if gpu_budget is not None:
+        gpu_source = names[0]
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        fraction = get_fraction(device) if get_fraction is not None else 1.0
+        gpu_budget = int(total * fraction)
+        gpu_source = f"the device's {_gib(total):.1f} GiB" + (f" x fraction {fraction:.3f}" if fraction < 1 else "")
+    else:
+        gpu_budget, gpu_source = detected.available_bytes, "the CPU stand-in: detected host memory"
+    gpu_budget, host_budget = (int(v) for v in reduce_over_ranks([gpu_budget, host_budget], dist.ReduceOp.MIN))
+    return gpu_budget, gpu_source, host_budget, host_source
+
+
+def tune(
+    model: ModelConfig,
+    *,
+    seq_len: int,
+    gpu_memory_budget_bytes: Optional[int] = None,
+    host_memory_budget_bytes: Optional[int] = None,
+    target_batch_size: Optional[int] = None,
+    max_sub_batch_size: Optional[int] = None,
+    max_num_sub_batches: Optional[int] = None,
+    blocks_per_unit: int | Sequence[int] = 1,
+    trial_sub_batch_sizes: tuple[int, int] = (2, 4),
+    trial_num_sub_batches: int = 2,
+    gpu_margin: float = DEFAULT_GPU_MARGIN,
+    offload_params: bool = False,
+    activation_store: str = "auto",
+    pin_memory: bool = True,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = torch.float32,
+    forward_prefetch: int = 1,
+    loss_chunk_tokens: int = 4096,
+    mesh=None,
+    build_optimizer: Optional[Callable[[nn.Module], torch.optim.Optimizer]] = None,
+    seed: int = 0,
+    budget_names: tuple[str, str] = ("gpu_memory_budget_bytes", "host_memory_budget_bytes"),
+) -> TunePlan:
+    """Plans ``sub_batch_size`` x ``num_sub_batches`` (and ``blocks_per_unit``) for a layer-major run.
+
+    Args:
+        model: the model to plan for; a throw-away copy is built from it for the trial steps.
+        seq_len: tokens per sequence s.
+        gpu_memory_budget_bytes: GPU memory the run may fill (peak allocated); the plan keeps
+            ``gpu_margin`` of it free. None: the device's memory (times its per-process fraction, if
+            capped); without CUDA the CPU stands in for the GPU and the detected host memory is used.
+        host_memory_budget_bytes: host memory for model states and activation slots. None: detected at
+            the start (``HostMemoryBudget.detect``: ``$FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB``, the memory
+            cgroup or MemTotal, less 10% and what is in use).
+        target_batch_size: at most this many sequences per rank per step (caps n x N).
+        max_sub_batch_size / max_num_sub_batches: caps on n and N (e.g. a sweep's grid).
+        blocks_per_unit: the value to use, or several to choose from (two trial steps each; GPU memory
+            is then fitted on n, b and n x b).
+        trial_sub_batch_sizes: the two sub-batch sizes of the trial steps. Not 1: at n = 1 some kernels
+            take other paths, and the step from 1 to 2 is not the slope beyond (on the CPU it is 2-3x). If
+            the larger one runs out of GPU memory, the trials run again at (1, the smaller one).
+        trial_num_sub_batches: N of the trial steps.
+        offload_params ... loss_chunk_tokens: as ``apply_speedloader``; the run must use the same.
+        mesh: as ``apply_speedloader`` (every rank runs the trials; the maximum over ranks is fitted).
+        build_optimizer: the run's optimizer for a model (its state is part of the memory); default:
+            the trainer's fused AdamW.
+        seed: weights and tokens of the trial model (the global RNG is left as it was).
+        budget_names: what the plan and its errors call the two budgets when given (the trainer passes
+            its config keys).
+    Returns:
+        The :class:`TunePlan`. Raises ``ValueError`` when a budget cannot hold one sequence per sub-batch.
+    """
+    from .parallel import build_mesh, compute_device, maybe_init_process_group
+
+    n1, n2 = trial_sub_batch_sizes
+    if n1 == n2 or min(n1, n2) < 1:
+        raise ValueError(f"trial_sub_batch_sizes={trial_sub_batch_sizes}; two different sizes >= 1 are needed")
+    if trial_num_sub_batches < 1:
+        raise ValueError(f"trial_num_sub_batches={trial_num_sub_batches}; it must be >= 1")
+    candidates = [blocks_per_unit] if isinstance(blocks_per_unit, int) else sorted(set(blocks_per_unit))
+    if not candidates or any(not isinstance(b, int) or b < 1 for b in candidates):
+        raise ValueError(f"blocks_per_unit={blocks_per_unit!r}; give an integer >= 1 or a list of them")
+    if mesh is None:
+        maybe_init_process_group()
+        mesh = build_mesh("cuda" if torch.cuda.is_available() else "cpu")
+    device = compute_device(mesh.device_type)
+    gpu_budget, gpu_source, host_budget, host_source = _resolve_budgets(
+        device, gpu_memory_budget_bytes, host_memory_budget_bytes, budget_names)  # before the trials take memory
+    if build_optimizer is None:
+        from .config import OptimConfig
+        from .trainer import build_optimizer as build_adamw
+
+        def build_optimizer(m: nn.Module) -> torch.optim.Optimizer:
+            return build_adamw(m, OptimConfig())
+
+    speedloader_kwargs = dict(num_sub_batches=trial_num_sub_batches, mesh=mesh, offload_params=offload_params,
+                              activation_store=activation_store, pin_memory=pin_memory, param_dtype=param_dtype,
+                              reduce_dtype=reduce_dtype, forward_prefetch=forward_prefetch,
+                              loss_chunk_tokens=loss_chunk_tokens)
+    start = time.perf_counter()
+    measurements = []
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        for b in candidates:
+            sizes = (min(n1, n2), max(n1, n2))
+            while True:
+                failed = None
+                try:
+                    measurements += _measure_trials(model, {**speedloader_kwargs, "blocks_per_unit": b}, sizes,
+                                                    seq_len, device=device, build_optimizer=build_optimizer, seed=seed)
+                except torch.OutOfMemoryError as e:
+                    failed = (f"the trial steps at n={sizes} x N={trial_num_sub_batches} (blocks_per_unit={b}) ran "
+                              f"out of GPU memory ({e})")
+                if failed is None:
+                    break
+                # Out of the except block, the failed step's tensors are gone: try smaller sub-batches.
+                if sizes[0] == 1:
+                    raise ValueError(f"GPU memory budget: {failed}; the GPU cannot run one sequence of {seq_len} "
+                                     "tokens per sub-batch: shorten data.seq_len or offload the parameters")
+                log.warning("%s; trying smaller sub-batches", failed)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                sizes = (1, sizes[0])
+    return plan_from_measurements(
+        measurements, num_layers=model_num_layers(model), gpu_budget_bytes=gpu_budget, host_budget_bytes=host_budget,
+        gpu_margin=gpu_margin, blocks_per_unit=candidates, max_sub_batch_size=max_sub_batch_size,
+        max_num_sub_batches=max_num_sub_batches, target_batch_size=target_batch_size, gpu_budget_source=gpu_source,
+        host_budget_source=host_source, device=device.type,
+        gpu_measure="torch.cuda.max_memory_allocated" if device.type == "cuda" else
+        "CPU stand-in: resident model states + profiled peak allocation", trial_s=time.perf_counter() - start)
+
+
+def _measure_trials(model: ModelConfig, speedloader_kwargs: dict, sizes: tuple[int, int], seq_len: int, *,
+                    device: torch.device, build_optimizer, seed: int) -> list[Measurement]:
+    """Builds a trial model, primes it at the larger size, measures one step at each size, frees it."""
+    out = []
+    with TrialModel(model, speedloader_kwargs, device=device, build_optimizer=build_optimizer, seed=seed) as trial:
+        trial.prime(sizes[-1], seq_len)  # at the largest trial geometry: the arena is planned once
+        for n in sizes:
+            m = trial.measure(n, seq_len)
+            out.append(m)
+            log.info("tune trial n=%d N=%d blocks_per_unit=%d: GPU peak %.3f GiB, host %.3f GiB, %.2f s", n,
+                     m.num_sub_batches, m.blocks_per_unit, _gib(m.gpu_peak_bytes), _gib(m.host_bytes), m.step_s)
+    return out
+
+
+def model_num_layers(model: ModelConfig) -> int:
+    """Transformer blocks of the model (read from the checkpoint's config when ``model.path`` is set)."""
+    if model.path is None:
+        return model.num_layers
+    from .models import build_hf_config
+
+    return build_hf_config(model).num_hidden_layers
+
+
+def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> TunePlan:
+    """``tune`` for a training run's config (``schedule.name=auto``): the same model, shapes, offload,
+    store, optimizer and budgets the run will use."""
+    from .trainer import build_optimizer
+
+    sched = cfg.schedule
+    gib = lambda v: None if v is None else int(v * GIB)  # noqa: E731
+    gpu_name, gpu_budget = ("schedule.gpu_memory_budget_gib", sched.gpu_memory_budget_gib)
+    if gpu_budget is None:
+        gpu_name, gpu_budget = "max_gpu_memory_gib", cfg.max_gpu_memory_gib
+    return tune(cfg.model, seq_len=cfg.data.seq_len, gpu_memory_budget_bytes=gib(gpu_budget),
+                host_memory_budget_bytes=gib(sched.host_memory_budget_gib), target_batch_size=sched.target_batch_size,
+                blocks_per_unit=sorted({sched.blocks_per_unit, *sched.tune_blocks_per_unit}),
+                offload_params=cfg.offload.params, activation_store=sched.activation_store,
+                pin_memory=cfg.offload.pin_memory, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                forward_prefetch=sched.forward_prefetch, loss_chunk_tokens=sched.loss_chunk_tokens, mesh=mesh,
+                build_optimizer=lambda m: build_optimizer(m, cfg.optim), seed=cfg.seed,
+                budget_names=(gpu_name, "schedule.host_memory_budget_gib"))

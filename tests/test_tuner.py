@@ -1,0 +1,373 @@
+"""The tuner on the CPU: fits and plans from recorded (synthetic) measurements, budget edge cases, the
+trial steps end to end on a tiny model (the CPU stands in for the GPU), ``schedule.name=auto`` in the
+trainer, the errors that name a wrong budget, and the ``python -m fsdp_speedloader.tune`` entry point.
+
+The GPU figures (predicted peak within 5% of the measured one, 7B width) are in ``test_tuner_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+import fsdp_speedloader
+from dist_utils import tiny_config
+from fsdp_speedloader.arena import ArenaPlan, HostMemoryBudget, check_plan
+from fsdp_speedloader.config import ModelConfig, OptimConfig, TrainConfig
+from fsdp_speedloader.models import build_model
+from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
+from fsdp_speedloader.trainer import Trainer, build_optimizer
+from fsdp_speedloader.trial import Measurement, TrialModel
+from fsdp_speedloader.tuner import (GpuPlanMemoryError, HostPlanMemoryError, TunePlan, fit_linear,
+                                    plan_from_measurements, tune_train_config)
+
+GIB = 1 << 30
+MIB = 1 << 20
+S, H, L = 4096, 4096, 8  # a 7B-width model of 8 layers at seq 4096: 9 slots, bf16 activations
+SLOT_BYTES = H * 2  # one token in one slot
+TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)
+
+
+def _measure(n, *, b=1, N=2, gpu, host, on_device=False, layers=L) -> Measurement:
+    units = -(-layers // b)
+    return Measurement(sub_batch_size=n, num_sub_batches=N, blocks_per_unit=b, seq_len=S, num_slots=units + 1,
+                       gpu_peak_bytes=int(gpu), host_bytes=int(host), activation_bytes_per_token=SLOT_BYTES,
+                       activations_on_device=on_device)
+
+
+def _recorded(gpu0=2 * GIB, gpu_per_seq=1.5 * GIB, host0=30 * GIB, sizes=(2, 4), N=2) -> list[Measurement]:
+    """Two trial steps as a 7B-width run would record them: GPU linear in n, host = states + 9 slots."""
+    return [_measure(n, N=N, gpu=gpu0 + gpu_per_seq * n, host=host0 + (L + 1) * N * n * S * SLOT_BYTES)
+            for n in sizes]
+
+
+# --- fits ------------------------------------------------------------------------------------------
+
+
+def test_fit_linear_two_points_is_exact_and_says_so():
+    fit = fit_linear([{"n": 2}, {"n": 4}], [5.0, 9.0], ("1", "n"))
+    assert fit.coef == pytest.approx((1.0, 2.0)) and fit.r2 == 1.0 and fit.exact
+    assert fit.predict({"n": 10}) == pytest.approx(21.0)
+    assert "R^2 = 1 by construction (2 points, 2 coefficients)" in fit.describe(1.0, "B")
+
+
+def test_fit_linear_r2_with_more_points():
+    ns = [1, 2, 4, 8, 16]
+    noise = [0.3, -0.2, 0.1, -0.4, 0.2]
+    fit = fit_linear([{"n": n} for n in ns], [3.0 + 2.0 * n + e for n, e in zip(ns, noise)], ("1", "n"))
+    assert not fit.exact and 0.99 < fit.r2 < 1.0
+    assert fit.coef[1] == pytest.approx(2.0, abs=0.05)
+    bent = fit_linear([{"n": n} for n in ns], [n * n for n in ns], ("1", "n"))
+    assert bent.r2 < 0.99  # a quadratic is visibly not a line
+
+
+def test_fit_linear_needs_distinct_trials():
+    with pytest.raises(ValueError, match="trials must differ"):
+        fit_linear([{"n": 2}, {"n": 2}], [1.0, 1.0], ("1", "n"))
+    with pytest.raises(ValueError, match="trials must differ"):
+        fit_linear([{"n": 2}], [1.0], ("1", "n"))
+
+
+# --- plans from recorded measurements ----------------------------------------------------------------
+
+
+def test_plan_fills_gpu_then_host():
+    plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB)
+    # GPU: 2 + 1.5 n <= 36 GiB (40 less 10%) -> n = 22. Host: 30 GiB + 9 x N x 22 x 4096 x 8 KiB <= 120 GiB -> N = 14.
+    assert (plan.sub_batch_size, plan.num_sub_batches, plan.blocks_per_unit) == (22, 14, 1)
+    assert plan.limited_by == {"sub_batch_size": "gpu budget", "num_sub_batches": "host budget"}
+    assert plan.gpu_fit.coef == pytest.approx((2 * GIB, 1.5 * GIB))
+    assert plan.host_fit.coef == pytest.approx((30 * GIB, SLOT_BYTES))  # exact: h x 2 bytes per slot token
+    assert plan.predicted_gpu_bytes <= plan.gpu_target_bytes < plan.predict_gpu_bytes(23)
+    assert plan.predicted_host_bytes <= 120 * GIB < plan.predict_host_bytes(22, 15)
+    assert plan.batch_size == 22 * 14
+    assert plan.schedule_config(TrainConfig().schedule).name == "speedloader"
+    assert plan.overrides()[1:3] == ["schedule.sub_batch_size=22", "schedule.num_sub_batches=14"]
+    text = plan.summary()
+    assert "R^2 = 1 by construction" in text and "limited by gpu budget" in text
+    metrics = plan.as_metrics()
+    assert metrics["tune/sub_batch_size"] == 22 and metrics["tune/gpu_fit_points"] == 2
+    assert metrics["tune/trial1/measured_gpu_gib"] == pytest.approx(metrics["tune/trial1/fitted_gpu_gib"])
+    json.dumps(plan.as_dict())  # JSON-ready
+
+
+def test_plan_caps():
+    plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
+                                  target_batch_size=64)
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (22, 2)  # N = 64 // 22
+    assert plan.limited_by["num_sub_batches"] == "target_batch_size"
+    plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
+                                  max_sub_batch_size=4, max_num_sub_batches=16)
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (4, 16)
+    assert plan.limited_by == {"sub_batch_size": "max_sub_batch_size", "num_sub_batches": "max_num_sub_batches"}
+    plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
+                                  target_batch_size=8)
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (8, 1)
+
+
+def test_budget_boundaries_are_inclusive():
+    # Budgets exactly at n = 5 (GPU, no margin) and N = 3 (host) give exactly that plan.
+    gpu = 2 * GIB + 1.5 * GIB * 5
+    host = 30 * GIB + (L + 1) * 3 * 5 * S * SLOT_BYTES
+    plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=gpu, host_budget_bytes=host,
+                                  gpu_margin=0.0)
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (5, 3)
+    plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=gpu - 1, host_budget_bytes=host - 1,
+                                  gpu_margin=0.0)
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (4, 3)  # one byte less: n = 4, and then N = 3 still fits
+
+
+def test_gpu_budget_too_small_for_one_sequence():
+    # n = 1 needs 3.5 GiB; 3.8 GiB less 10% is 3.42 GiB.
+    with pytest.raises(ValueError, match=r"GPU memory budget too small for even one sub-batch.*3\.500 GiB.*"
+                                         r"schedule\.gpu_memory_budget_gib"):
+        plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=int(3.8 * GIB), host_budget_bytes=120 * GIB)
+
+
+def test_host_budget_too_small_for_one_sequence():
+    # One sequence's slots: 9 x 4096 x 8 KiB = 288 MiB on top of 30 GiB of model states.
+    host = 30 * GIB + 287 * MIB
+    with pytest.raises(ValueError, match=r"host memory budget too small for even one sub-batch.*30\.281 GiB.*"
+                                         r"FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB"):
+        plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=host)
+    plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=host + MIB)
+    assert (plan.num_sub_batches, plan.sub_batch_size) == (1, 1)  # 288 MiB fits: one sequence, N = 1
+
+
+def test_bad_plan_arguments():
+    with pytest.raises(ValueError, match="gpu_margin"):
+        plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=GIB, host_budget_bytes=GIB, gpu_margin=1.0)
+    with pytest.raises(ValueError, match="target_batch_size"):
+        plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=GIB, host_budget_bytes=GIB,
+                               target_batch_size=0)
+    flat = [_measure(n, gpu=GIB, host=GIB) for n in (2, 4)]  # nothing grows with n: nothing bounds the plan
+    with pytest.raises(ValueError, match="neither budget bounds"):
+        plan_from_measurements(flat, num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB)
+    with pytest.raises(ValueError, match=r"blocks_per_unit \[2\] asked for"):
+        plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
+                               blocks_per_unit=[2])
+
+
+def test_plan_with_activations_on_the_gpu():
+    # activation_store='device': the slots' exact bytes join the GPU line, so the GPU budget bounds N too.
+    slot = (L + 1) * S * SLOT_BYTES  # one sequence in every slot: 288 MiB
+    ms = [_measure(n, N=2, gpu=2 * GIB + 1.5 * GIB * n + 2 * n * slot, host=30 * GIB, on_device=True) for n in (2, 4)]
+    plan = plan_from_measurements(ms, num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB)
+    assert plan.gpu_fit.coef == pytest.approx((2 * GIB, 1.5 * GIB))
+    n = plan.sub_batch_size  # largest n with 2 + 1.5 n + n x 0.28 GiB <= 36 GiB at N = 1
+    assert n == 19 and plan.limited_by == {"sub_batch_size": "gpu budget", "num_sub_batches": "gpu budget"}
+    assert plan.predict_gpu_bytes(n, plan.num_sub_batches) <= plan.gpu_target_bytes
+    assert plan.predict_gpu_bytes(n, plan.num_sub_batches + 1) > plan.gpu_target_bytes
+
+
+def test_plan_over_blocks_per_unit():
+    # GPU = 1 + 0.5 b + 1.5 n b GiB (a unit of b blocks: b x parameters, n x b recompute activations).
+    def gpu(n, b):
+        return GIB * (1 + 0.5 * b + 1.5 * n * b)
+
+    ms = [_measure(n, b=b, gpu=gpu(n, b), host=30 * GIB + (-(-L // b) + 1) * 2 * n * S * SLOT_BYTES)
+          for b in (1, 2) for n in (2, 4)]
+    plan = plan_from_measurements(ms, num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB)
+    assert plan.gpu_fit.features == ("1", "n", "b", "n*b")
+    assert plan.gpu_fit.coef == pytest.approx((GIB, 0.0, 0.5 * GIB, 1.5 * GIB), abs=1e-3 * GIB)
+    # By hand: b = 1 -> n = 23, N = 13 (299 sequences); b = 2 -> n = 11, N = 52 (572): fewer slots per token win.
+    assert (plan.blocks_per_unit, plan.sub_batch_size, plan.num_sub_batches) == (2, 11, 52)
+    for b in (1, 2):
+        n = max(k for k in range(1, 100) if gpu(k, b) <= 36 * GIB)
+        N = max(k for k in range(1, 1000) if plan.predict_host_bytes(n, k, b) <= 120 * GIB)
+        assert n * N <= plan.batch_size
+
+
+# --- errors when the plan runs out of memory anyway ----------------------------------------------------
+
+
+def _plan() -> TunePlan:
+    return plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
+                                  gpu_budget_source="max_gpu_memory_gib")
+
+
+def test_gpu_out_of_memory_names_the_gpu_budget():
+    plan = _plan()
+    error = plan.memory_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."))
+    assert isinstance(error, GpuPlanMemoryError) and isinstance(error, torch.OutOfMemoryError)
+    assert error.budget == "gpu" and error.predicted_bytes == plan.predicted_gpu_bytes
+    text = str(error)
+    assert "the GPU memory budget was wrong" in text and "n=22 x N=14" in text
+    assert f"predicted a peak of {plan.predicted_gpu_bytes / GIB:.3f} GiB" in text and "max_gpu_memory_gib" in text
+    assert "out of memory" in text  # sweep drivers classify the point as 'oom'
+    assert plan.memory_error(error) is None  # not wrapped twice
+    assert plan.memory_error(ValueError("data.path is missing")) is None
+    assert plan.memory_error(RuntimeError("boom")) is None
+
+
+def test_arena_error_names_the_host_budget_and_the_shortfall():
+    plan = _plan()
+    arena = ArenaPlan().add("activations", "activations", (9, 14, 22, S, H), torch.bfloat16)
+    budget = HostMemoryBudget(limit_bytes=80 * GIB, used_bytes=0, margin=0.1)  # 72 GiB for 86.6 GiB
+    with pytest.raises(ValueError) as raised:
+        check_plan(arena, budget, hint="lower schedule.num_sub_batches")
+    error = plan.memory_error(raised.value)
+    assert isinstance(error, HostPlanMemoryError) and isinstance(error, ValueError) and error.budget == "host"
+    short = arena.nbytes - budget.available_bytes
+    assert error.needed_bytes - error.predicted_bytes == short
+    text = str(error)
+    assert "the host memory budget was wrong" in text and f"short by {short / GIB:.3f} GiB" in text
+
+
+# --- trial steps on a tiny model (the CPU stands in for the GPU) -----------------------------------------
+
+
+def _cpu_mesh():
+    maybe_init_process_group("cpu")
+    return build_mesh("cpu")
+
+
+def test_tune_end_to_end_on_cpu():
+    rng = torch.get_rng_state()
+    plan = fsdp_speedloader.tune(TINY, seq_len=32, offload_params=True, activation_store="host",
+                                 host_memory_budget_bytes=64 * MIB, target_batch_size=16)
+    assert torch.equal(torch.get_rng_state(), rng), "the trials must leave the global RNG as it was"
+    assert [m.sub_batch_size for m in plan.measurements] == [2, 4]
+    assert plan.device == "cpu" and plan.gpu_fit.exact and plan.host_fit.exact
+    # Host accounting is exact: 4 bytes (fp32) x h per token per slot, and model states that do not grow.
+    assert plan.host_fit.coef[1] == pytest.approx(TINY.hidden_size * 4)
+    params = sum(p.numel() for p in build_model(TINY, device="meta").parameters())
+    for m in plan.measurements:
+        states = m.host_breakdown["model_states"]  # gradients and two AdamW moments (the parameters are in the arena)
+        assert 3 * params * 4 <= states <= 3 * params * 4 + 4096
+        assert m.host_breakdown["arena_activations"] == 3 * 2 * m.sub_batch_size * 32 * TINY.hidden_size * 4
+        assert m.host_bytes == sum(v for k, v in m.host_breakdown.items() if k in ("arena", "model_states"))
+        assert plan.predict_host_bytes(m.sub_batch_size, m.num_sub_batches) == pytest.approx(m.host_bytes)
+    assert plan.gpu_fit.coef[1] > 0  # the stand-in grows with n
+    assert plan.batch_size <= 16 and plan.predicted_host_bytes <= 64 * MIB
+
+
+def test_cpu_stand_in_predicts_a_third_size():
+    mesh = _cpu_mesh()
+    kwargs = dict(num_sub_batches=2, mesh=mesh)  # activations on the device (the CPU): GPU memory grows with N too
+    with TrialModel(TINY, kwargs, device=torch.device("cpu"), seed=0,
+                    build_optimizer=lambda m: build_optimizer(m, OptimConfig())) as trial:
+        trial.prime(4, 32)
+        fitted = [trial.measure(n, 32) for n in (2, 4)]
+        third = trial.measure(8, 32)
+        model_ref = weakref.ref(trial.model)
+    assert model_ref() is None, "closing the trial frees the model"
+    plan = plan_from_measurements(fitted, num_layers=2, gpu_budget_bytes=GIB, host_budget_bytes=GIB,
+                                  target_batch_size=8)
+    assert third.activations_on_device and third.device_activation_bytes == 3 * 2 * 8 * 32 * 64 * 4
+    assert plan.predict_gpu_bytes(8, 2) == pytest.approx(third.gpu_peak_bytes, rel=0.05)
+
+
+# --- schedule.name=auto in the trainer ----------------------------------------------------------------------
+
+
+def _auto_config(tmp_path, *, steps=3, **schedule) -> TrainConfig:
+    return tiny_config(tmp_path, offload={"params": True}, steps=steps,
+                       schedule={"name": "auto", "activation_store": "host", **schedule})
+
+
+def test_trainer_auto_runs_the_plan(tmp_path):
+    # Budgets set from the fits so that the plan is n = 2, N = 3: between the predictions at 2 and 3
+    # sequences (GPU) and between 3 and 4 sub-batches of 2 (host).
+    probe = tune_train_config(_auto_config(tmp_path / "probe"), mesh=_cpu_mesh(), param_dtype=torch.float32,
+                              reduce_dtype=torch.float32)
+    gpu = (probe.predict_gpu_bytes(2) + probe.predict_gpu_bytes(3)) / 2 / (1 - probe.gpu_margin)
+    host = (probe.predict_host_bytes(2, 3) + probe.predict_host_bytes(2, 4)) / 2
+    trainer = Trainer(_auto_config(tmp_path / "auto", gpu_memory_budget_gib=gpu / GIB,
+                                   host_memory_budget_gib=host / GIB))
+    plan = trainer.tune_plan
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (2, 3)
+    assert plan.limited_by == {"sub_batch_size": "gpu budget", "num_sub_batches": "host budget"}
+    assert plan.gpu_budget_source == "schedule.gpu_memory_budget_gib"
+    sched = trainer.cfg.schedule
+    assert (sched.name, sched.sub_batch_size, sched.num_sub_batches) == ("speedloader", 2, 3)
+    losses = [m["loss"] for m in trainer.train(max_steps=2)]
+
+    # The same run with the plan set by hand: the same losses (the trials leave the RNG as it was).
+    manual = tiny_config(tmp_path / "manual", offload={"params": True}, steps=3,
+                         schedule={"name": "speedloader", "activation_store": "host", "sub_batch_size": 2,
+                                   "num_sub_batches": 3})
+    assert [m["loss"] for m in Trainer(manual).train(max_steps=2)] == losses
+    records = [json.loads(line) for line in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["step"] == 0 and records[0]["tune/num_sub_batches"] == 3  # the plan, logged before step 1
+
+    # Out of GPU memory with the plan (simulated in step 3): the error names the budget that was wrong.
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    trainer.train_step = oom
+    with pytest.raises(GpuPlanMemoryError, match=r"n=2 x N=3.*the GPU memory budget was wrong"):
+        trainer.train()
+
+
+def test_trainer_auto_host_budget_too_small(tmp_path):
+    cfg = _auto_config(tmp_path, host_memory_budget_gib=1e-4)  # 100 KiB: less than the model states
+    with pytest.raises(ValueError, match="host memory budget too small for even one sub-batch"):
+        Trainer(cfg)
+
+
+@pytest.mark.parametrize("schedule,field", [({"gpu_memory_budget_gib": 0.0}, "schedule.gpu_memory_budget_gib"),
+                                            ({"host_memory_budget_gib": -1.0}, "schedule.host_memory_budget_gib"),
+                                            ({"target_batch_size": 0}, "schedule.target_batch_size"),
+                                            ({"tune_blocks_per_unit": [1, 0]}, "schedule.tune_blocks_per_unit")])
+def test_auto_schedule_fields_are_validated(tmp_path, schedule, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        _auto_config(tmp_path, **schedule)
+
+
+# --- the entry point --------------------------------------------------------------------------------------
+
+
+def test_tune_config_composes():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("tune", overrides=["experiment=llama2_7b_offload", "schedule.gpu_memory_budget_gib=40",
+                                         "output_dir=/tmp/x"])
+    d = OmegaConf.to_container(cfg, resolve=True)
+    d.pop("hydra", None)
+    tc = TrainConfig.from_dict(d)
+    assert (tc.schedule.name, tc.schedule.gpu_memory_budget_gib, tc.model.name) == ("auto", 40.0, "llama2_7b")
+
+
+def test_tune_cli(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.tune", "experiment=tiny_cpu", "logger=none",
+                           "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2",
+                           "data.seq_len=32",
+                           "offload=params", "schedule.activation_store=host", "schedule.target_batch_size=8",
+                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((run_dir / "tune_plan.json").read_text())
+    plan = record["plan"]
+    assert plan["sub_batch_size"] * plan["num_sub_batches"] <= 8
+    assert record["overrides"][0] == "schedule=speedloader"
+    assert len(plan["measurements"]) == 2 and math.isclose(plan["host_fit"]["r2"], 1.0)
+
+
+# --- several ranks ------------------------------------------------------------------------------------------
+
+
+def _tune_on_rank(rank: int, world_size: int) -> dict:
+    plan = fsdp_speedloader.tune(TINY, seq_len=32, offload_params=True, activation_store="host",
+                                 host_memory_budget_bytes=(64 + rank) * MIB, target_batch_size=16)
+    return {"plan": (plan.sub_batch_size, plan.num_sub_batches), "host_budget": plan.host_budget_bytes,
+            "gpu": [m.gpu_peak_bytes for m in plan.measurements], "host": [m.host_bytes for m in plan.measurements]}
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_plan():
+    from dist_utils import run_distributed
+
+    a, b = run_distributed(_tune_on_rank, 2)
+    assert a == b, "every rank fits the maximum over ranks and gets the same plan"
+    assert a["host_budget"] == 64 * MIB  # the smallest budget of any rank
