@@ -97,10 +97,24 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     return TrainConfig.from_dict(container)
 
 
+def maybe_export_submitit_env() -> bool:
+    """Inside a SLURM job of hydra-submitit-launcher (one task per GPU, no torchrun), sets torch's
+    ``env://`` variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) from SLURM's, through
+    submitit's own helper. A no-op under torchrun and for plain ``python``. True when it exported.
+    """
+    if "RANK" in os.environ or not os.environ.get("SUBMITIT_EXECUTOR"):
+        return False
+    from submitit.helpers import TorchDistributedEnvironment  # installed with hydra-submitit-launcher
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    return True
+
+
 @hydra.main(config_path=_config_path(), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     from fsdp_speedloader.trainer import Trainer  # after Hydra parsed the command line (--help stays fast)
 
+    under_submitit = maybe_export_submitit_env()  # before anything reads RANK
     if _rank() != 0:
         logging.getLogger().setLevel(logging.WARNING)
     try:
@@ -111,6 +125,8 @@ def _hydra_main(cfg: DictConfig) -> None:
             dist.destroy_process_group()  # no barrier: other ranks may have failed differently
         sys.exit(2)
     trainer.train()
+    if under_submitit:  # main() (which tears the group down) runs on the submitting host, not here
+        parallel.destroy_process_group()
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ One optimizer step processes ``num_sub_batches x sub_batch_size`` sequences per 
   each micro-batch loss is a token sum divided by the label-token count T of the WHOLE effective
   batch (``num_items_in_batch``), so the summed losses are the effective-batch mean loss.
 - ``speedloader``: one layer-major forward/backward over the whole effective batch.
+- ``auto``: ``tuner.tune_train_config`` first plans n and N from two trial steps, then ``speedloader`` runs.
 
 Library code: no Hydra, no W&B (``logger.build_logger`` imports W&B only when asked to).
 """
@@ -35,6 +36,7 @@ from . import parallel
 from .checkpoint import Checkpointer, resolve_resume_path
 from .config import OptimConfig, TrainConfig
 from .data import build_loader, validate_data
+from .faults import fault_from_env
 from .logger import MetricLogger, build_logger
 from .metrics import StepMetrics, num_block_params, recompute_flops_per_token
 from .models import build_hf_config, build_model, get_adapter, materialize_model
@@ -204,12 +206,21 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = parallel.compute_device(device_type)
         resume_path = self._agree(resume_path)  # rank 0's view of the checkpoint directory wins
+        self._fault = fault_from_env(rank=self.rank, batch_size=sched.batch_size)  # tests of fault tolerance
         # Same seed on every rank; ranks differ through their data, and weights come from named seeds.
         seed_everything(cfg.seed)
         maybe_cap_gpu_memory(cfg.max_gpu_memory_gib, self.device)
         self.mesh = parallel.build_mesh(device_type, cfg.dp_replicate)
         param_dtype = resolve_param_dtype(cfg.param_dtype, device_type)
         reduce_dtype = _DTYPES[cfg.reduce_dtype]
+        self.tune_plan = None
+        if sched.name == "auto":  # two trial steps on a throw-away model, then the plan's layer-major schedule
+            from .tuner import tune_train_config
+
+            self.tune_plan = tune_train_config(cfg, mesh=self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+            self._info("schedule=auto:\n%s", self.tune_plan.summary())
+            cfg = self.cfg = dataclasses.replace(cfg, schedule=self.tune_plan.schedule_config(sched))
+            sched = cfg.schedule
 
         # 3. The model: meta -> schedule (sharding) -> materialise this rank's shards.
         model = build_model(cfg.model, device="meta")
@@ -245,8 +256,11 @@ class Trainer:
             self._info("checkpoint.resume=auto: no checkpoint in %s, starting fresh", checkpoint_dir)
         self.logger = logger if logger is not None else build_logger(
             cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg), cfg.output_dir, self.rank)
-        self._info("%s schedule: %s params, %d rank(s) on %s, param_dtype %s, batch %d x %d x %d tokens, %d steps",
-                   sched.name, f"{self.num_params:,}", self.world_size, self.device, param_dtype,
+        if self.tune_plan is not None:
+            self.logger.log(self.tune_plan.as_metrics(), step=self.step)
+        self._info("%s schedule: %s params, %d rank(s) on %s, mesh %s, param_dtype %s, batch %d x %d x %d tokens, "
+                   "%d steps", sched.name, f"{self.num_params:,}", self.world_size, self.device,
+                   dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)), param_dtype,
                    sched.num_sub_batches, sched.sub_batch_size, cfg.data.seq_len, cfg.steps)
 
     def _info(self, msg: str, *args: Any) -> None:
@@ -318,7 +332,17 @@ class Trainer:
         history = []
         try:
             while self.step < last:
-                metrics = self.train_step()
+                if self._fault is not None and self._fault.step == self.step + 1:
+                    self._fault.trigger()
+                try:
+                    metrics = self.train_step()
+                except (torch.OutOfMemoryError, ValueError) as e:  # a tuned plan: name the budget that was wrong
+                    error = self.tune_plan.memory_error(e) if self.tune_plan is not None else None
+                    if error is None:
+                        raise
+                    raise error from e
+                if self.tune_plan is not None and self.step == 1:  # the plan next to the first step's measured peak
+                    metrics.update(self.tune_plan.first_step_metrics(metrics))
                 metrics["step"] = self.step
                 history.append(metrics)
                 if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:

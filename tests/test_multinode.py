@@ -1,0 +1,234 @@
+"""Multi-node launches: two torchrun "nodes" on one host, the SLURM launcher config, submitit's environment.
+
+- CPU (CI): ``tools/launch_two_nodes.py`` starts two torchrun agents (``--nnodes 2 --nproc-per-node 1``,
+  c10d rendezvous on 127.0.0.1) running ``python -m fsdp_speedloader.train ... dp_replicate=2``: an
+  HSDP mesh of 2 replicas ("nodes") x 1 shard. Both exit 0, into ONE run directory.
+- GPU (marked ``gpu``; needs 4 GPUs): 2 nodes x 2 GPUs with NCCL restricted to its network transport
+  (``--emulate-ethernet``); NCCL's own log shows every connection going through NET/Socket.
+- hydra-submitit-launcher is an optional extra: the tests that need it skip without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from launch_utils import REPO, TINY_OVERRIDES, TOOLS, clean_env, read_metrics, tail
+
+sys.path.insert(0, str(TOOLS))
+import launch_two_nodes  # noqa: E402  (tools/ is not a package)
+
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+HAS_SUBMITIT = _installed("hydra_plugins.hydra_submitit_launcher")
+SLURM_YAML = REPO / "conf" / "hydra" / "launcher" / "slurm.yaml"
+
+
+def _one_run_dir(root: Path) -> Path:
+    run_dirs = [p for p in (root / "outputs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1, run_dirs  # every rank of both nodes agreed on rank 0's timestamp
+    return run_dirs[0]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_host_cpu(tmp_path):
+    cmd = [sys.executable, str(TOOLS / "launch_two_nodes.py"), "--device", "cpu", "--nproc-per-node", "1",
+           "--timeout", "240", "--", "-m", "fsdp_speedloader.train", *TINY_OVERRIDES, "steps=3", "dp_replicate=2",
+           "checkpoint.save_final=true"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, tail(out)
+    for node in (0, 1):
+        assert re.search(rf"^\[node{node}\] .*--nnodes 2 --nproc-per-node 1 --node-rank {node} --rdzv-backend c10d "
+                         r"--rdzv-endpoint 127\.0\.0\.1:\d+ --rdzv-id two-nodes-", out, re.M), tail(out)
+
+    run = _one_run_dir(tmp_path)
+    log = (run / "train.log").read_text()
+    assert "2 rank(s) on cpu, mesh {'dp_replicate': 2, 'dp_shard': 1}" in log  # HSDP across the two "nodes"
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    step_dir = run / "checkpoints" / "step_00000003"
+    assert (step_dir / "extra_rank0.pt").is_file() and (step_dir / "extra_rank1.pt").is_file()
+
+
+def test_two_node_commands_and_environments():
+    base = {"PATH": "/bin", "NCCL_NVLS_ENABLE": "0", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    envs = launch_two_nodes.agent_envs(base, device="cuda", nproc_per_node=2, emulate_ethernet=True)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["4,5", "6,7"]  # each "node" its own GPUs
+    for env in envs:
+        assert {k: env[k] for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE")} == {
+            "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+        assert env["NCCL_NVLS_ENABLE"] == "0" and env["PATH"] == "/bin"  # the rest passes through
+    assert "NCCL_P2P_DISABLE" not in launch_two_nodes.agent_envs(base, device="cuda", nproc_per_node=2)[0]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in launch_two_nodes.agent_envs({}, device="cpu", nproc_per_node=1)] == ["", ""]
+    with pytest.raises(ValueError, match="needs 6 GPUs, 4 visible"):
+        launch_two_nodes.agent_envs(base, device="cuda", nproc_per_node=3)
+
+    cmd = launch_two_nodes.agent_command(["-m", "fsdp_speedloader.train", "dp_replicate=2"], node_rank=1,
+                                         nproc_per_node=2, port=29400, rdzv_id="job", max_restarts=1, python="py")
+    assert cmd == ["py", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "1",
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "job",
+                   "--max-restarts", "1", "-m", "fsdp_speedloader.train", "dp_replicate=2"]
+    assert launch_two_nodes.exit_status([0, 0]) == 0
+    assert launch_two_nodes.exit_status([0, None]) == 1 and launch_two_nodes.exit_status([0, 3]) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs (2 nodes x 2)")
+def test_two_nodes_of_two_gpus_over_emulated_ethernet(tmp_path):
+    env = clean_env(tmp_path, NCCL_DEBUG="INFO")
+    env.pop("CUDA_VISIBLE_DEVICES")  # clean_env hides GPUs: this test wants them
+    cmd = [sys.executable, str(TOOLS / "launch_two_nodes.py"), "--device", "cuda", "--nproc-per-node", "2",
+           "--emulate-ethernet", "--timeout", "420", "--", "-m", "fsdp_speedloader.train", *TINY_OVERRIDES,
+           "device=cuda", "steps=3", "dp_replicate=2", "schedule.num_sub_batches=4", "checkpoint.save_final=true"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, tail(out, 8000)
+    run = _one_run_dir(tmp_path)
+    assert "4 rank(s) on cuda:0, mesh {'dp_replicate': 2, 'dp_shard': 2}" in (run / "train.log").read_text()
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    # NCCL's connection lines ("Channel 00/0 : 0[0] -> 1[1] via NET/Socket/0"): network transport only.
+    channels = [line for line in out.splitlines() if re.search(r"Channel \d+.* via ", line)]
+    assert channels, "NCCL_DEBUG=INFO printed no channel setup"
+    assert all("via NET/Socket" in line for line in channels), [l for l in channels if "NET/Socket" not in l][:5]
+
+
+# --- SLURM through hydra-submitit-launcher ---------------------------------------------------------
+
+
+def test_slurm_launcher_config():
+    text = SLURM_YAML.read_text()
+    assert text.splitlines()[0] == "# @package hydra.launcher"
+    cfg = yaml.safe_load(text)
+    assert cfg["defaults"] == ["submitit_slurm"]
+    assert cfg["tasks_per_node"] == cfg["gpus_per_node"]  # one rank per GPU, no torchrun inside the job
+    if not HAS_SUBMITIT:
+        pytest.skip("hydra-submitit-launcher is not installed (optional): checked the YAML only")
+    from hydra import compose, initialize_config_dir
+    from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+
+    assert set(cfg) - {"defaults"} <= set(SlurmQueueConf.__dataclass_fields__)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        composed = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=4", "output_dir=/x"],
+                           return_hydra_config=True)
+    launcher = composed.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.nodes == 4 and launcher.tasks_per_node == 8
+
+
+def test_submitit_environment_becomes_torch_environment(monkeypatch):
+    from fsdp_speedloader.train import maybe_export_submitit_env
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(key, raising=False)
+    assert maybe_export_submitit_env() is False  # plain python: nothing to do
+    if not _installed("submitit"):
+        pytest.skip("submitit is not installed (optional)")
+    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "123", "SLURM_NTASKS": "16", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_PROCID": "11", "SLURM_LOCALID": "3"}
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    assert maybe_export_submitit_env() is True
+    import os
+
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]) == (
+        "11", "16", "3", "gpu07")
+    monkeypatch.setenv("RANK", "11")
+    assert maybe_export_submitit_env() is False  # torchrun (or an earlier export) already set it
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SUBMITIT, reason="hydra-submitit-launcher is not installed (optional)")
+def test_submitit_local_launcher_two_tasks(tmp_path):
+    """The SLURM path without SLURM: submitit's local executor starts 2 tasks, as srun would."""
+    cmd = [sys.executable, "-m", "fsdp_speedloader.train", "-m", "hydra/launcher=submitit_local",
+           "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={tmp_path / 'multirun'}",
+           *TINY_OVERRIDES, "steps=3", "dp_replicate=2"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, tail(proc.stdout + proc.stderr)
+    run = tmp_path / "multirun" / "0"
+    assert "2 rank(s) on cpu, mesh {'dp_replicate': 2, 'dp_shard': 1}" in (run / "train.log").read_text()
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+
+
+# --- tools/bench_scale.py: its launches (the GPU runs are the lead's) -----------------------------
+
+import bench_scale  # noqa: E402
+
+FAKE_WORKER = '''
+import json, os, sys
+contender = sys.argv[sys.argv.index("--worker") + 1].split(":")[0]
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+if contender == "fsdp2-offload" and world == 1:
+    sys.exit("RuntimeError: stand-in failure")
+step = (1.0 if contender == "speedloader" else 4.0) + 0.5 * rank
+print("RESULT " + json.dumps({"contender": contender, "tokens_per_step": 1000, "step_s": step, "fwd_bwd_s": step - 0.5,
+      "optimizer_s": 0.5, "mfu": 0.1, "peak_hbm_gib": 1.0 + rank, "host_peak_rss_gib": 2.0,
+      "env": {k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")}}))
+'''
+
+
+def test_bench_scale_dry_run_launches(capsys, monkeypatch):
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    assert bench_scale.main(["--dry-run", "--gpu-ids", "0,1,2,3", "--threads-per-rank", "16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    launches = [re.match(r"\[(\S+) (\S+) node(\d)\] (.*)", line).groups() for line in lines]
+    # 3 contenders x (1gpu, 4gpu, 2x2-ethernet with 2 agents, 2gpu), in priority order.
+    assert [(c, case) for c, case, node, _ in launches if node == "0"] == [
+        (c, case) for c in bench_scale.CONTENDERS for case in ("1gpu", "4gpu", "2x2-ethernet", "2gpu")]
+    by_key = {(c, case, node): cmd for c, case, node, cmd in launches}
+    one = by_key[("speedloader", "1gpu", "0")]
+    assert "CUDA_VISIBLE_DEVICES=0 " in one and "OMP_NUM_THREADS=16" in one and "NCCL_P2P_DISABLE" not in one
+    assert "--standalone --nproc-per-node 1" in one and "bench_train.py --worker speedloader:1x8" in one
+    assert "--standalone --nproc-per-node 4" in by_key[("fsdp2-offload", "4gpu", "0")]
+    for node, gpus in (("0", "0,1"), ("1", "2,3")):
+        cmd = by_key[("speedloader", "2x2-ethernet", node)]
+        assert f"CUDA_VISIBLE_DEVICES={gpus} " in cmd and "NCCL_P2P_DISABLE=1" in cmd and "NCCL_SHM_DISABLE=1" in cmd
+        assert f"--nnodes 2 --nproc-per-node 2 --node-rank {node} --rdzv-backend c10d" in cmd
+    assert "bench_train.py --worker deepspeed-offload:1x8" in by_key[("deepspeed-offload", "1gpu", "0")]
+
+
+@pytest.mark.slow
+def test_bench_scale_runs_cases_and_records_them_on_cpu(tmp_path):
+    """The whole harness with a stand-in worker (the real ones need GPUs): launches, per-rank results,
+    aggregates, a failed run recorded while the others go on, targets, JSON and plot."""
+    fake = tmp_path / "fake_worker.py"
+    fake.write_text(FAKE_WORKER)
+    cmd = [sys.executable, str(TOOLS / "bench_scale.py"), "--device", "cpu", "--worker-script", str(fake),
+           "--gpus", "1", "--ethernet", "2x1", "--contenders", "speedloader,fsdp2-offload", "--threads-per-rank", "1",
+           "--out-dir", str(tmp_path / "results"), "--name", "smoke", "--budget-s", "240"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, tail(proc.stdout + proc.stderr)
+    import json
+
+    record = json.loads((tmp_path / "results" / "smoke.json").read_text())
+    assert record["benchmark"] == "scale" and record["torch"] == torch.__version__ and record["command"]
+    runs = {(r["contender"], r["case"]): r for r in record["results"]}
+    assert [r["status"] for r in record["results"]] == ["ok", "ok", "failed", "ok"]
+    assert "stand-in failure" in runs[("fsdp2-offload", "1gpu")]["error"]
+    eth = runs[("speedloader", "2x1-ethernet")]
+    assert len(eth["ranks"]) == 2 and eth["step_s"] == 1.5  # the slower rank sets the pace
+    assert eth["tokens_per_s"] == pytest.approx(2000 / 1.5) and eth["tokens_per_s_per_gpu"] == pytest.approx(1000 / 1.5)
+    assert {r["env"]["NCCL_P2P_DISABLE"] for r in eth["ranks"]} == {"1"}  # the emulated network reached the ranks
+    assert runs[("speedloader", "1gpu")]["ranks"][0]["env"]["NCCL_P2P_DISABLE"] is None
+    assert record["targets"]["ethernet_speedloader_over"]["fsdp2-offload"] == pytest.approx((2000 / 1.5) / (2000 / 4.5))
+    try:
+        import matplotlib  # noqa: F401
+        has_matplotlib = True
+    except ImportError:
+        has_matplotlib = False
+    assert (tmp_path / "results" / "smoke.png").is_file() == has_matplotlib
+    assert has_matplotlib or "pip install matplotlib" in proc.stderr

@@ -1,0 +1,403 @@
+"""Scaling out with parameters offloaded: weak scaling 1 -> 2 -> 4 GPUs, and 2 nodes over emulated Ethernet.
+
+Every GPU does the same work (the same model, sequence length and n x N sequences per step), so
+per-GPU tokens/s stays flat under perfect weak scaling. Cases (each contender runs each case):
+
+  1gpu, 2gpu, 4gpu   one node: ``torchrun --standalone --nproc-per-node G`` on the first G GPUs
+  2x2-ethernet       two "nodes" of 2 GPUs on this host (tools/launch_two_nodes.py), NCCL restricted
+                     to TCP sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1): every
+                     all-gather and reduce-scatter of the 1-D FSDP mesh crosses the emulated network,
+                     the paper's setting (ZeRO-3 across nodes)
+
+Contenders: tools/bench_train.py's workers, launched unchanged under torchrun (its ``--worker`` CLI;
+one RESULT line per rank, kept apart with torchrun's ``--log-dir``): ``speedloader``, ``fsdp2-offload``
+and ``deepspeed-offload`` (ZeRO-3, parameters and DeepSpeedCPUAdam on the host, micro-batch n, N
+accumulation steps; tools/bench_deepspeed.py), the last only when deepspeed is installed.
+Every rank gets the same number of CPU threads (``--threads-per-rank``, default cores / largest
+case), also in the 1-GPU case, so that the offloaded optimizer step is not what scales.
+
+One invocation stays within ``--budget-s`` (runs that no longer fit are recorded as skipped, in
+priority order: speedloader, fsdp2-offload, deepspeed-offload; per contender 1gpu, 4gpu,
+2x2-ethernet, 2gpu). Writes bench/results/<name>.json after every run (device, torch version,
+commit, command, configuration, every rank's figures, the aggregates, the targets) and, at the
+end, bench/results/<name>.png.
+
+    python tools/bench_scale.py                                  # the 4-GPU machine, < 10 minutes
+    python tools/bench_scale.py --dry-run --gpu-ids 0,1,2,3      # print every launch, run nothing
+    python tools/bench_scale.py --plot-only bench/results/scale_llama2_7b_L4_s4096_1x8.json [more.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+TOOLS = Path(__file__).resolve().parent
+REPO = TOOLS.parent
+sys.path.insert(0, str(TOOLS))
+import launch_two_nodes  # noqa: E402  (tools/ is not a package)
+
+BENCH_TRAIN = TOOLS / "bench_train.py"
+CONTENDERS = ("speedloader", "fsdp2-offload", "deepspeed-offload")
+CASE_ORDER = ("1gpu", "4gpu", "2x2-ethernet", "2gpu")  # the priority within a contender
+MIN_RUN_S = 60.0  # a run is not started with less budget than this left
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    emulate_ethernet: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def build_cases(gpus: Sequence[int], ethernet: Optional[str]) -> list[Case]:
+    cases = [Case(f"{g}gpu", 1, g) for g in gpus]
+    if ethernet:
+        nodes, per_node = (int(v) for v in ethernet.split("x"))
+        if nodes != 2:
+            raise ValueError(f"--ethernet {ethernet}: only 2 emulated nodes are supported (2xG)")
+        cases.append(Case(f"{nodes}x{per_node}-ethernet", nodes, per_node, emulate_ethernet=True))
+    return cases
+
+
+def run_order(contenders: Sequence[str], cases: Sequence[Case]) -> list[tuple[str, Case]]:
+    """Every (contender, case), most important first: what a cut-short budget drops is the least needed."""
+    def case_rank(case: Case) -> int:
+        key = "2x2-ethernet" if case.emulate_ethernet else case.name
+        return CASE_ORDER.index(key) if key in CASE_ORDER else len(CASE_ORDER)
+
+    return [(c, case) for c in contenders for case in sorted(cases, key=case_rank)]
+
+
+def worker_args(args: argparse.Namespace, contender: str) -> list[str]:
+    """One rank's command line: tools/bench_train.py's ``--worker`` CLI."""
+    return [str(args.worker_script or BENCH_TRAIN), "--worker", f"{contender}:{args.shape}", "--model", args.model,
+            "--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops), "--prefetch", str(args.prefetch),
+            "--activation-store", args.activation_store]
+
+
+def case_launch(case: Case, script: Sequence[str], *, device: str, gpu_ids: Sequence[str], base_env: dict,
+                threads_per_rank: int, log_dir: Path, python: str = sys.executable) -> tuple[list, list]:
+    """(commands, environments) of the torchrun agent(s) of one run; each rank's stdout in log_dir/node<i>."""
+    env = dict(base_env, OMP_NUM_THREADS=str(threads_per_rank))
+    if case.nodes == 1:
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.gpus_per_node),
+               "--log-dir", str(log_dir / "node0"), "--redirects", "1", *script]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids[: case.gpus_per_node]) if device == "cuda" else ""
+        return [cmd], [env]
+    port, rdzv_id = launch_two_nodes.free_port(), f"bench-scale-{uuid.uuid4().hex[:8]}"
+    commands = [launch_two_nodes.agent_command(script, node_rank=node, nproc_per_node=case.gpus_per_node, port=port,
+                                               rdzv_id=rdzv_id, num_nodes=case.nodes, python=python,
+                                               extra_args=["--log-dir", str(log_dir / f"node{node}"), "--redirects", "1"])
+                for node in range(case.nodes)]
+    envs = launch_two_nodes.agent_envs(env, device=device, nproc_per_node=case.gpus_per_node,
+                                       emulate_ethernet=case.emulate_ethernet, num_nodes=case.nodes,
+                                       gpus=list(gpu_ids) if device == "cuda" else None)
+    return commands, envs
+
+
+def collect_rank_results(log_dir: Path) -> list[dict]:
+    """Every rank's RESULT line, from torchrun's per-rank stdout files under ``log_dir``."""
+    results = []
+    for path in sorted(glob.glob(str(log_dir / "**" / "stdout.log"), recursive=True)):
+        lines = [line for line in Path(path).read_text(errors="replace").splitlines() if line.startswith("RESULT ")]
+        if lines:
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results
+
+
+def aggregate(ranks: Sequence[dict]) -> dict:
+    """The run's figures: ranks step in lockstep, so the slowest rank's time is the step time."""
+    world = len(ranks)
+    step_s = max(r["step_s"] for r in ranks)
+    fwd_bwd_s = max(r["fwd_bwd_s"] for r in ranks)
+    tokens = sum(r["tokens_per_step"] for r in ranks)
+    return {"world_size": world, "tokens_per_step": tokens, "step_s": step_s, "fwd_bwd_s": fwd_bwd_s,
+            "optimizer_s": max(r["optimizer_s"] for r in ranks),
+            "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / world,
+            "tokens_per_s_fwd_bwd": tokens / fwd_bwd_s, "tokens_per_s_fwd_bwd_per_gpu": tokens / fwd_bwd_s / world,
+            # Each rank's MFU over its own step time, re-timed to the slowest rank's: the MFU per GPU of the run.
+            "mfu": statistics.mean(r["mfu"] * r["step_s"] / step_s for r in ranks) if "mfu" in ranks[0] else None,
+            "peak_hbm_gib": max(r.get("peak_hbm_gib", 0.0) for r in ranks),
+            "host_peak_rss_gib_per_rank": max(r.get("host_peak_rss_gib", 0.0) for r in ranks)}
+
+
+def _tail(path: Path, n: int = 3) -> str:
+    """The run's exception lines (the workers' own, not torchrun's wrapper), else its last lines."""
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.is_file() else []
+    errors = [line for line in lines if re.search(r"\w+(Error|Exception)\b:", line) and "ChildFailedError" not in line]
+    return " | ".join(dict.fromkeys(errors[:n]) if errors else lines[-n:])[-1500:]
+
+
+def run_case(contender: str, case: Case, args: argparse.Namespace, work_dir: Path, timeout_s: float) -> dict:
+    """Launches one run and returns its record (status, every rank's figures, the aggregate)."""
+    log_dir = work_dir / f"{contender}_{case.name}"
+    script = worker_args(args, contender)
+    commands, envs = case_launch(case, script, device=args.device, gpu_ids=args.gpu_ids, base_env=dict(os.environ),
+                                 threads_per_rank=args.threads_per_rank, log_dir=log_dir)
+    record = {"contender": contender, "case": case.name, "nodes": case.nodes, "gpus_per_node": case.gpus_per_node,
+              "world_size": case.world_size, "emulated_ethernet": case.emulate_ethernet,
+              "commands": [shlex.join(c) for c in commands],
+              "nccl_env": {k: v for k, v in envs[0].items() if k.startswith("NCCL_")},
+              "omp_num_threads": args.threads_per_rank}
+    log_dir.mkdir(parents=True, exist_ok=True)
+    console = log_dir / "console.log"
+    start = time.monotonic()
+    with open(console, "w") as sink:
+        # Once every rank has printed its RESULT, a hang at exit (NCCL teardown) costs 60 s at most.
+        codes = launch_two_nodes.run_agents(
+            commands, envs, timeout_s=timeout_s, grace_s=60.0, sink=sink,
+            done=lambda: len(collect_rank_results(log_dir)) == case.world_size)
+    record["wall_s"] = time.monotonic() - start
+    ranks = collect_rank_results(log_dir)
+    record["returncodes"] = codes
+    if len(ranks) == case.world_size:  # every rank measured: the figures stand, whatever the exit
+        record.update(status="ok", ranks=ranks, **aggregate(ranks))
+    else:
+        output = console.read_text(errors="replace")
+        oom = "out of memory" in output or "OutOfMemoryError" in output
+        status = "timeout" if None in codes else ("oom" if oom else "failed")
+        stopped = f" (stopped after {timeout_s:.0f} s)" if status == "timeout" else ""
+        record.update(status=status, ranks=ranks,
+                      error=f"{len(ranks)} of {case.world_size} ranks reported{stopped}; {_tail(console)}")
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets, table, plot
+# ---------------------------------------------------------------------------------------------
+
+
+def targets(results: Sequence[dict]) -> dict:
+    """The issue's targets from the measured runs (None where a run is missing)."""
+    ok = {(r["contender"], r["case"]): r for r in results if r.get("status") == "ok"}
+    out: dict = {"weak_scaling_per_gpu_4_over_1": {}, "ethernet_speedloader_over": {}}
+    for contender in CONTENDERS:
+        one, four = ok.get((contender, "1gpu")), ok.get((contender, "4gpu"))
+        out["weak_scaling_per_gpu_4_over_1"][contender] = (
+            four["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"] if one and four else None)
+    eth = {c: r for (c, case), r in ok.items() if case.endswith("-ethernet")}
+    if "speedloader" in eth:
+        for contender in CONTENDERS[1:]:
+            if contender in eth:
+                out["ethernet_speedloader_over"][contender] = (eth["speedloader"]["tokens_per_s"]
+                                                               / eth[contender]["tokens_per_s"])
+    out["goals"] = {"weak_scaling_per_gpu_4_over_1 (speedloader)": ">= 1.0",
+                    "ethernet_speedloader_over fsdp2-offload": ">= 5", "ethernet_speedloader_over deepspeed-offload": ">= 3"}
+    return out
+
+
+def markdown(results: Sequence[dict]) -> str:
+    lines = ["| contender | case | GPUs | status | tokens/s | tokens/s per GPU | fwd+bwd tokens/s per GPU | step s "
+             "| optimizer s | peak HBM GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.get("status") == "ok":
+            lines.append(f"| {r['contender']} | {r['case']} | {r['world_size']} | ok | {r['tokens_per_s']:,.0f} | "
+                         f"{r['tokens_per_s_per_gpu']:,.0f} | {r['tokens_per_s_fwd_bwd_per_gpu']:,.0f} | "
+                         f"{r['step_s']:.2f} | {r['optimizer_s']:.2f} | {r['peak_hbm_gib']:.1f} |")
+        else:
+            lines.append(f"| {r['contender']} | {r['case']} | {r['world_size']} | {r.get('status')} | "
+                         f"{(r.get('error') or '')[:90]} | | | | | |")
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench_scale: matplotlib is not installed, no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    ok = [r for r in record["results"] if r.get("status") == "ok"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, contender in enumerate(CONTENDERS):
+        color = f"C{i}"
+        points = sorted((r["world_size"], r["tokens_per_s_per_gpu"]) for r in ok
+                        if r["contender"] == contender and not r["emulated_ethernet"])
+        if points:
+            left.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=color, label=contender)
+            left.axhline(points[0][1], color=color, linestyle=":", linewidth=0.8)
+        for r in ok:
+            if r["contender"] == contender and r["emulated_ethernet"]:
+                left.plot([r["world_size"]], [r["tokens_per_s_per_gpu"]], marker="s", fillstyle="none", color=color,
+                          markersize=9, linestyle="none", label=f"{contender}, {r['case']}")
+    left.set_xlabel("GPUs (squares: two nodes over emulated Ethernet)")
+    left.set_ylabel("tokens/s per GPU")
+    left.set_title("weak scaling, parameters offloaded (dotted: 1-GPU level)")
+    left.set_xticks(sorted({r["world_size"] for r in ok}) or [1])
+    left.set_ylim(bottom=0)
+    left.legend()
+    eth = [r for r in ok if r["emulated_ethernet"]]
+    base = next((r["tokens_per_s"] for r in eth if r["contender"] == "speedloader"), None)
+    bars = right.bar([r["contender"] for r in eth], [r["tokens_per_s_per_gpu"] for r in eth],
+                     color=[f"C{CONTENDERS.index(r['contender'])}" for r in eth])
+    for bar, r in zip(bars, eth):
+        label = f"{r['tokens_per_s_per_gpu']:,.0f}"
+        if base and r["contender"] != "speedloader":
+            label += f"\nspeedloader {base / r['tokens_per_s']:.1f}x"
+        right.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                       fontsize=8)
+    right.set_ylabel("tokens/s per GPU")
+    right.set_title(f"{eth[0]['nodes']} nodes x {eth[0]['gpus_per_node']} GPUs, NCCL over TCP sockets" if eth
+                    else "emulated Ethernet: no run")
+    cfg = record["config"]
+    fig.suptitle(f"{cfg['model']} x {cfg['layers']} layers, seq {cfg['seq_len']}, n x N = {cfg['shape']} per GPU, "
+                 f"{record['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _device_name(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()
+        return f"{len(out)} x {out[0]}" if out else "cuda"
+    except (OSError, subprocess.SubprocessError):
+        return "cuda"
+
+
+def _gpu_ids(device: str, given: Optional[str]) -> list[str]:
+    if device != "cuda":
+        return []
+    if given:
+        return given.split(",")
+    try:
+        return launch_two_nodes.visible_gpus(dict(os.environ))
+    except Exception:  # no torch CUDA here: a dry run on a CPU machine names --gpu-ids
+        return []
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama2_7b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--shape", default="1x8", help="n x N per GPU: sub-batch (micro-batch) size x their number")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--gpus", default="1,2,4", help="weak-scaling cases: GPUs of one node")
+    parser.add_argument("--ethernet", default="2x2", help="NODESxGPUS over emulated Ethernet ('' to leave out)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--activation-store", default="host")
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--threads-per-rank", type=int, default=None,
+                        help="OMP_NUM_THREADS of every rank (default: CPU cores / the largest case's ranks)")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole invocation")
+    parser.add_argument("--timeout", type=float, default=300.0, help="per run")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--gpu-ids", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: every visible one)")
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--dry-run", action="store_true", help="print every launch; run nothing")
+    parser.add_argument("--plot-only", nargs="+", default=None,
+                        help="re-plot JSON record(s); several are merged into <first>_merged.json/.png")
+    parser.add_argument("--worker-script", default=None, help=argparse.SUPPRESS)  # tests: a stand-in worker
+    args = parser.parse_args(argv)
+
+    if args.plot_only:  # one record, or several (e.g. a separate deepspeed-offload run) merged into one
+        paths = [Path(p) for p in args.plot_only]
+        record = json.loads(paths[0].read_text())
+        out = paths[0].with_suffix(".png")
+        if len(paths) > 1:
+            for extra in paths[1:]:
+                record["results"] += json.loads(extra.read_text())["results"]
+            record["targets"] = targets(record["results"])
+            record["merged_from"] = [str(p) for p in paths]
+            out = paths[0].with_name(paths[0].stem + "_merged.png")
+            out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+        print(markdown(record["results"]))
+        print(json.dumps(record["targets"], indent=2))
+        print(plot(record, out))
+        return 0
+
+    contenders = [c for c in args.contenders.split(",") if c]
+    unknown = sorted(set(contenders) - set(CONTENDERS))
+    if unknown:
+        parser.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
+    cases = build_cases([int(g) for g in args.gpus.split(",") if g], args.ethernet or None)
+    args.gpu_ids = _gpu_ids(args.device, args.gpu_ids)
+    largest = max(c.world_size for c in cases)
+    if args.device == "cuda" and not args.dry_run and len(args.gpu_ids) < largest:
+        parser.error(f"the largest case needs {largest} GPUs, {len(args.gpu_ids)} visible")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    args.threads_per_rank = args.threads_per_rank or max(1, cores // largest)
+    name = args.name or f"scale_{args.model}_L{args.layers}_s{args.seq_len}_{args.shape}"
+    has_deepspeed = importlib.util.find_spec("deepspeed") is not None
+
+    import torch  # the version only: no CUDA context in this process
+
+    # The GPU machine's copy of the tree has no .git: pass FSL_COMMIT=$(git rev-parse HEAD) there (as bench_train).
+    commit = os.environ.get("FSL_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    record = {"benchmark": "scale", "device": _device_name(args.device), "torch": torch.__version__, "commit": commit,
+              "command": shlex.join(["python", "tools/bench_scale.py", *(argv if argv is not None else sys.argv[1:])]),
+              "config": {k: v for k, v in vars(args).items() if k not in ("worker_script", "plot_only")},
+              "results": []}
+    out_dir = Path(args.out_dir)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
+        for contender, case in run_order(contenders, cases):
+            if args.dry_run:
+                script = worker_args(args, contender)
+                commands, envs = case_launch(case, script, device=args.device, gpu_ids=args.gpu_ids,
+                                             base_env=dict(os.environ), threads_per_rank=args.threads_per_rank,
+                                             log_dir=Path(tmp) / f"{contender}_{case.name}")
+                for node, (cmd, env) in enumerate(zip(commands, envs)):
+                    changed = " ".join(f"{k}={v}" for k, v in sorted(env.items()) if os.environ.get(k) != v)
+                    print(f"[{contender} {case.name} node{node}] {changed} {shlex.join(cmd)}")
+                continue
+            left = args.budget_s - (time.monotonic() - start)
+            if contender == "deepspeed-offload" and not has_deepspeed and args.worker_script is None:
+                result = {"contender": contender, "case": case.name, "world_size": case.world_size,
+                          "status": "skipped", "error": "deepspeed is not installed"}
+            elif left < MIN_RUN_S:
+                result = {"contender": contender, "case": case.name, "world_size": case.world_size,
+                          "status": "skipped", "error": f"budget: {left:.0f} s of --budget-s {args.budget_s:.0f} left"}
+            else:
+                print(f"bench_scale: {contender} {case.name} ...", end=" ", flush=True)
+                result = run_case(contender, case, args, Path(tmp), timeout_s=min(args.timeout, left))
+                print(result["status"] + (f", {result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+                                          f"({result['wall_s']:.0f} s)" if result["status"] == "ok" else
+                                          f": {result.get('error', '')[:300]}"), flush=True)
+            record["results"].append(result)
+            record["targets"] = targets(record["results"])
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")  # after every run
+    if args.dry_run:
+        return 0
+    print("\n" + markdown(record["results"]))
+    print(json.dumps(record["targets"], indent=2))
+    png = plot(record, out_dir / f"{name}.png")
+    print(f"bench_scale: wrote {out_dir / f'{name}.json'}" + (f", {png}" if png else ""))
+    return 0 if any(r.get("status") == "ok" for r in record["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
