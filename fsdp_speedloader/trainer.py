@@ -317,6 +317,9 @@ class Trainer:
         metrics = self.metrics.end_step(loss=loss.item(), lr=float(lr),
                                         grad_norm=grad_norm.item() if grad_norm is not None else None)
         metrics["tokens"] = self.step * self.world_size * self.cfg.schedule.batch_size * self.cfg.data.seq_len
+        engine = getattr(self.model, "_speedloader", None)
+        if engine is not None:  # copy bytes, compute-stream waits on copies, arena bytes (read at the step end)
+            metrics.update(engine.store.step_stats())
         return metrics
 
     # --- the loop ------------------------------------------------------------------------------

@@ -229,3 +229,18 @@ def test_logger_rank0_writes_jsonl_other_ranks_nothing(tmp_path):
     logger.finish()
     record = json.loads((tmp_path / "r0" / "metrics.jsonl").read_text())
     assert record == {"step": 3, "loss": 1.5, "grad_norm": None}
+
+
+def test_speedloader_logs_exchange_and_arena_figures(tmp_path):
+    """With the host activation store, each step's metrics carry the exchange's copy bytes and the
+    arena's page-locked bytes: 2 units x N sub-batches x (n, s, h) activations go out and come back."""
+    from dist_utils import tiny_config
+    from fsdp_speedloader.trainer import Trainer
+
+    cfg = tiny_config(tmp_path, steps=2, schedule={"name": "speedloader", "activation_store": "host"})
+    history = Trainer(cfg).train()
+    last = history[-1]
+    act_bytes = cfg.schedule.batch_size * cfg.data.seq_len * cfg.model.hidden_size * 4  # fp32 on the CPU
+    assert last["exchange_d2h_bytes"] >= cfg.model.num_layers * act_bytes  # every unit's outputs stored
+    assert last["exchange_h2d_bytes"] >= cfg.model.num_layers * act_bytes
+    assert last["arena_requested_bytes"] == last["arena_bytes"] > 0  # exact size (page-locked only with CUDA)
