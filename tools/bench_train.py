@@ -10,10 +10,11 @@ cap), on the same model shape, sequence length and effective batch, with random 
   fsdp2-offload-rs  the same, reduce-scattering every micro-batch (gradients accumulate on the host)
   ondevice        FSDP2 with everything on the GPU, canonical accumulation, same recompute policy
                   (activation checkpointing of every block), the ceiling for the same blocks
+  deepspeed-offload  DeepSpeed ZeRO-3, parameters and DeepSpeedCPUAdam on the host (tools/bench_deepspeed.py)
 
 Usage (one GPU):
-  python tools/bench_train.py --model llama2_7b --layers 8 --seq-len 4096 --batch 8 \
-      --contender speedloader:1x8 --contender fsdp2-offload:1x8 --contender ondevice:1x8 \
+  python tools/bench_train.py --model llama2_7b --layers 8 --seq-len 4096 \
+      --contender speedloader-overlap:1x8 --contender fsdp2-offload:1x8 --contender ondevice:1x8 \
       --max-gpu-memory-gib 40 --name llama7b_L8_b8
 Each ``--contender NAME:nxN`` sets the sub-batch (micro-batch) size n and their number N.
 Writes bench/results/<name>.json (device, torch version, commit, command, config, every figure)
@@ -103,6 +104,10 @@ def run_worker(args: argparse.Namespace) -> dict:
 
     name, shape = args.worker.split(":")
     sub_batch, num_sub = (int(v) for v in shape.split("x"))
+    if name == "deepspeed-offload":  # a peer with its own engine and launcher environment
+        from bench_deepspeed import run_deepspeed
+
+        return run_deepspeed(args, sub_batch, num_sub)
     maybe_init_process_group("cuda")
     device = torch.device("cuda", torch.cuda.current_device())
     if args.max_gpu_memory_gib:
