@@ -32,6 +32,7 @@ import os
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import Callable, NoReturn
 
 import hydra
 import torch.distributed as dist
@@ -120,25 +121,38 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         trainer = Trainer(to_train_config(cfg))
     except ValueError as e:  # a user error found during setup: one line, no traceback
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()  # no barrier: other ranks may have failed differently
-        sys.exit(2)
+        fail(e)
     trainer.train()
     if under_submitit:  # main() (which tears the group down) runs on the submitting host, not here
         parallel.destroy_process_group()
 
 
-def main() -> None:
-    """Console script: ``fsdp-speedloader-train [overrides]``; also ``python -m fsdp_speedloader.train``."""
+def fail(error: ValueError) -> NoReturn:
+    """A user error: one line on stderr, no traceback, exit code 2."""
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()  # no barrier: other ranks may have failed differently
+    sys.exit(2)
+
+
+def launch(hydra_main: Callable[[], None]) -> None:
+    """Runs a Hydra entry point (train, tune, generate) under torchrun or plain python.
+
+    Ranks first agree on rank 0's run stamp (one run directory); non-zero ranks get the overrides
+    that keep them from writing Hydra's files and logs.
+    """
     try:
         agree_on_run_stamp()
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(e)
     sys.argv.extend(_rank_overrides(sys.argv[1:]))
-    _hydra_main()
+    hydra_main()
     parallel.destroy_process_group()  # barrier first: no rank leaves while another still checkpoints
+
+
+def main() -> None:
+    """Console script: ``fsdp-speedloader-train [overrides]``; also ``python -m fsdp_speedloader.train``."""
+    launch(_hydra_main)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from .train import _config_path, _rank_overrides, agree_on_run_stamp, to_train_config
+    from .train import _config_path, fail, launch, to_train_config
 
     @hydra.main(config_path=_config_path(), config_name="tune", version_base="1.3")
     def _hydra_main(dcfg: DictConfig) -> None:
@@ -88,19 +88,9 @@ def main() -> None:
             cfg = to_train_config(dcfg)
             run(cfg, run_config=dataclasses.asdict(cfg))
         except ValueError as e:  # a user error (a budget too small, a bad value): one line, no traceback
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            sys.exit(2)
+            fail(e)
 
-    try:
-        agree_on_run_stamp()
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    sys.argv.extend(_rank_overrides(sys.argv[1:]))
-    _hydra_main()
-    parallel.destroy_process_group()
+    launch(_hydra_main)
 
 
 if __name__ == "__main__":

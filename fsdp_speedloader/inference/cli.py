@@ -22,8 +22,6 @@ import dataclasses
 import json
 import logging
 import os
-import sys
-import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,7 +317,7 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, OmegaConf
 
-    from ..train import _config_path, _rank_overrides, agree_on_run_stamp
+    from ..train import _config_path, fail, launch
 
     @hydra.main(config_path=_config_path(), config_name="generate", version_base="1.3")
     def _hydra_main(dcfg: DictConfig) -> None:
@@ -332,18 +330,6 @@ def main() -> None:
             cfg = GenerateConfig.from_dict(container)
             run(cfg, run_config=container)
         except ValueError as e:  # a user error: one line, no traceback
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            sys.exit(2)
+            fail(e)
 
-    try:
-        agree_on_run_stamp()
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    sys.argv.extend(_rank_overrides(sys.argv[1:]))
-    start = time.perf_counter()
-    _hydra_main()
-    parallel.destroy_process_group()
-    log.debug("generation run took %.1f s", time.perf_counter() - start)
+    launch(_hydra_main)
