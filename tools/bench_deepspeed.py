@@ -20,7 +20,6 @@ import os
 import socket
 import statistics
 import time
-import zlib
 
 GIB = 2**30
 
@@ -141,7 +140,8 @@ def _seeded_init(model, deepspeed, seed: int, std: float) -> None:
     contenders', whose fp32 parameters are cast to bf16 for compute."""
     import torch
     from deepspeed.utils import safe_set_full_fp32_param
-    from torch import nn
+
+    from fsdp_speedloader.models.build import initial_value
 
     named = dict(model.named_parameters())
     names = {id(p): n for n, p in named.items()}
@@ -152,17 +152,7 @@ def _seeded_init(model, deepspeed, seed: int, std: float) -> None:
                 continue
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
                 for param in params:
-                    name = names[id(param)]
-                    full = torch.empty(tuple(param.ds_shape), dtype=torch.float32)
-                    if isinstance(module, (nn.Linear, nn.Embedding)) and name.endswith("weight"):
-                        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                        full.normal_(0.0, std, generator=gen)
-                        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                            full[module.padding_idx].zero_()
-                    elif name.endswith("bias"):
-                        full.zero_()
-                    else:
-                        full.fill_(1.0)
+                    full = initial_value(module, names[id(param)], tuple(param.ds_shape), seed=seed, std=std)
                     param.data.copy_(full.view(param.data.shape))
                     safe_set_full_fp32_param(param, full)
 

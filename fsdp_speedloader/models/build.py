@@ -82,23 +82,32 @@ def materialize_model(model: nn.Module, cfg: ModelConfig, *, device: torch.devic
         init_weights(model, seed=seed, std=cfg.init_std)
 
 
+def initial_value(module: nn.Module, name: str, shape: tuple, *, seed: int, std: float,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The full initial value of parameter ``name`` (owned by ``module``), seeded by (seed, name).
+
+    As Hugging Face initialises LLaMA/OPT: N(0, std) for matrices, ones/zeros for norms and biases.
+    """
+    full = torch.empty(shape, dtype=dtype)
+    if isinstance(module, (nn.Linear, nn.Embedding)) and name.endswith("weight"):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full.normal_(0.0, std, generator=gen)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            full[module.padding_idx].zero_()
+    elif name.endswith("bias"):
+        full.zero_()
+    else:  # norm scales
+        full.fill_(1.0)
+    return full
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, *, seed: int, std: float) -> None:
-    """As Hugging Face initialises LLaMA/OPT: N(0, std) for matrices, ones/zeros for norms and biases."""
+    """Fills every (possibly sharded) parameter with its ``initial_value``."""
     owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
     for name, param in model.named_parameters():
-        module = owners[id(param)]
-        full = torch.empty(param.shape, dtype=param.dtype)
-        if isinstance(module, (nn.Linear, nn.Embedding)) and name.endswith("weight"):
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full.normal_(0.0, std, generator=gen)
-            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                full[module.padding_idx].zero_()
-        elif name.endswith("bias"):
-            full.zero_()
-        else:  # norm scales
-            full.fill_(1.0)
-        copy_full_tensor_(param, full)
+        copy_full_tensor_(param, initial_value(owners[id(param)], name, tuple(param.shape), seed=seed, std=std,
+                                               dtype=param.dtype))
 
 
 def copy_full_tensor_(param: torch.Tensor, full: torch.Tensor) -> None:
