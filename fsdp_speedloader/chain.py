@@ -242,7 +242,7 @@ class HeadLossFunction(torch.autograd.Function):
                 store.prefetch(last, i + 1)
             x = x_i.flatten(0, 1)
             labels = state.shift_labels[i]
-            grad = torch.zeros_like(x)
+            grad = torch.empty_like(x)  # every row is written by its chunk below
             for c in _chunks(x.shape[0], state.loss_chunk_tokens):
                 xc = x[c].detach().requires_grad_(True)
                 with torch.enable_grad():
