@@ -15,6 +15,7 @@ bucket sizes without editing this file; the settings used are recorded in the re
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -266,37 +267,10 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
         assert engine.is_gradient_accumulation_boundary()
         return loss_sum / num_sub  # equal token counts: the mean over the whole batch, as the others report
 
-    fb_times, opt_times, losses = [], [], []
-    for step in range(args.warmup + args.steps):
-        sync()
-        t0 = time.perf_counter()
-        loss = fwd_bwd()
-        sync()
-        t1 = time.perf_counter()
-        engine.step()  # the boundary: DeepSpeedCPUAdam on the host, updated bf16 partitions
-        sync()
-        t2 = time.perf_counter()
-        if step == args.warmup - 1 and cuda:
-            torch.cuda.reset_peak_memory_stats()
-        if step >= args.warmup:
-            fb_times.append(t1 - t0)
-            opt_times.append(t2 - t1)
-            losses.append(float(loss))
-    profile = None
-    if args.profile and cuda:
-        trace = f"/tmp/fsl_trace_{os.getpid()}.json"
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts) as prof:
-            sync()
-            t0 = time.perf_counter()
-            fwd_bwd()
-            engine.step()
-            sync()
-            traced_s = time.perf_counter() - t0
-        prof.export_chrome_trace(trace)
-        profile = bt.summarize_trace(trace, traced_s)
-        os.remove(trace)
-
+    fb_times, opt_times, losses, profile = bt.time_steps(
+        fwd_bwd, engine.step,  # the boundary step: DeepSpeedCPUAdam on the host, updated bf16 partitions
+        argparse.Namespace(**{**vars(args), "profile": args.profile and cuda}), sync=sync,
+        reset_peak=torch.cuda.reset_peak_memory_stats if cuda else (lambda: None))
     tokens = ids.numel()
     fb, opt = statistics.median(fb_times), statistics.median(opt_times)
     recompute_per_token = flops_per_token / 3  # every block's forward runs twice

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {  # hidden, intermediate, heads, kv heads, vocab (the full models' shapes; depth is --layers)
@@ -91,6 +92,48 @@ def summarize_trace(path: str, step_s: float) -> dict:
         "copies": {k: {"gib": v["bytes"] / 2**30, "busy_s": _union_s(v["spans"])} for k, v in copies.items()},
         "top_kernels_s": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:15]),
     }
+
+
+def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Namespace, *, sync: Callable,
+               reset_peak: Callable) -> tuple[list, list, list, Optional[dict]]:
+    """Warm-up, then ``args.steps`` timed steps (fwd+bwd and optimizer timed apart, synchronised at
+    the phase boundaries), then with ``args.profile`` one traced step summarized by ``summarize_trace``.
+
+    Returns (fwd+bwd seconds, optimizer seconds, losses) of the timed steps and the profile summary.
+    """
+    import torch
+
+    fb_times, opt_times, losses = [], [], []
+    for step in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = fwd_bwd()
+        sync()
+        t1 = time.perf_counter()
+        optimizer_step()
+        sync()
+        t2 = time.perf_counter()
+        if step == args.warmup - 1:
+            reset_peak()
+        if step >= args.warmup:
+            fb_times.append(t1 - t0)
+            opt_times.append(t2 - t1)
+            losses.append(float(loss))
+    profile = None
+    if args.profile:  # one more step, traced; summarized, the trace itself is not kept
+        trace = f"/tmp/fsl_trace_{os.getpid()}.json"
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            sync()
+            t0 = time.perf_counter()
+            fwd_bwd()
+            optimizer_step()
+            sync()
+            traced_s = time.perf_counter() - t0
+        prof.export_chrome_trace(trace)
+        profile = summarize_trace(trace, traced_s)
+        os.remove(trace)
+    return fb_times, opt_times, losses, profile
 
 
 def run_worker(args: argparse.Namespace) -> dict:
@@ -158,38 +201,12 @@ def run_worker(args: argparse.Namespace) -> dict:
             loss_sum += loss.detach()
         return loss_sum
 
-    fb_times, opt_times, losses = [], [], []
-    for step in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = fwd_bwd()
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
+    def optimizer_step() -> None:
         optim.step()
         optim.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        if step == args.warmup - 1:
-            torch.cuda.reset_peak_memory_stats()
-        if step >= args.warmup:
-            fb_times.append(t1 - t0)
-            opt_times.append(t2 - t1)
-            losses.append(float(loss))
-    profile = None
-    if args.profile:  # one more step, traced; summarized, the trace itself is not kept
-        trace = f"/tmp/fsl_trace_{os.getpid()}.json"
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts) as prof:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fwd_bwd()
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            traced_s = time.perf_counter() - t0
-        prof.export_chrome_trace(trace)
-        profile = summarize_trace(trace, traced_s)
-        os.remove(trace)
+
+    fb_times, opt_times, losses, profile = time_steps(fwd_bwd, optimizer_step, args, sync=torch.cuda.synchronize,
+                                                      reset_peak=torch.cuda.reset_peak_memory_stats)
     tokens = ids.numel()
     fb, opt = statistics.median(fb_times), statistics.median(opt_times)
     flops_per_token = adapter.flops_per_token(args.seq_len)
@@ -269,7 +286,7 @@ def main() -> None:
     name = args.name or f"train_{args.model}_L{args.layers}_s{args.seq_len}"
     os.makedirs(args.out_dir, exist_ok=True)
     Path(args.out_dir, f"{name}.json").write_text(json.dumps(record, indent=2))
-    print(f"\n| contender | n x N | tokens/s (fwd+bwd) | tokens/s (with optimizer) | MFU | peak HBM GiB |")
+    print("\n| contender | n x N | tokens/s (fwd+bwd) | tokens/s (with optimizer) | MFU | peak HBM GiB |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
