@@ -4,30 +4,36 @@
 the run's optimizer), and ``measure(n)`` runs one step (forward, backward, optimizer step) at
 sub-batch size n and returns a :class:`Measurement`:
 
-- GPU: ``torch.cuda.max_memory_allocated`` over the step. Without CUDA the CPU stands in for the GPU:
+- GPU: ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` over the step, the caching
+  allocator's cache emptied first so that the reserved peak is the step's own (fragmentation included:
+  a memory cap limits reserved memory, not allocated). Without CUDA the CPU stands in for the GPU:
   the bytes of the model states resident on the compute device (those not offloaded) plus the highest
   net allocation during the step, from the profiler's allocator events (``torch.profiler`` with
   ``profile_memory=True``). It follows the same law as GPU memory, so the tuner runs and is testable
   on a CPU; the figures then mean CPU memory.
 - Host, exactly (``measure_host_bytes``): the activation store's pinned arena as a fresh one would be
-  planned at this geometry (activations and parameter shards, with alignment), every other host
+  planned at this geometry (activations, parameter shards, ..., with alignment), every other host
   storage of parameters, gradients and optimizer state (when offloaded), and on CUDA the page-locked
-  blocks of PyTorch's caching host allocator in use at the step's end (FSDP2's gradient copies, with
-  that allocator's rounding).
+  blocks of PyTorch's caching host allocator in use at the step's end (FSDP2's gradient copies when
+  they are not arena slots, with that allocator's rounding). Only the activation slots depend on n and
+  N (``Measurement.host_activation_bytes``); the tuner takes the rest as a constant.
 
 ``prime`` does the one-time work first, in one step at lr 0 (FSDP lazy init, planning the arena at the
 largest trial geometry and moving the parameter shards into it, first-backward buffers, the optimizer
-state), so every measured step is a steady-state step. Several ranks measure together: each figure is
-the maximum over ranks.
+state), and ``measure`` primes again when the sub-batch size changed (buffers sized for the last one,
+such as the exchange's ring, would otherwise still hold reserved memory), so every measured step is a
+steady-state step at its own geometry. Several ranks measure together: each figure is the maximum over
+ranks.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,6 +47,30 @@ from .config import ModelConfig
 
 def _align(nbytes: int) -> int:
     return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+ACTIVATION_STORAGES = ("arena", "pinned", "pageable", "device")
+
+
+def slot_host_bytes(nbytes: int, storage: str) -> int:
+    """Host bytes that activation slots of ``nbytes`` take, as the store holds them: 'arena' (the exchange
+    store: one arena slot, 512-byte aligned), 'pinned' (the synchronous store on CUDA: one block of
+    PyTorch's caching host allocator, which rounds up to a power of two), 'pageable' (that store on the
+    CPU: as is) or 'device' (none on the host)."""
+    if storage == "arena":
+        return _align(nbytes)
+    if storage == "pinned":
+        return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+    assert storage in ACTIVATION_STORAGES, storage
+    return nbytes if storage == "pageable" else 0
+
+
+def cuda_allocator_settings() -> str:
+    """The CUDA caching allocator's settings in effect ('' for the defaults, e.g. no expandable segments).
+    The trials' reserved memory holds for a run under the same settings."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # torch >= 2.9
+    return (get() if get is not None else "") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or \
+        os.environ.get("PYTORCH_ALLOC_CONF", "")
 
 
 @dataclass
@@ -59,17 +89,28 @@ class Measurement:
     """Host memory, exactly: the sum of ``host_breakdown``."""
     host_breakdown: dict = field(default_factory=dict)
     gpu_reserved_bytes: int = 0
-    """Peak reserved by the CUDA caching allocator (0 on CPU); for information."""
+    """Peak reserved by the CUDA caching allocator during the step (0 on CPU: not measured)."""
     activation_bytes_per_token: int = 0
     """Bytes of one token's activation in one slot (h x element size)."""
-    activations_on_device: bool = False
-    """The activation slots live in GPU memory (activation_store 'device')."""
+    activation_storage: str = "arena"
+    """Where the activation slots live: one of ``ACTIVATION_STORAGES`` (``slot_host_bytes``)."""
     step_s: float = 0.0
+
+    @property
+    def activations_on_device(self) -> bool:
+        """The activation slots live in GPU memory (activation_store 'device')."""
+        return self.activation_storage == "device"
 
     @property
     def activation_tokens(self) -> int:
         """Tokens held in activation slots: (U + 1) x N x n x s."""
         return self.num_slots * self.num_sub_batches * self.sub_batch_size * self.seq_len
+
+    @property
+    def host_activation_bytes(self) -> int:
+        """Host bytes of the activation slots (exact, from the geometry); the rest of ``host_bytes`` does not
+        depend on n or N."""
+        return slot_host_bytes(self.activation_tokens * self.activation_bytes_per_token, self.activation_storage)
 
     @property
     def device_activation_bytes(self) -> int:
@@ -187,6 +228,7 @@ class TrialModel:
         self.model = model
         self.optimizer = build_optimizer(model)
         self.generator = torch.Generator().manual_seed(seed)
+        self._last_sub_batch_size: Optional[int] = None
 
     def _ids(self, n: int, seq_len: int) -> torch.Tensor:
         shape = (self.num_sub_batches * n, seq_len)
@@ -210,6 +252,7 @@ class TrialModel:
                 g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         self._sync()
+        self._last_sub_batch_size = n
 
     def _step(self, ids: torch.Tensor) -> None:
         loss = self.model(input_ids=ids, labels=ids).loss
@@ -218,12 +261,16 @@ class TrialModel:
 
     def measure(self, n: int, seq_len: int) -> Measurement:
         """One training step (forward, backward, optimizer step) at sub-batch size n, and its memory."""
+        if n != self._last_sub_batch_size:
+            self.prime(n, seq_len)
         ids = self._ids(n, seq_len)
         step = functools.partial(self._step, ids)
         self._sync()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # else the reserved peak starts at what earlier (larger) steps left cached
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
             step()
             self._sync()
             gpu_peak = torch.cuda.max_memory_allocated(self.device)
@@ -237,12 +284,18 @@ class TrialModel:
         self.optimizer.zero_grad(set_to_none=True)
         gpu_peak, reserved, host_total = reduce_over_ranks([gpu_peak, reserved, host["total"]])
         store = self.model._speedloader.store
+        if isinstance(store, DeviceActivationStore):
+            storage = "device"
+        elif getattr(store, "arena", None) is not None:
+            storage = "arena"
+        else:  # the synchronous host store: page-locked through PyTorch's allocator on CUDA
+            storage = "pinned" if store.device.type == "cuda" else "pageable"
         return Measurement(
             sub_batch_size=n, num_sub_batches=self.num_sub_batches, blocks_per_unit=self.blocks_per_unit,
             seq_len=seq_len, num_slots=store.num_slots, gpu_peak_bytes=int(gpu_peak), host_bytes=int(host_total),
             host_breakdown=host, gpu_reserved_bytes=int(reserved),
             activation_bytes_per_token=store.shape[-1] * torch.empty((), dtype=store.dtype).element_size(),
-            activations_on_device=isinstance(store, DeviceActivationStore), step_s=step_s)
+            activation_storage=storage, step_s=step_s)
 
     def close(self) -> None:
         """Frees the model, its optimizer state and its arena (host and GPU memory go back)."""

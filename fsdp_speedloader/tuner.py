@@ -8,12 +8,23 @@ SpeedLoader's hyperparameter strategy (paper 3.3, A.2). With everything else fix
 
 ``tune`` builds a throw-away copy of the model exactly as the run will (``trial.TrialModel``), runs
 one short training step at each of two sub-batch sizes, measures peak GPU memory (allocator) and host
-memory (exact accounting), fits the two lines, and picks the largest sub-batch size n whose predicted
-peak fits the GPU budget, then the largest number of sub-batches N whose host memory fits the host
-budget (a target effective batch, if given, caps n x N). With two points a line goes through both:
-R^2 = 1 by construction, and the plan says so; ``tools/sweep_plan.py`` checks linearity on a grid.
+memory (exact accounting), and picks the largest sub-batch size n whose predicted peak fits the GPU
+budget, then the largest number of sub-batches N whose host memory fits the host budget (a target
+effective batch, if given, caps n x N).
+
+GPU: two lines fitted on n, one for the peak allocated and one for the peak reserved, and the plan
+keeps both within the budget less the margin. A memory cap (``set_per_process_memory_fraction``, or the
+card) limits reserved memory, and with PyTorch's default caching allocator fragmentation makes it about
+twice the allocated peak for this workload (measured on an H200: 14 vs 7.7 GiB); with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` reserved stays close to allocated and the plan grows
+accordingly. The trials measure under the process's own allocator settings, which the run must share.
+With two points a line goes through both: R^2 = 1 by construction, and the plan says so;
+``tools/sweep_plan.py`` checks linearity on a grid.
+
+Host: only the activation slots grow with the tokens, and their bytes are known exactly (``fit_host``):
+the line's slope is h x element size, and the intercept is the largest constant the trials measured.
 When activations stay on the GPU (activation_store 'device') their exact bytes, (U + 1) N n s h x
-element size, are added to the GPU line and N is bounded by the GPU budget too.
+element size, are added to the GPU lines and N is bounded by the GPU budget too.
 
 If the plan runs out of memory anyway, :meth:`TunePlan.memory_error` names the budget that was wrong
 and by how much (the trainer uses it for ``schedule.name=auto``).
@@ -36,12 +47,12 @@ from torch import nn
 
 from .arena import HostMemoryBudget
 from .config import ModelConfig, ScheduleConfig, TrainConfig
-from .trial import Measurement, TrialModel, reduce_over_ranks
+from .trial import Measurement, TrialModel, cuda_allocator_settings, reduce_over_ranks, slot_host_bytes
 
 log = logging.getLogger(__name__)
 
 GIB = float(1 << 30)
-DEFAULT_GPU_MARGIN = 0.10  # of the GPU budget, left for allocator fragmentation and what the fit misses
+DEFAULT_GPU_MARGIN = 0.10  # of the GPU budget, left for what the fits miss (fragmentation is in the reserved fit)
 _HARD_CAP = 1 << 24  # a search bound: no sub-batch or number of sub-batches is larger
 
 
@@ -61,19 +72,24 @@ def num_units(num_layers: int, blocks_per_unit: int) -> int:
 # --- measurements and fits -----------------------------------------------------------------------
 
 
+LEAST_SQUARES = "least squares"
+
+
 @dataclass(frozen=True)
 class LinearFit:
-    """``y = sum(coef[k] * feature[k])``, least squares; feature '1' is the intercept."""
+    """``y = sum(coef[k] * feature[k])``; feature '1' is the intercept. ``method``: how the coefficients
+    were found (least squares, or ``fit_host``'s known slope); ``r2``: of the measured points either way."""
 
     features: tuple[str, ...]
     coef: tuple[float, ...]
     r2: float
     num_points: int
+    method: str = LEAST_SQUARES
 
     @property
     def exact(self) -> bool:
-        """As many points as coefficients: the line goes through every point and R^2 = 1 says nothing."""
-        return self.num_points <= len(self.features)
+        """A least-squares line through as many points as coefficients: it meets every point, R^2 = 1 says nothing."""
+        return self.method == LEAST_SQUARES and self.num_points <= len(self.features)
 
     def predict(self, values: dict[str, float]) -> float:
         return float(sum(c * (1.0 if f == "1" else values[f]) for f, c in zip(self.features, self.coef)))
@@ -83,7 +99,13 @@ class LinearFit:
                            for f, c in zip(self.features, self.coef))
         quality = (f"R^2 = 1 by construction ({self.num_points} points, {len(self.features)} coefficients)"
                    if self.exact else f"R^2 = {self.r2:.6f} over {self.num_points} points")
-        return f"{terms}  [{quality}]"
+        return f"{terms}  [{quality}{'' if self.method == LEAST_SQUARES else '; ' + self.method}]"
+
+
+def _r2(y: Sequence[float], predicted: Sequence[float]) -> float:
+    y, predicted = np.asarray(y, dtype=np.float64), np.asarray(predicted, dtype=np.float64)
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    return 1.0 - float(((y - predicted) ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
 
 
 def fit_linear(rows: Sequence[dict[str, float]], y: Sequence[float], features: Sequence[str]) -> LinearFit:
@@ -95,11 +117,28 @@ def fit_linear(rows: Sequence[dict[str, float]], y: Sequence[float], features: S
                          f"{[dict(r) for r in rows]}: the trials must differ in every tuned setting "
                          "(two different trial_sub_batch_sizes, and two blocks_per_unit values when tuning it)")
     coef, *_ = np.linalg.lstsq(X, Y, rcond=None)
-    residual = Y - X @ coef
-    ss_tot = float(((Y - Y.mean()) ** 2).sum())
-    ss_res = float((residual ** 2).sum())
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    return LinearFit(tuple(features), tuple(float(c) for c in coef), r2, len(rows))
+    return LinearFit(tuple(features), tuple(float(c) for c in coef), _r2(Y, X @ coef), len(rows))
+
+
+HOST_METHOD = "slope: activation slot bytes per token, exact; intercept: the largest measured constant"
+
+
+def fit_host(measurements: Sequence[Measurement]) -> LinearFit:
+    """Host bytes on activation_tokens, without fitting: only the activation slots grow with the tokens,
+    and their bytes are known (h x element size per token, with the store's rounding: ``slot_host_bytes``).
+    Everything else -- model states, parameter and gradient shards, page-locked blocks of PyTorch's
+    caching host allocator -- does not depend on n or N, but the trials see it at different levels (that
+    allocator keeps what earlier steps freed: 18 then 27 GiB on an H200). A line through two trials turns
+    that growth into a slope and stops N far too early, so the constant is the largest measured, not
+    extrapolated. Predictions use ``TunePlan.predict_host_bytes`` (the slope is exact up to the rounding)."""
+    assert len({(m.activation_storage, m.activation_bytes_per_token) for m in measurements}) == 1, \
+        "the trials of one tune() share their activation store"
+    m0 = measurements[0]
+    per_token = 0 if m0.activations_on_device else m0.activation_bytes_per_token
+    constant = max(m.host_bytes - m.host_activation_bytes for m in measurements)
+    r2 = _r2([m.host_bytes for m in measurements], [constant + m.host_activation_bytes for m in measurements])
+    return LinearFit(("1", "activation_tokens"), (float(constant), float(per_token)), r2, len(measurements),
+                     HOST_METHOD)
 
 
 def _gpu_values(n: int, b: int) -> dict[str, float]:
@@ -145,22 +184,29 @@ class TunePlan:
     seq_len: int
     num_layers: int
     gpu_fit: LinearFit
-    """Peak GPU bytes on n (and b, n x b), without the activation slots when they are on the GPU."""
+    """Peak GPU bytes allocated on n (and b, n x b), without the activation slots when they are on the GPU."""
     host_fit: LinearFit
-    """Host bytes on activation_tokens = (U + 1) x N x n x s."""
+    """Host bytes on activation_tokens = (U + 1) x N x n x s (``fit_host``)."""
     gpu_budget_bytes: int
     gpu_budget_source: str
     gpu_margin: float
     host_budget_bytes: int
     host_budget_source: str
+    gpu_reserved_fit: Optional[LinearFit] = None
+    """Peak GPU bytes reserved by the caching allocator, as ``gpu_fit``; None without CUDA (not measured)."""
+    gpu_allocator_settings: str = ""
+    """The CUDA allocator settings the trials ran under ('' for the defaults); the run must use the same."""
     predicted_gpu_bytes: int = 0
+    """Peak allocated."""
+    predicted_gpu_reserved_bytes: int = 0
     predicted_host_bytes: int = 0
     limited_by: dict = dataclasses.field(default_factory=dict)
     """What stopped n and N: 'gpu budget', 'host budget', 'target_batch_size', 'max_sub_batch_size', ..."""
     measurements: list = dataclasses.field(default_factory=list)
     device: str = "cpu"
     gpu_measure: str = "CPU stand-in"
-    activations_on_device: bool = False
+    activation_storage: str = "arena"
+    """Where the activation slots live (``trial.ACTIVATION_STORAGES``)."""
     activation_bytes_per_token: int = 0
     """Bytes of one token in one activation slot (h x element size)."""
     trial_s: float = 0.0
@@ -172,6 +218,10 @@ class TunePlan:
         return self.sub_batch_size * self.num_sub_batches
 
     @property
+    def activations_on_device(self) -> bool:
+        return self.activation_storage == "device"
+
+    @property
     def gpu_target_bytes(self) -> int:
         """What the predicted peak may reach: the budget less the margin."""
         return int(self.gpu_budget_bytes * (1.0 - self.gpu_margin))
@@ -179,18 +229,32 @@ class TunePlan:
     def activation_tokens(self, n: int, N: int, b: int) -> int:
         return (num_units(self.num_layers, b) + 1) * N * n * self.seq_len
 
+    def _device_slot_bytes(self, n: int, N: int, b: int) -> int:
+        return self.activation_tokens(n, N, b) * self.activation_bytes_per_token if self.activations_on_device else 0
+
     def predict_gpu_bytes(self, n: int, N: int = 1, b: Optional[int] = None) -> float:
+        """Peak GPU memory allocated."""
         b = self.blocks_per_unit if b is None else b
-        slots = self.activation_tokens(n, N, b) * self.activation_bytes_per_token if self.activations_on_device else 0
-        return self.gpu_fit.predict(_gpu_values(n, b)) + slots
+        return self.gpu_fit.predict(_gpu_values(n, b)) + self._device_slot_bytes(n, N, b)
+
+    def predict_gpu_reserved_bytes(self, n: int, N: int = 1, b: Optional[int] = None) -> float:
+        """Peak GPU memory reserved: what a cap limits. Never below the allocated peak (the two lines may
+        cross far from the trials); the allocated peak itself without a reserved measurement (CPU)."""
+        b = self.blocks_per_unit if b is None else b
+        allocated = self.predict_gpu_bytes(n, N, b)
+        if self.gpu_reserved_fit is None:
+            return allocated
+        return max(allocated, self.gpu_reserved_fit.predict(_gpu_values(n, b)) + self._device_slot_bytes(n, N, b))
 
     def predict_host_bytes(self, n: int, N: int, b: Optional[int] = None) -> float:
         b = self.blocks_per_unit if b is None else b
-        return self.host_fit.predict({"activation_tokens": self.activation_tokens(n, N, b)})
+        nbytes = self.activation_tokens(n, N, b) * self.activation_bytes_per_token
+        return self.host_fit.coef[0] + slot_host_bytes(nbytes, self.activation_storage)
 
-    def _fitted(self, m: Measurement) -> tuple[float, float]:
+    def _fitted(self, m: Measurement) -> dict[str, float]:
         args = (m.sub_batch_size, m.num_sub_batches, m.blocks_per_unit)
-        return self.predict_gpu_bytes(*args), self.predict_host_bytes(*args)
+        return {"gpu": self.predict_gpu_bytes(*args), "gpu_reserved": self.predict_gpu_reserved_bytes(*args),
+                "host": self.predict_host_bytes(*args)}
 
     # --- using it --------------------------------------------------------------------------------
     def schedule_config(self, base: ScheduleConfig) -> ScheduleConfig:
@@ -224,18 +288,24 @@ class TunePlan:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             match = _TRIED.search(str(error))
             tried = float(match.group(1)) * _UNITS[match.group(2)] if match else 0.0
-            allocated = torch.cuda.memory_allocated()
+            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             needed = int(max(torch.cuda.max_memory_allocated(), allocated + tried))
-            short = needed - predicted
-            how = (f"the step needed at least {_size(needed)} ({_size(allocated)} allocated when "
-                   f"{_size(tried)} more were asked for): {_size(short)} "
+            # The cap limits reserved memory: fragmentation beyond the reserved fit fails a step whose
+            # allocated peak was predicted right.
+            short = max(needed - predicted, reserved + tried - self.predicted_gpu_reserved_bytes)
+            how = (f"the step needed at least {_size(needed)} allocated ({_size(allocated)} allocated and "
+                   f"{_size(reserved)} reserved when {_size(tried)} more were asked for): {_size(short)} "
                    f"({short / max(predicted, 1):.1%}) more than predicted")
-            fix += f" to about {_gib(self.gpu_budget_bytes - short / (1.0 - self.gpu_margin)):.1f}"
+            if short > 0:
+                fix += f" to about {_gib(self.gpu_budget_bytes - short / (1.0 - self.gpu_margin)):.1f}"
+        if self.device == "cuda" and "expandable_segments:True" not in self.gpu_allocator_settings:
+            fix += " (or tune and run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: less fragmentation)"
         exc = GpuPlanMemoryError(
             f"out of GPU memory with the tuned plan ({self._name()}): the GPU memory budget was wrong. The tuner "
-            f"predicted a peak of {_size(predicted)} within {_size(self.gpu_target_bytes)} (budget "
-            f"{_size(self.gpu_budget_bytes)} from {self.gpu_budget_source}, less {self.gpu_margin:.0%}); "
-            f"{how}. {fix}, or set the schedule by hand (schedule=speedloader). The error: {error}")
+            f"predicted a peak of {_size(predicted)} ({_size(self.predicted_gpu_reserved_bytes)} reserved) within "
+            f"{_size(self.gpu_target_bytes)} (budget {_size(self.gpu_budget_bytes)} from {self.gpu_budget_source}, "
+            f"less {self.gpu_margin:.0%}); {how}. {fix}, or set the schedule by hand (schedule=speedloader). "
+            f"The error: {error}")
         exc.predicted_bytes, exc.needed_bytes = predicted, needed
         return exc
 
@@ -261,8 +331,13 @@ class TunePlan:
         if self.device != "cuda" or not measured:
             return {}
         predicted = _gib(self.predicted_gpu_bytes)
-        return {"tune/predicted_gpu_peak_gib": predicted, "tune/measured_gpu_peak_gib": measured,
-                "tune/gpu_prediction_error": predicted / measured - 1.0}
+        out = {"tune/predicted_gpu_peak_gib": predicted, "tune/measured_gpu_peak_gib": measured,
+               "tune/gpu_prediction_error": predicted / measured - 1.0}
+        reserved = metrics.get("peak_gpu_mem_reserved_gib")
+        if reserved:
+            out.update({"tune/predicted_gpu_reserved_gib": _gib(self.predicted_gpu_reserved_bytes),
+                        "tune/measured_gpu_reserved_gib": reserved})
+        return out
 
     # --- reporting -------------------------------------------------------------------------------
     def as_dict(self) -> dict:
@@ -270,8 +345,8 @@ class TunePlan:
         out = dataclasses.asdict(self)
         out.update(batch_size=self.batch_size, gpu_target_bytes=self.gpu_target_bytes)
         for record, m in zip(out["measurements"], self.measurements):
-            record.update(zip(("fitted_gpu_bytes", "fitted_host_bytes"), self._fitted(m)),
-                          activation_tokens=m.activation_tokens)
+            record.update({f"fitted_{k}_bytes": v for k, v in self._fitted(m).items()},
+                          activation_tokens=m.activation_tokens, host_activation_bytes=m.host_activation_bytes)
         return out
 
     def as_metrics(self) -> dict:
@@ -281,17 +356,22 @@ class TunePlan:
                "tune/gpu_budget_gib": _gib(self.gpu_budget_bytes), "tune/gpu_target_gib": _gib(self.gpu_target_bytes),
                "tune/host_budget_gib": _gib(self.host_budget_bytes),
                "tune/predicted_gpu_peak_gib": _gib(self.predicted_gpu_bytes),
+               "tune/predicted_gpu_reserved_gib": _gib(self.predicted_gpu_reserved_bytes),
                "tune/predicted_host_gib": _gib(self.predicted_host_bytes), "tune/trial_s": self.trial_s}
-        for name, fit in (("gpu", self.gpu_fit), ("host", self.host_fit)):
+        fits = {"gpu": self.gpu_fit, "gpu_reserved": self.gpu_reserved_fit, "host": self.host_fit}
+        for name, fit in fits.items():
+            if fit is None:
+                continue
             out.update({f"tune/{name}_r2": fit.r2, f"tune/{name}_fit_points": fit.num_points})
             for f, c in zip(fit.features, fit.coef):
                 key = "intercept_gib" if f == "1" else f.replace("*", "_x_") + "_bytes"
                 out[f"tune/{name}_coef_{key}"] = _gib(c) if f == "1" else c
         for k, m in enumerate(self.measurements):
-            gpu, host = self._fitted(m)
-            out.update({f"tune/trial{k}/measured_gpu_gib": _gib(m.gpu_peak_bytes), f"tune/trial{k}/fitted_gpu_gib":
-                        _gib(gpu), f"tune/trial{k}/measured_host_gib": _gib(m.host_bytes),
-                        f"tune/trial{k}/fitted_host_gib": _gib(host)})
+            measured = {"gpu": m.gpu_peak_bytes, "gpu_reserved": m.gpu_reserved_bytes, "host": m.host_bytes}
+            for name, predicted in self._fitted(m).items():
+                if fits[name] is not None:
+                    out.update({f"tune/trial{k}/measured_{name}_gib": _gib(measured[name]),
+                                f"tune/trial{k}/fitted_{name}_gib": _gib(predicted)})
         return out
 
     def summary(self) -> str:
@@ -300,19 +380,25 @@ class TunePlan:
             f"plan: n={self.sub_batch_size} sequences per sub-batch (limited by {self.limited_by['sub_batch_size']}), "
             f"N={self.num_sub_batches} sub-batches (limited by {self.limited_by['num_sub_batches']}), blocks_per_unit="
             f"{self.blocks_per_unit}: {self.batch_size} x {self.seq_len} tokens per rank per step",
-            f"GPU ({self.gpu_measure}): predicted peak {_size(self.predicted_gpu_bytes)} <= "
-            f"{_size(self.gpu_target_bytes)} (budget {_size(self.gpu_budget_bytes)} from "
-            f"{self.gpu_budget_source}, less {self.gpu_margin:.0%}); fit {self.gpu_fit.describe()}",
+            f"GPU ({self.gpu_measure}): predicted peak {_size(self.predicted_gpu_bytes)} allocated, "
+            f"{_size(self.predicted_gpu_reserved_bytes)} reserved <= {_size(self.gpu_target_bytes)} (budget "
+            f"{_size(self.gpu_budget_bytes)} from {self.gpu_budget_source}, less {self.gpu_margin:.0%}); allocated "
+            f"{self.gpu_fit.describe()}",
             f"host (exact accounting): predicted {_size(self.predicted_host_bytes)} <= budget "
-            f"{_size(self.host_budget_bytes)} ({self.host_budget_source}); fit {self.host_fit.describe(1.0, 'B')}",
-            "| trial | n | N | blocks/unit | GPU GiB measured | fitted | host GiB measured | fitted | step s |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            f"{_size(self.host_budget_bytes)} ({self.host_budget_source}); {self.host_fit.describe(1.0, 'B')}",
+            "| trial | n | N | blocks/unit | GPU GiB measured | fitted | reserved GiB measured | fitted "
+            "| host GiB measured | predicted | step s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+        if self.gpu_reserved_fit is not None:
+            lines.insert(2, f"GPU reserved (allocator settings: {self.gpu_allocator_settings or 'defaults'}): "
+                            f"{self.gpu_reserved_fit.describe()}")
         for k, m in enumerate(self.measurements):
-            gpu, host = self._fitted(m)
+            fitted = self._fitted(m)
+            reserved = (f"{_gib(m.gpu_reserved_bytes):.3f} | {_gib(fitted['gpu_reserved']):.3f}"
+                        if self.gpu_reserved_fit is not None else "- | -")
             lines.append(f"| {k} | {m.sub_batch_size} | {m.num_sub_batches} | {m.blocks_per_unit} | "
-                         f"{_gib(m.gpu_peak_bytes):.3f} | {_gib(gpu):.3f} | {_gib(m.host_bytes):.3f} | "
-                         f"{_gib(host):.3f} "
-                         f"| {m.step_s:.2f} |")
+                         f"{_gib(m.gpu_peak_bytes):.3f} | {_gib(fitted['gpu']):.3f} | {reserved} | "
+                         f"{_gib(m.host_bytes):.3f} | {_gib(fitted['host']):.3f} | {m.step_s:.2f} |")
         lines.append("run it: " + " ".join(self.overrides()))
         return "\n".join(lines)
 
@@ -347,7 +433,8 @@ def plan_from_measurements(
 
     n: the largest sub-batch size for which one sub-batch fits both budgets; N: then the largest number
     of sub-batches that fits both (GPU memory does not depend on N unless the activations are on the
-    GPU). With several ``blocks_per_unit`` candidates the plan with the most sequences per step wins
+    GPU). The GPU budget holds for the peak allocated and, when the trials measured it (CUDA), the peak
+    reserved. With several ``blocks_per_unit`` candidates the plan with the most sequences per step wins
     (then the larger n, then the smaller blocks_per_unit). ``plan_fields``: more :class:`TunePlan`
     fields (budget sources, device, ...). Raises ``ValueError`` naming the budget that cannot hold one
     sequence per sub-batch.
@@ -366,15 +453,19 @@ def plan_from_measurements(
     if len(measured_b) == 1 and candidates != measured_b:
         raise ValueError(f"blocks_per_unit {candidates} asked for, but the trials ran at {measured_b} only")
     gpu_features = ("1", "n", "b", "n*b") if len(measured_b) > 1 else ("1", "n")
+    gpu_rows = [_gpu_values(m.sub_batch_size, m.blocks_per_unit) for m in measurements]
+    reserved_fit = None
+    if any(m.gpu_reserved_bytes for m in measurements):  # CUDA: the caching allocator's fragmentation
+        reserved_fit = fit_linear(gpu_rows, [m.gpu_reserved_bytes - m.device_activation_bytes for m in measurements],
+                                  gpu_features)
     m0 = measurements[0]
     plan = TunePlan(
         sub_batch_size=0, num_sub_batches=0, blocks_per_unit=candidates[0], seq_len=m0.seq_len, num_layers=num_layers,
-        gpu_fit=fit_linear([_gpu_values(m.sub_batch_size, m.blocks_per_unit) for m in measurements],
-                           [m.gpu_peak_bytes - m.device_activation_bytes for m in measurements], gpu_features),
-        host_fit=fit_linear([{"activation_tokens": m.activation_tokens} for m in measurements],
-                            [m.host_bytes for m in measurements], ("1", "activation_tokens")),
+        gpu_fit=fit_linear(gpu_rows, [m.gpu_peak_bytes - m.device_activation_bytes for m in measurements],
+                           gpu_features),
+        host_fit=fit_host(measurements), gpu_reserved_fit=reserved_fit,
         gpu_budget_bytes=int(gpu_budget_bytes), gpu_margin=gpu_margin, host_budget_bytes=int(host_budget_bytes),
-        measurements=list(measurements), activations_on_device=m0.activations_on_device,
+        measurements=list(measurements), activation_storage=m0.activation_storage,
         activation_bytes_per_token=m0.activation_bytes_per_token,
         **{"gpu_budget_source": "gpu_memory_budget_bytes", "host_budget_source": "host_memory_budget_bytes",
            **plan_fields})
@@ -384,13 +475,14 @@ def plan_from_measurements(
     _, n, N, b, limited = max(choices, key=lambda c: c[0])
     plan.sub_batch_size, plan.num_sub_batches, plan.blocks_per_unit, plan.limited_by = n, N, b, limited
     plan.predicted_gpu_bytes = int(plan.predict_gpu_bytes(n, N, b))
+    plan.predicted_gpu_reserved_bytes = int(plan.predict_gpu_reserved_bytes(n, N, b))
     plan.predicted_host_bytes = int(plan.predict_host_bytes(n, N, b))
     return plan
 
 
 def _fits(plan: TunePlan, n: int, N: int, b: int) -> tuple[bool, bool]:
     """(GPU fits, host fits) for the plan's fitted models at (n, N, b), to the byte (the fit's rounding aside)."""
-    return (round(plan.predict_gpu_bytes(n, N, b)) <= plan.gpu_target_bytes,
+    return (round(plan.predict_gpu_reserved_bytes(n, N, b)) <= plan.gpu_target_bytes,  # >= the allocated peak
             round(plan.predict_host_bytes(n, N, b)) <= plan.host_budget_bytes)
 
 
@@ -424,8 +516,9 @@ def _too_small_error(plan: TunePlan, b: int) -> ValueError:
     if not _fits(plan, 1, 1, b)[0]:
         return ValueError(
             f"GPU memory budget too small for even one sub-batch: one sequence of {s} tokens per sub-batch "
-            f"(blocks_per_unit={b}) needs a predicted peak of {_size(plan.predict_gpu_bytes(1, 1, b))} (fitted "
-            f"from the trial steps: {plan.gpu_fit.describe()}), but the budget is {_size(plan.gpu_budget_bytes)} "
+            f"(blocks_per_unit={b}) needs a predicted peak of {_size(plan.predict_gpu_bytes(1, 1, b))} allocated, "
+            f"{_size(plan.predict_gpu_reserved_bytes(1, 1, b))} reserved (fitted from the trial steps: "
+            f"{plan.gpu_fit.describe()}), but the budget is {_size(plan.gpu_budget_bytes)} "
             f"from {plan.gpu_budget_source}, {_size(plan.gpu_target_bytes)} after the {plan.gpu_margin:.0%} "
             "margin. Raise schedule.gpu_memory_budget_gib (or max_gpu_memory_gib), shorten data.seq_len, or offload "
             "the parameters (offload=params)")
@@ -495,8 +588,8 @@ def tune(
     Args:
         model: the model to plan for; a throw-away copy is built from it for the trial steps.
         seq_len: tokens per sequence s.
-        gpu_memory_budget_bytes: GPU memory the run may fill (peak allocated); the plan keeps
-            ``gpu_margin`` of it free. None: the device's memory (times its per-process fraction, if
+        gpu_memory_budget_bytes: GPU memory the run may fill (peak allocated, and peak reserved on CUDA);
+            the plan keeps ``gpu_margin`` of it free. None: the device's memory (times its per-process fraction, if
             capped); without CUDA the CPU stands in for the GPU and the detected host memory is used.
         host_memory_budget_bytes: host memory for model states and activation slots. None: detected at
             the start (``HostMemoryBudget.detect``: ``$FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB``, the memory
@@ -575,8 +668,10 @@ def tune(
         gpu_margin=gpu_margin, blocks_per_unit=candidates, max_sub_batch_size=max_sub_batch_size,
         max_num_sub_batches=max_num_sub_batches, target_batch_size=target_batch_size, gpu_budget_source=gpu_source,
         host_budget_source=host_source, device=device.type,
-        gpu_measure="torch.cuda.max_memory_allocated" if device.type == "cuda" else
-        "CPU stand-in: resident model states + profiled peak allocation", trial_s=time.perf_counter() - start)
+        gpu_measure="torch.cuda.max_memory_allocated, max_memory_reserved" if device.type == "cuda" else
+        "CPU stand-in: resident model states + profiled peak allocation",
+        gpu_allocator_settings=cuda_allocator_settings() if device.type == "cuda" else "",
+        trial_s=time.perf_counter() - start)
 
 
 def _measure_trials(model: ModelConfig, speedloader_kwargs: dict, sizes: tuple[int, int], seq_len: int, *,
@@ -585,12 +680,13 @@ def _measure_trials(model: ModelConfig, speedloader_kwargs: dict, sizes: tuple[i
     out = []
     with TrialModel(model, speedloader_kwargs, device=device, build_optimizer=build_optimizer, seed=seed) as trial:
         trial.prime(sizes[-1], seq_len)  # at the largest trial geometry: the arena is planned once
-        for n in sizes:
+        for n in reversed(sizes):  # the largest first, right after the prime; the smaller primes again
             m = trial.measure(n, seq_len)
             out.append(m)
-            log.info("tune trial n=%d N=%d blocks_per_unit=%d: GPU peak %.3f GiB, host %.3f GiB, %.2f s", n,
-                     m.num_sub_batches, m.blocks_per_unit, _gib(m.gpu_peak_bytes), _gib(m.host_bytes), m.step_s)
-    return out
+            log.info("tune trial n=%d N=%d blocks_per_unit=%d: GPU peak %.3f GiB (%.3f GiB reserved), host %.3f GiB, "
+                     "%.2f s", n, m.num_sub_batches, m.blocks_per_unit, _gib(m.gpu_peak_bytes),
+                     _gib(m.gpu_reserved_bytes), _gib(m.host_bytes), m.step_s)
+    return out[::-1]
 
 
 def model_num_layers(model: ModelConfig) -> int:

@@ -7,6 +7,7 @@ The GPU figures (predicted peak within 5% of the measured one, 7B width) are in 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -24,9 +25,9 @@ from fsdp_speedloader.config import ModelConfig, OptimConfig, TrainConfig
 from fsdp_speedloader.models import build_model
 from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 from fsdp_speedloader.trainer import Trainer, build_optimizer
-from fsdp_speedloader.trial import Measurement, TrialModel
-from fsdp_speedloader.tuner import (GpuPlanMemoryError, HostPlanMemoryError, TunePlan, fit_linear,
-                                    plan_from_measurements, tune_train_config)
+from fsdp_speedloader.trial import Measurement, TrialModel, slot_host_bytes
+from fsdp_speedloader.tuner import (HOST_METHOD, GpuPlanMemoryError, HostPlanMemoryError, TunePlan, fit_host,
+                                    fit_linear, plan_from_measurements, tune_train_config)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -35,11 +36,12 @@ SLOT_BYTES = H * 2  # one token in one slot
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)
 
 
-def _measure(n, *, b=1, N=2, gpu, host, on_device=False, layers=L) -> Measurement:
+def _measure(n, *, b=1, N=2, gpu, host, reserved=0, storage="arena", layers=L, breakdown=None) -> Measurement:
     units = -(-layers // b)
     return Measurement(sub_batch_size=n, num_sub_batches=N, blocks_per_unit=b, seq_len=S, num_slots=units + 1,
-                       gpu_peak_bytes=int(gpu), host_bytes=int(host), activation_bytes_per_token=SLOT_BYTES,
-                       activations_on_device=on_device)
+                       gpu_peak_bytes=int(gpu), host_bytes=int(host), gpu_reserved_bytes=int(reserved),
+                       activation_bytes_per_token=SLOT_BYTES, activation_storage=storage,
+                       host_breakdown=breakdown or {})
 
 
 def _recorded(gpu0=2 * GIB, gpu_per_seq=1.5 * GIB, host0=30 * GIB, sizes=(2, 4), N=2) -> list[Measurement]:
@@ -147,7 +149,8 @@ def test_bad_plan_arguments():
     with pytest.raises(ValueError, match="target_batch_size"):
         plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=GIB, host_budget_bytes=GIB,
                                target_batch_size=0)
-    flat = [_measure(n, gpu=GIB, host=GIB) for n in (2, 4)]  # nothing grows with n: nothing bounds the plan
+    flat = [dataclasses.replace(_measure(n, gpu=GIB, host=GIB), activation_bytes_per_token=0)
+            for n in (2, 4)]  # nothing grows with n: nothing bounds the plan
     with pytest.raises(ValueError, match="neither budget bounds"):
         plan_from_measurements(flat, num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB)
     with pytest.raises(ValueError, match=r"blocks_per_unit \[2\] asked for"):
@@ -158,7 +161,8 @@ def test_bad_plan_arguments():
 def test_plan_with_activations_on_the_gpu():
     # activation_store='device': the slots' exact bytes join the GPU line, so the GPU budget bounds N too.
     slot = (L + 1) * S * SLOT_BYTES  # one sequence in every slot: 288 MiB
-    ms = [_measure(n, N=2, gpu=2 * GIB + 1.5 * GIB * n + 2 * n * slot, host=30 * GIB, on_device=True) for n in (2, 4)]
+    ms = [_measure(n, N=2, gpu=2 * GIB + 1.5 * GIB * n + 2 * n * slot, host=30 * GIB, storage="device")
+          for n in (2, 4)]
     plan = plan_from_measurements(ms, num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB)
     assert plan.gpu_fit.coef == pytest.approx((2 * GIB, 1.5 * GIB))
     n = plan.sub_batch_size  # largest n with 2 + 1.5 n + n x 0.28 GiB <= 36 GiB at N = 1
@@ -183,6 +187,95 @@ def test_plan_over_blocks_per_unit():
         n = max(k for k in range(1, 100) if gpu(k, b) <= 36 * GIB)
         N = max(k for k in range(1, 1000) if plan.predict_host_bytes(n, k, b) <= 120 * GIB)
         assert n * N <= plan.batch_size
+
+
+# --- recorded on an H200 (bench/results/sweep_plan_llama7b_L8.json): the two defects of the first plan ------
+
+
+def _h200_trials(pinned_growth=True) -> list[Measurement]:
+    """The tuner's two trials of 7B width, 8 layers, s = 4096, N = 2, parameters offloaded, activations in
+    the arena, as recorded. Between them the caching host allocator's page-locked blocks grew from 18.07 to
+    27.11 GiB (``pinned_growth=False``: both at the first level)."""
+    arena_shards = 8732819456 - 1207959552  # fp32 parameter shards in the arena
+    levels = (19403407451, 29105111216 if pinned_growth else 19403407451)
+    out = []
+    for n, gpu, pinned in ((2, 5861011456, levels[0]), (4, 8085368832, levels[1])):
+        slots = 9 * 2 * n * S * SLOT_BYTES
+        breakdown = {"arena": arena_shards + slots, "arena_activations": slots, "model_states": 15049720108,
+                     "pinned": pinned}
+        host = breakdown["arena"] + breakdown["model_states"] + breakdown["pinned"]
+        out.append(_measure(n, gpu=gpu, host=host, breakdown=breakdown))
+    return out
+
+
+H200_BUDGETS = dict(num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=114202206208)  # 106.4 GiB detected
+
+
+def test_host_constant_that_grows_between_trials_does_not_cut_N():
+    # The first tuner fitted a line through both trials: the pinned blocks' growth (9 GiB) became a slope of
+    # 74 KB per token instead of the slots' 8 KiB, and the plan stopped at N = 7 where 16 fit (94.7% of the
+    # best point). Only the slots grow with the tokens; the rest is the largest constant measured.
+    trials = _h200_trials()
+    assert [m.host_bytes for m in trials] == [43185947015, 54095610332]  # as recorded
+    plan = plan_from_measurements(trials, **H200_BUDGETS, max_sub_batch_size=4, max_num_sub_batches=16)
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (4, 16)  # the sweep's best point
+    assert plan.limited_by == {"sub_batch_size": "max_sub_batch_size", "num_sub_batches": "max_num_sub_batches"}
+    constant = 54095610332 - 9 * 2 * 4 * S * SLOT_BYTES  # the second trial's, the larger
+    assert plan.host_fit.coef == (constant, SLOT_BYTES) and plan.host_fit.method == HOST_METHOD
+    # Measured vs predicted: the trial at the largest constant exactly, the other over by the growth, never under.
+    fitted = [plan.as_dict()["measurements"][k]["fitted_host_bytes"] for k in (0, 1)]
+    assert fitted[1] == trials[1].host_bytes and fitted[0] - trials[0].host_bytes == 29105111216 - 19403407451
+    # R^2 says it: the line explains less of the trials' difference than their mean (the constant moved).
+    assert plan.host_fit.r2 < 0.0 and "largest measured constant" in plan.summary()
+    # Without the caps the host budget bounds N: (106.4 GiB - 48.1 GiB) / (9 x 4 x 4096 x 8 KiB) = 51.8.
+    uncapped = plan_from_measurements(trials, **H200_BUDGETS, max_sub_batch_size=4)
+    assert uncapped.num_sub_batches == 51 and uncapped.limited_by["num_sub_batches"] == "host budget"
+    # The constant's level moves the plan only by what it takes, never through the slope.
+    steady = plan_from_measurements(_h200_trials(pinned_growth=False), **H200_BUDGETS, max_sub_batch_size=4)
+    assert steady.host_fit.coef[1] == SLOT_BYTES and steady.host_fit.r2 == 1.0
+    assert steady.num_sub_batches == (114202206208 - steady.host_fit.coef[0]) // (9 * 4 * S * SLOT_BYTES) == 59
+
+
+def test_plan_respects_the_reserved_memory_line():
+    # Peaks measured on the H200 with PyTorch's default allocator (2 x 8 and 4 x 8): reserved is about twice
+    # the allocated peak. Budgeting the allocated peak alone gave n = 30 (n = 31 in test_tuner_gpu.py),
+    # which ran out of memory once fragmentation filled the 40 GiB cap.
+    gpu = {2: 5.53 * GIB, 4: 7.66 * GIB}
+    reserved = {2: 11.06 * GIB, 4: 14.39 * GIB}
+    allocated_only = plan_from_measurements([_measure(n, gpu=gpu[n], host=30 * GIB) for n in (2, 4)],
+                                            num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB)
+    assert allocated_only.gpu_reserved_fit is None and allocated_only.sub_batch_size == 30
+    plan = plan_from_measurements([_measure(n, gpu=gpu[n], reserved=reserved[n], host=30 * GIB) for n in (2, 4)],
+                                  num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB)
+    # Reserved: 7.73 + 1.665 n GiB <= 36 GiB -> n = 16; the allocated line alone would allow 30.
+    assert plan.sub_batch_size == 16 and plan.limited_by["sub_batch_size"] == "gpu budget"
+    assert plan.predicted_gpu_reserved_bytes <= plan.gpu_target_bytes < plan.predict_gpu_reserved_bytes(17)
+    assert plan.predicted_gpu_bytes < plan.predicted_gpu_reserved_bytes
+    assert plan.gpu_reserved_fit.coef == pytest.approx((7.73 * GIB, 1.665 * GIB))
+    metrics = plan.as_metrics()
+    assert metrics["tune/trial1/measured_gpu_reserved_gib"] == pytest.approx(14.39)
+    assert metrics["tune/gpu_reserved_coef_n_bytes"] == pytest.approx(1.665 * GIB)
+    assert "reserved" in plan.summary()
+    # A reserved line flatter than the allocated one never predicts less than the allocated peak.
+    flat = plan_from_measurements([_measure(n, gpu=gpu[n], reserved=16 * GIB + n * MIB, host=30 * GIB)
+                                   for n in (2, 4)], num_layers=L, gpu_budget_bytes=40 * GIB,
+                                  host_budget_bytes=120 * GIB)
+    assert flat.sub_batch_size == 30 and flat.predict_gpu_reserved_bytes(30) == flat.predict_gpu_bytes(30)
+
+
+def test_slot_host_bytes_follow_the_store():
+    nbytes = 9 * 3 * 5 * S * SLOT_BYTES + 100  # not a multiple of the alignment, not a power of two
+    assert slot_host_bytes(nbytes, "arena") == (nbytes + 511) // 512 * 512
+    assert slot_host_bytes(nbytes, "pinned") == 1 << nbytes.bit_length()  # the caching host allocator's rounding
+    assert slot_host_bytes(1 << 30, "pinned") == 1 << 30
+    assert slot_host_bytes(nbytes, "pageable") == nbytes and slot_host_bytes(nbytes, "device") == 0
+    # The synchronous host store on CUDA: one power-of-two block of 2 GiB (n = 3) or 4 GiB (n = 5, and 6).
+    ms = [_measure(n, gpu=GIB * n, host=30 * GIB + slot_host_bytes(9 * 2 * n * S * SLOT_BYTES, "pinned"),
+                   storage="pinned") for n in (3, 5)]
+    fit = fit_host(ms)
+    assert fit.coef == (30 * GIB, SLOT_BYTES) and fit.r2 == 1.0
+    plan = plan_from_measurements(ms, num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB)
+    assert plan.predict_host_bytes(6, 2) == 34 * GIB
 
 
 # --- errors when the plan runs out of memory anyway ----------------------------------------------------
@@ -235,16 +328,21 @@ def test_tune_end_to_end_on_cpu():
                                  host_memory_budget_bytes=64 * MIB, target_batch_size=16)
     assert torch.equal(torch.get_rng_state(), rng), "the trials must leave the global RNG as it was"
     assert [m.sub_batch_size for m in plan.measurements] == [2, 4]
-    assert plan.device == "cpu" and plan.gpu_fit.exact and plan.host_fit.exact
+    assert plan.device == "cpu" and plan.gpu_fit.exact and plan.gpu_reserved_fit is None  # no reserved on the CPU
     # Host accounting is exact: 4 bytes (fp32) x h per token per slot, and model states that do not grow.
-    assert plan.host_fit.coef[1] == pytest.approx(TINY.hidden_size * 4)
+    assert plan.host_fit.method == HOST_METHOD and plan.host_fit.r2 == 1.0
+    assert plan.host_fit.coef[1] == TINY.hidden_size * 4
     params = sum(p.numel() for p in build_model(TINY, device="meta").parameters())
     for m in plan.measurements:
-        states = m.host_breakdown["model_states"]  # gradients and two AdamW moments (the parameters are in the arena)
-        assert 3 * params * 4 <= states <= 3 * params * 4 + 4096
+        # Parameters, gradients and two AdamW moments, fp32, whether the gradients are arena slots or not
+        # (the parameters are in the arena): 512-byte alignment per slot aside, nothing else.
+        fixed = m.host_bytes - m.host_activation_bytes
+        assert 4 * params * 4 <= fixed <= 4 * params * 4 + 64 * 1024
+        assert m.host_breakdown["model_states"] >= 2 * params * 4
         assert m.host_breakdown["arena_activations"] == 3 * 2 * m.sub_batch_size * 32 * TINY.hidden_size * 4
+        assert m.host_activation_bytes == m.host_breakdown["arena_activations"]  # already 512-byte aligned
         assert m.host_bytes == sum(v for k, v in m.host_breakdown.items() if k in ("arena", "model_states"))
-        assert plan.predict_host_bytes(m.sub_batch_size, m.num_sub_batches) == pytest.approx(m.host_bytes)
+        assert plan.predict_host_bytes(m.sub_batch_size, m.num_sub_batches) == m.host_bytes
     assert plan.gpu_fit.coef[1] > 0  # the stand-in grows with n
     assert plan.batch_size <= 16 and plan.predicted_host_bytes <= 64 * MIB
 
