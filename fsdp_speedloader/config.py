@@ -129,6 +129,9 @@ class OptimConfig:
     """Adam epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
+    overlap_with_backward: bool = False
+    """Layer-major, parameters offloaded: step each unit on the CPU as soon as its gradients reach the host,
+    while the backward goes on (``OverlappedOptimizer``; exact; needs grad_clip=0)."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "optim.lr", f"got {self.lr}; must be > 0")
@@ -157,6 +160,9 @@ class ScheduleConfig:
     (host when parameters are offloaded)."""
     activation_checkpointing: bool = True
     """Canonical schedule: recompute each block in backward (speedloader always recomputes)."""
+    gradient_sync: str = "every"
+    """Canonical schedule: reduce-scatter gradients after 'every' micro-batch (they accumulate sharded, on the
+    host when offloaded) or only the 'last' (unsharded gradients accumulate on the device: faster, more memory)."""
     forward_prefetch: int = 1
     """FSDP units whose all-gather is issued ahead in forward (0 = FSDP's default only)."""
     loss_chunk_tokens: int = 4096
@@ -176,6 +182,10 @@ class ScheduleConfig:
         _check_positive(self.num_sub_batches, "schedule.num_sub_batches")
         _check_positive(self.blocks_per_unit, "schedule.blocks_per_unit")
         _check_choice(self.activation_store, "schedule.activation_store", ("auto", "device", "host", "host_sync"))
+        _check_choice(self.gradient_sync, "schedule.gradient_sync", ("every", "last"))
+        _check(self.gradient_sync == "every" or self.name == "canonical", "schedule.gradient_sync",
+               f"{self.gradient_sync!r} applies to schedule.name='canonical' only (layer-major reduce-scatters "
+               f"once per step anyway); got schedule.name={self.name!r}: set schedule.gradient_sync=every")
         _check_positive(self.forward_prefetch, "schedule.forward_prefetch", allow_zero=True)
         _check_positive(self.loss_chunk_tokens, "schedule.loss_chunk_tokens")
         for name in ("gpu_memory_budget_gib", "host_memory_budget_gib"):
@@ -275,6 +285,8 @@ class TrainConfig:
     """Peak dense TFLOP/s of one accelerator, the denominator of MFU (989: H100/H200 bf16)."""
     max_gpu_memory_gib: Optional[float] = None
     """Cap this process's GPU memory (emulates a smaller card); None: no cap."""
+    time_budget_s: Optional[float] = None
+    """Stop after the first step that ends this many seconds into the step loop (model build excluded); None: off."""
     output_dir: str = "outputs"
     """Run directory (the Hydra entry point sets it; all ranks agree on it)."""
 
@@ -288,6 +300,18 @@ class TrainConfig:
         _check(self.peak_tflops > 0, "peak_tflops", f"got {self.peak_tflops}; must be > 0")
         if self.max_gpu_memory_gib is not None:
             _check(self.max_gpu_memory_gib > 0, "max_gpu_memory_gib", "must be > 0 (or null for no cap)")
+        if self.time_budget_s is not None:
+            _check(self.time_budget_s > 0, "time_budget_s", f"got {self.time_budget_s}; must be > 0 (or null: off)")
+        if self.optim.overlap_with_backward:
+            why = "optim.overlap_with_backward steps each unit's parameters on the CPU during the layer-major backward"
+            _check(self.schedule.name in ("speedloader", "auto"), "optim.overlap_with_backward",
+                   f"{why}; it needs schedule=speedloader (or auto), got schedule.name={self.schedule.name!r}: "
+                   "set optim.overlap_with_backward=false")
+            _check(self.offload.params, "optim.overlap_with_backward",
+                   f"{why}; it needs the parameters there: set offload=params (or optim.overlap_with_backward=false)")
+            _check(self.optim.grad_clip == 0, "optim.grad_clip",
+                   f"got {self.optim.grad_clip}; global-norm clipping needs every gradient before any step, which "
+                   "optim.overlap_with_backward=true does not wait for: set optim.grad_clip=0")
         _check(self.data.seq_len <= self.model.max_position_embeddings or self.model.path is not None,
                "data.seq_len", f"{self.data.seq_len} exceeds model.max_position_embeddings="
                f"{self.model.max_position_embeddings}; lower data.seq_len")

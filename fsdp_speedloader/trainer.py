@@ -13,6 +13,10 @@ One optimizer step processes ``num_sub_batches x sub_batch_size`` sequences per 
 - ``speedloader``: one layer-major forward/backward over the whole effective batch.
 - ``auto``: ``tuner.tune_train_config`` first plans n and N from two trial steps, then ``speedloader`` runs.
 
+``time_budget_s`` stops the loop after the first step that ends that many seconds after the loop
+began (the clock starts after the model, optimizer, data and logger are built); every step's
+metrics carry ``elapsed_s`` on that clock.
+
 Library code: no Hydra, no W&B (``logger.build_logger`` imports W&B only when asked to).
 """
 
@@ -23,6 +27,7 @@ import functools
 import logging
 import math
 import random
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,6 +45,7 @@ from .faults import fault_from_env
 from .logger import MetricLogger, build_logger
 from .metrics import StepMetrics, num_block_params, recompute_flops_per_token
 from .models import build_hf_config, build_model, get_adapter, materialize_model
+from .optimizer_overlap import OverlappedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +110,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW, weight decay on matrices only (>= 2-D: not on norms and biases); fused where supported."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer | OverlappedOptimizer:
+    """AdamW, weight decay on matrices only (>= 2-D: not on norms and biases); fused where supported.
+
+    With ``cfg.overlap_with_backward`` an :class:`OverlappedOptimizer` (``model`` prepared with
+    ``apply_speedloader``): one such AdamW per unit and one for the root, each stepped as soon as its
+    gradients are on the host.
+    """
+    if cfg.overlap_with_backward:
+        return OverlappedOptimizer(model, functools.partial(_build_adamw, cfg=cfg))
+    return _build_adamw(list(model.parameters()), cfg)
+
+
+def _build_adamw(parameters: list, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in parameters if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
@@ -130,11 +147,36 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
-                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer | OverlappedOptimizer, cfg: OptimConfig,
+                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR | LRSchedulerGroup:
+    """Warmup then decay (``lr_factor``); for an :class:`OverlappedOptimizer`, one per inner optimizer."""
     fn = functools.partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
                            schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio)
+    if isinstance(optimizer, OverlappedOptimizer):
+        return LRSchedulerGroup([torch.optim.lr_scheduler.LambdaLR(opt, fn) for opt in optimizer.optimizers])
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+class LRSchedulerGroup:
+    """LR schedulers stepped together, saved and loaded as one (the inner optimizers of an OverlappedOptimizer)."""
+
+    def __init__(self, schedulers: list) -> None:
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def state_dict(self) -> dict:
+        return {"schedulers": [scheduler.state_dict() for scheduler in self.schedulers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["schedulers"]) != len(self.schedulers):
+            raise ValueError(f"checkpoint: it holds {len(state['schedulers'])} LR schedulers, this run has "
+                             f"{len(self.schedulers)}; resume with the same optim.overlap_with_backward and "
+                             "model depth / schedule.blocks_per_unit")
+        for scheduler, s in zip(self.schedulers, state["schedulers"]):
+            scheduler.load_state_dict(s)
 
 
 def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *, param_dtype: torch.dtype,
@@ -249,7 +291,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_dir, rank=self.rank, device=self.device)
         self.step = 0
         if resume_path is not None:
-            self.step = self.checkpointer.load(resume_path, model=model, optimizer=self.optimizer,
+            self.step = self.checkpointer.load(resume_path, model=model, optimizer=self._optimizer_state(),
                                                scheduler=self.scheduler, loader=self.loader)
             self._info("resumed from %s at step %d", resume_path, self.step)
         elif cfg.checkpoint.resume == "auto":
@@ -283,7 +325,10 @@ class Trainer:
             loss.backward()
             return loss.detach()
         total = torch.zeros((), device=self.device)
-        for ids, lab in zip(input_ids.split(sched.sub_batch_size), labels.split(sched.sub_batch_size)):
+        micro_batches = list(zip(input_ids.split(sched.sub_batch_size), labels.split(sched.sub_batch_size)))
+        for k, (ids, lab) in enumerate(micro_batches):
+            if sched.gradient_sync == "last":  # no reduce-scatter until the last micro-batch's backward
+                self.model.set_requires_gradient_sync(k == len(micro_batches) - 1)
             # Token sum / T of the whole batch: the micro-batch losses add up to the batch mean.
             loss = self.model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False).loss
             loss.backward()
@@ -324,15 +369,22 @@ class Trainer:
 
     # --- the loop ------------------------------------------------------------------------------
     def train(self, max_steps: Optional[int] = None) -> list[dict]:
-        """Runs to step ``cfg.steps`` (or stops after step ``max_steps``, as an interrupted run would).
+        """Runs to step ``cfg.steps`` (or stops after step ``max_steps``, as an interrupted run would),
+        or, with ``cfg.time_budget_s``, after the first step that ends that many seconds into the loop.
 
-        Returns each step's metrics (the loss averaged over ranks, so the same on every rank).
+        Returns each step's metrics (the loss averaged over ranks, so the same on every rank), with
+        ``elapsed_s``: seconds from the start of the loop to the end of that step (data, forward,
+        backward, optimizer, the step-boundary sync, and earlier steps' logging and checkpoints).
 
-        Saves checkpoints on ``checkpoint.every`` and after the last step (``checkpoint.save_final``),
-        and finishes the logger.
+        Saves checkpoints on ``checkpoint.every`` and after the last step (``checkpoint.save_final``;
+        a run stopped by its time budget saves then too), logs the final step (``cfg.steps``, or the one
+        that crossed the budget) whatever ``log_every`` is, finishes the logger and stops an overlapped
+        optimizer's worker: a Trainer trains once.
         """
         last = self.cfg.steps if max_steps is None else min(max_steps, self.cfg.steps)
+        budget = self.cfg.time_budget_s
         history = []
+        loop_start = time.perf_counter()
         try:
             while self.step < last:
                 if self._fault is not None and self._fault.step == self.step + 1:
@@ -346,21 +398,44 @@ class Trainer:
                     raise error from e
                 if self.tune_plan is not None and self.step == 1:  # the plan next to the first step's measured peak
                     metrics.update(self.tune_plan.first_step_metrics(metrics))
+                metrics["elapsed_s"] = elapsed = time.perf_counter() - loop_start
                 metrics["step"] = self.step
                 history.append(metrics)
-                if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
+                out_of_time = budget is not None and self._any_rank(elapsed >= budget)
+                if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps or out_of_time:
                     self.logger.log({k: v for k, v in metrics.items() if k != "step"}, step=self.step)
                 if not math.isfinite(metrics["loss"]):
                     raise RuntimeError(f"loss is {metrics['loss']} at step {self.step}; "
                                        "lower optim.lr or check the data")
-                if self.checkpointer.should_save(self.step, self.cfg.steps):
+                if (self.checkpointer.should_save(self.step, self.cfg.steps)
+                        or out_of_time and self.cfg.checkpoint.save_final):
                     self.save_checkpoint()
+                if out_of_time:
+                    self._info("time_budget_s=%g reached: stopping after step %d (%.1f s into the loop, %d tokens)",
+                               budget, self.step, elapsed, metrics["tokens"])
+                    break
         finally:
             self.logger.finish()
+            if isinstance(self.optimizer, OverlappedOptimizer):
+                self.optimizer.close()  # its worker thread
         return history
 
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any (ranks' clocks differ; all must stop together)."""
+        if self.world_size == 1:
+            return flag
+        box = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return bool(box.item())
+
+    def _optimizer_state(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+        """What checkpoints save: the optimizer, or the inner optimizers of an OverlappedOptimizer."""
+        if isinstance(self.optimizer, OverlappedOptimizer):
+            return self.optimizer.optimizers
+        return self.optimizer
+
     def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.step, model=self.model, optimizer=self.optimizer,
+        return self.checkpointer.save(self.step, model=self.model, optimizer=self._optimizer_state(),
                                       scheduler=self.scheduler, loader=self.loader)
 
 

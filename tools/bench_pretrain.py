@@ -1,0 +1,369 @@
+"""Pretraining under a fixed wall-clock budget: speedloader vs fsdp2-offload for the same minutes.
+
+The paper's Table 2 at our scale. Both contenders train the same model from the same seeded
+initialisation, on the same real text in the same order (the embedded English corpus with the byte
+tokenizer unless --data-path names a .txt/.jsonl file or directory), with the same effective batch
+and the same AdamW settings, each for --minutes of training loop, through the real trainer
+(``python -m fsdp_speedloader.train``), one process per contender so each starts with clean GPU and
+host memory:
+
+  speedloader    layer-major (schedule=speedloader), parameters, gradients and optimizer state in host
+                 memory (offload=params), each unit's CPU AdamW step overlapped with the backward
+                 (optim.overlap_with_backward=true): the project's best configuration
+  fsdp2-offload  FSDP2 + CPUOffloadPolicy (schedule=canonical offload=params): gradient accumulation
+                 over the micro-batches, every block recomputed, one reduce-scatter after the last
+                 micro-batch (schedule.gradient_sync=last, its fastest mode; --fsdp2-gradient-sync every
+                 reduce-scatters each micro-batch)
+
+What is timed is the trainer's ``time_budget_s``: the training loop, from just before step 1 to the
+end of the first step that crosses the budget. Every step's batch loading and host-to-device copy,
+forward, backward, optimizer step, step-boundary synchronisation and metric logging (console,
+metrics.jsonl, W&B) count; the first step's one-time costs (CUDA kernels loaded, allocator warm-up)
+count too. Not timed: process start, model build, sharding, weight initialisation, optimizer, data
+loader and W&B set-up (each contender's ``outside_loop_s`` in the record). Gradient-norm clipping
+is off for both (--grad-clip 0): the overlapped optimizer steps a unit before the global norm is
+known, and both must use the same optimizer settings. The learning rate is constant after warmup.
+
+Usage, one GPU (one invocation takes 2 x --minutes plus each contender's set-up, about a minute for
+8 layers of the 7B shape: ~6 minutes for --minutes 2)::
+
+    FSL_COMMIT=$(git rev-parse HEAD) python tools/bench_pretrain.py --model llama2_7b --layers 8 \\
+        --seq-len 4096 --sub-batch-size 4 --num-sub-batches 2 --minutes 2 --max-gpu-memory-gib 40
+
+On the CPU, in seconds (tests/test_bench_pretrain.py runs a smaller model still)::
+
+    python tools/bench_pretrain.py --device cpu --model llama_tiny --seq-len 64 --sub-batch-size 2 \\
+        --num-sub-batches 2 --minutes 0.05 --out-dir /tmp/bench
+
+Writes ``<out-dir>/<name>.json`` (device, torch version, commit, command, configuration; per contender:
+tokens processed, steps, first/final/min loss, loss vs tokens and vs seconds) and ``<out-dir>/<name>.png``
+(loss vs wall-clock seconds and loss vs tokens). The run directories (metrics.jsonl, console.log,
+wandb/offline-run-*) are ``<out-dir>/<name>_runs/<contender>/``; both W&B runs are in the group <name>
+(upload with ``wandb sync <out-dir>/<name>_runs/*/wandb/offline-run-*``; plot loss over ``elapsed_s``
+or ``tokens`` to overlay them). FSL_COMMIT names the commit where there is no git (the GPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the checkout's package, also where it is not installed
+CONTENDERS = ("speedloader", "fsdp2-offload")
+TIMED = ("the trainer's training loop (time_budget_s): from just before step 1 to the end of the first step "
+         "that crosses the budget; each step's batch loading, host-to-device copy, forward, backward, optimizer "
+         "step, step-boundary sync and metric logging (console, metrics.jsonl, W&B) count. Not timed: process "
+         "start, model build, sharding, weight init, optimizer, data loader and W&B set-up (outside_loop_s).")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama2_7b", help="a conf/model option (model=...)")
+    p.add_argument("--layers", type=int, default=None, help="model.num_layers (default: the model's)")
+    p.add_argument("--seq-len", type=int, default=4096, help="data.seq_len")
+    p.add_argument("--sub-batch-size", type=int, default=4, help="n: sequences per sub-batch (micro-batch)")
+    p.add_argument("--num-sub-batches", type=int, default=2, help="N: sub-batches per step (effective batch n x N)")
+    p.add_argument("--fsdp2-sub-batch-size", type=int, default=None,
+                   help="fsdp2-offload's micro-batch size (default --sub-batch-size); must divide n x N")
+    p.add_argument("--blocks-per-unit", type=int, default=1, help="schedule.blocks_per_unit (both contenders)")
+    p.add_argument("--minutes", type=float, default=2.0, help="training-loop wall clock per contender")
+    p.add_argument("--max-gpu-memory-gib", type=float, default=None, help="max_gpu_memory_gib (every contender)")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--data-path", default=None,
+                   help="a .txt/.jsonl file or directory (data=text); default: the embedded corpus (data=default)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine", "linear"),
+                   help="after warmup; cosine and linear decay over --steps")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=0.0,
+                   help="global-norm clipping for both; > 0 needs --no-overlap")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="speedloader steps its optimizer after backward (optim.overlap_with_backward=false)")
+    p.add_argument("--fsdp2-gradient-sync", default="last", choices=("last", "every"),
+                   help="fsdp2-offload: reduce-scatter after the last micro-batch only, or after every one")
+    p.add_argument("--steps", type=int, default=1_000_000, help="upper bound on steps (the budget ends the run)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    p.add_argument("--no-wandb", action="store_true", help="logger=none (metrics.jsonl only)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more Hydra override for every contender (repeatable)")
+    p.add_argument("--name", default=None, help="record name and W&B group (default from the shape and budget)")
+    p.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    p.add_argument("--setup-timeout-s", type=float, default=900.0,
+                   help="a contender is killed after --minutes plus this many seconds")
+    args = p.parse_args(argv)
+
+    batch = args.sub_batch_size * args.num_sub_batches
+    args.fsdp2_sub_batch_size = args.fsdp2_sub_batch_size or args.sub_batch_size
+    if min(args.sub_batch_size, args.num_sub_batches, args.fsdp2_sub_batch_size) < 1 or args.minutes <= 0:
+        p.error("--sub-batch-size, --num-sub-batches, --fsdp2-sub-batch-size and --minutes must be positive")
+    if batch % args.fsdp2_sub_batch_size:
+        p.error(f"--fsdp2-sub-batch-size {args.fsdp2_sub_batch_size} does not divide the effective batch {batch}")
+    if args.grad_clip > 0 and not args.no_overlap:
+        p.error("--grad-clip > 0 needs --no-overlap: the overlapped optimizer steps units before every gradient "
+                "is known, so global-norm clipping cannot run")
+    if args.max_gpu_memory_gib is not None and args.device == "cpu":
+        p.error("--max-gpu-memory-gib caps GPU memory; leave it out with --device cpu")
+    if args.data_path is not None:  # the contenders run in the repository root
+        args.data_path = str(Path(args.data_path).resolve())
+    if args.name is None:
+        layers = f"_L{args.layers}" if args.layers else ""
+        args.name = f"pretrain_{args.model}{layers}_s{args.seq_len}_b{batch}_{args.minutes:g}min"
+    return args
+
+
+def contender_overrides(args: argparse.Namespace, contender: str, run_dir: Path) -> list[str]:
+    """The Hydra overrides of one contender: everything but the schedule is shared."""
+    common = [f"model={args.model}", f"data.seq_len={args.seq_len}", f"seed={args.seed}", f"device={args.device}",
+              f"steps={args.steps}", f"time_budget_s={args.minutes * 60:g}", "log_every=1", "offload=params",
+              f"optim.lr={args.lr:g}", f"optim.warmup_steps={args.warmup_steps}",
+              f"optim.lr_schedule={args.lr_schedule}", f"optim.weight_decay={args.weight_decay:g}",
+              f"optim.grad_clip={args.grad_clip:g}", f"schedule.blocks_per_unit={args.blocks_per_unit}",
+              "checkpoint.save_final=false", f"hydra.run.dir={run_dir}"]
+    common += ["logger=none"] if args.no_wandb else [
+        "logger=wandb", "logger.mode=offline", f"logger.group={args.name}", f"logger.name={args.name}-{contender}",
+        "logger.tags=[bench_pretrain]"]
+    if args.layers:
+        common.append(f"model.num_layers={args.layers}")
+    common += ["data=default"] if args.data_path is None else ["data=text", f"data.path={args.data_path}"]
+    if args.max_gpu_memory_gib is not None:
+        common.append(f"max_gpu_memory_gib={args.max_gpu_memory_gib:g}")
+    batch = args.sub_batch_size * args.num_sub_batches
+    if contender == "speedloader":
+        schedule = ["schedule=speedloader", f"schedule.sub_batch_size={args.sub_batch_size}",
+                    f"schedule.num_sub_batches={args.num_sub_batches}",
+                    f"optim.overlap_with_backward={str(not args.no_overlap).lower()}"]
+    else:
+        n = args.fsdp2_sub_batch_size
+        schedule = ["schedule=canonical", f"schedule.sub_batch_size={n}", f"schedule.num_sub_batches={batch // n}",
+                    "schedule.activation_checkpointing=true", f"schedule.gradient_sync={args.fsdp2_gradient_sync}"]
+    return common + schedule + list(args.override)
+
+
+def run_contender(args: argparse.Namespace, contender: str, run_dir: Path) -> dict:
+    """Trains one contender in its own process; returns its record (``status`` ok or failed)."""
+    overrides = contender_overrides(args, contender, run_dir)
+    cmd = [sys.executable, "-m", "fsdp_speedloader.train", *overrides]
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    timeout = args.minutes * 60 + args.setup_timeout_s
+    print(f"[{contender}] {shlex.join(['python', '-m', 'fsdp_speedloader.train', *overrides])}", flush=True)
+    start = time.perf_counter()
+    with open(run_dir / "console.log", "w") as console:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # its own process group: a timeout ends all of it
+
+        def pump() -> None:  # the child's output to console.log and, prefixed, to ours
+            for line in proc.stdout:
+                console.write(line)
+                print(f"[{contender}] {line}", end="", flush=True)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            returncode = proc.wait()
+        reader.join(timeout=10)
+    wall_s = time.perf_counter() - start
+    record = {"status": "ok", "returncode": returncode, "overrides": overrides, "wall_s": wall_s,
+              **summarize_run(run_dir)}
+    if returncode != 0 or not record.get("steps"):
+        record["status"] = "failed"
+        lines = (run_dir / "console.log").read_text(errors="replace").strip().splitlines()
+        record["error"] = (f"timeout after {timeout:.0f} s; " if wall_s >= timeout else "") + " | ".join(lines[-5:])
+    elif "elapsed_s" in record:
+        record["outside_loop_s"] = wall_s - record["elapsed_s"]  # process start, build, init, teardown
+    return record
+
+
+def summarize_run(run_dir: Path) -> dict:
+    """Figures and curves from the run's metrics.jsonl (every step is logged: log_every=1)."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    rows = [r for r in rows if "loss" in r and r.get("elapsed_s") is not None]
+    wandb_runs = sorted(str(p.relative_to(run_dir)) for p in (run_dir / "wandb").glob("offline-run-*"))
+    if not rows:
+        return {"wandb_runs": wandb_runs}
+    losses = [r["loss"] for r in rows]
+    last = rows[-1]
+    steady = [r["tokens_per_s"] for r in rows[2:]] or [r["tokens_per_s"] for r in rows]
+    return {
+        "steps": last["step"], "tokens": last["tokens"], "elapsed_s": last["elapsed_s"],
+        "tokens_per_s": last["tokens"] / last["elapsed_s"],  # the budget's average, first step included
+        "median_step_tokens_per_s": statistics.median(steady),  # steps 3.. (warm)
+        "first_step_s": rows[0]["step_time_s"], "median_step_s": statistics.median(r["step_time_s"] for r in rows),
+        "first_loss": losses[0], "final_loss": losses[-1], "min_loss": min(losses),
+        "last5_mean_loss": statistics.fmean(losses[-5:]), "median_mfu": statistics.median(r["mfu"] for r in rows),
+        "peak_gpu_mem_allocated_gib": max(r.get("peak_gpu_mem_allocated_gib", 0.0) for r in rows),
+        "peak_host_rss_gib": max(r.get("host_rss_gib", 0.0) for r in rows),
+        "wandb_runs": wandb_runs,
+        "curve": {"step": [r["step"] for r in rows], "tokens": [r["tokens"] for r in rows],
+                  "elapsed_s": [r["elapsed_s"] for r in rows], "loss": losses},
+    }
+
+
+def compare(results: dict) -> Optional[dict]:
+    """speedloader against fsdp2-offload: tokens in the same minutes, losses, and that the data was the same."""
+    a, b = results.get("speedloader"), results.get("fsdp2-offload")
+    if not a or not b or a["status"] != "ok" or b["status"] != "ok":
+        return None
+    common = min(a["steps"], b["steps"])
+    diffs = [abs(x - y) / abs(y) for x, y in zip(a["curve"]["loss"][:common], b["curve"]["loss"][:common])]
+    # The loss speedloader had when it had processed as many tokens as fsdp2-offload in its whole budget.
+    at_b_tokens = next((loss for t, loss in zip(a["curve"]["tokens"], a["curve"]["loss"]) if t >= b["tokens"]), None)
+    at_b_elapsed = next((s for t, s in zip(a["curve"]["tokens"], a["curve"]["elapsed_s"]) if t >= b["tokens"]), None)
+    return {
+        "tokens_ratio": a["tokens"] / b["tokens"],
+        "median_step_tokens_per_s_ratio": a["median_step_tokens_per_s"] / b["median_step_tokens_per_s"],
+        "final_loss": {"speedloader": a["final_loss"], "fsdp2-offload": b["final_loss"]},
+        "last5_mean_loss": {"speedloader": a["last5_mean_loss"], "fsdp2-offload": b["last5_mean_loss"]},
+        # Same init, same first batch: step 1's loss is computed before any update, so it agrees to the
+        # numerics of the two schedules (fp32 on the CPU: ~1e-6; bf16 on the GPU: ~1e-3).
+        "first_step_loss_rel_diff": diffs[0],
+        "common_steps": common, "max_loss_rel_diff_common_steps": max(diffs),
+        "speedloader_loss_at_fsdp2_tokens": at_b_tokens, "speedloader_s_to_fsdp2_tokens": at_b_elapsed,
+    }
+
+
+def data_figures(args: argparse.Namespace) -> dict:
+    """Size of the corpus the contenders read (the same for both)."""
+    from fsdp_speedloader.config import DataConfig
+    from fsdp_speedloader.data import load_tokens
+
+    cfg = (DataConfig(seq_len=args.seq_len) if args.data_path is None
+           else DataConfig(source="text", path=args.data_path, seq_len=args.seq_len))
+    num_tokens = len(load_tokens(cfg))
+    return {"source": cfg.source, "path": cfg.path, "tokenizer": cfg.tokenizer, "num_tokens": num_tokens,
+            "num_sequences": num_tokens // args.seq_len}
+
+
+def device_name(device: str) -> str:
+    """The accelerator's name, asked in a throw-away process (no CUDA context stays in this one)."""
+    cpu = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    if device == "cpu":
+        return cpu
+    probe = "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+    name = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+    return name or cpu
+
+
+def commit() -> str:
+    # The GPU machine's copy of the tree has no .git: pass FSL_COMMIT=$(git rev-parse HEAD) there.
+    if os.environ.get("FSL_COMMIT"):
+        return os.environ["FSL_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def plot(record: dict, path: Path) -> Optional[str]:
+    """Two panels: loss vs wall-clock seconds (budget marked), loss vs tokens."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench_pretrain: matplotlib is not installed, no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, (name, r) in enumerate(record["contenders"].items()):
+        if r["status"] != "ok":
+            continue
+        label = f"{name}: {r['tokens']:,} tokens, {r['steps']} steps, final loss {r['final_loss']:.3f}"
+        curve = r["curve"]
+        # Dashed second curve: at equal tokens the losses agree, and a solid line would hide the other.
+        style = {"color": f"C{i}", "linestyle": "--" if i else "-", "marker": "o" if len(curve["loss"]) < 50 else None,
+                 "markersize": 3}
+        by_time.plot(curve["elapsed_s"], curve["loss"], label=label, **style)
+        by_tokens.plot(curve["tokens"], curve["loss"], label=name, **style)
+    budget = record["config"]["minutes"] * 60
+    by_time.axvline(budget, color="grey", linestyle="--", linewidth=1, label=f"budget {budget:g} s")
+    by_time.set(xlabel="training-loop wall clock (s)", ylabel="training loss", title="loss vs time")
+    by_tokens.set(xlabel="tokens processed", ylabel="training loss", title="loss vs tokens")
+    for ax in (by_time, by_tokens):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    c = record["config"]
+    layers = f" ({c['layers']} layers)" if c["layers"] else ""
+    fig.suptitle(f"{c['model']}{layers}, seq {c['seq_len']}, {c['effective_batch']} sequences/step, "
+                 f"{c['minutes']:g} min each, {record['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def print_table(record: dict) -> None:
+    print("\n| contender | steps | tokens | tokens/s (budget) | tokens/s (median step) | first loss | final loss "
+          "| min loss | peak HBM GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in record["contenders"].items():
+        if r["status"] != "ok":
+            print(f"| {name} | failed: {r.get('error', '')[:100]} |||||||")
+            continue
+        print(f"| {name} | {r['steps']} | {r['tokens']:,} | {r['tokens_per_s']:,.0f} | "
+              f"{r['median_step_tokens_per_s']:,.0f} | {r['first_loss']:.4f} | {r['final_loss']:.4f} | "
+              f"{r['min_loss']:.4f} | {r['peak_gpu_mem_allocated_gib']:.1f} |")
+    if record["comparison"]:
+        c = record["comparison"]
+        print(f"\nspeedloader processed {c['tokens_ratio']:.2f}x the tokens of fsdp2-offload in the same "
+              f"{record['config']['minutes']:g} min; step-1 losses differ by {c['first_step_loss_rel_diff']:.1e} "
+              "(relative)")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    import torch
+    import transformers
+
+    out_dir = Path(args.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs_dir = out_dir / f"{args.name}_runs"
+    config = {k: v for k, v in vars(args).items() if k != "out_dir"}
+    config.update(effective_batch=args.sub_batch_size * args.num_sub_batches,
+                  tokens_per_step=args.sub_batch_size * args.num_sub_batches * args.seq_len, data=data_figures(args))
+    results: dict = {}
+    record = {"benchmark": "pretrain_time_budget", "name": args.name, "device": device_name(args.device),
+              "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit(),
+              "command": shlex.join([f"tools/{Path(__file__).name}", *(sys.argv[1:] if argv is None else argv)]),
+              "timed": TIMED, "wandb_group": None if args.no_wandb else args.name, "config": config,
+              "contenders": results, "comparison": None, "plot": None}
+    for contender in args.contenders:
+        results[contender] = r = run_contender(args, contender, runs_dir / contender)
+        r["run_dir"] = str((runs_dir / contender).relative_to(out_dir))  # wandb_runs are relative to it
+        if r["status"] == "ok":
+            r["epochs"] = r["tokens"] / (config["data"]["num_sequences"] * args.seq_len)
+        print(f"[{contender}] {r['status']}: " + ", ".join(f"{k}={r[k]:.4g}" for k in (
+            "steps", "tokens", "elapsed_s", "tokens_per_s", "final_loss") if isinstance(r.get(k), (int, float))),
+              flush=True)
+        # Written after every contender: a run cut short still leaves what finished.
+        record["comparison"] = compare(results)
+        png = plot(record, out_dir / f"{args.name}.png")
+        record["plot"] = png and Path(png).name  # next to the record
+        (out_dir / f"{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    print_table(record)
+    print(f"\nwrote {out_dir / f'{args.name}.json'}" + (f" and {out_dir / record['plot']}" if record["plot"] else ""))
+    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
