@@ -141,6 +141,11 @@ def launch(hydra_main: Callable[[], None]) -> None:
     Ranks first agree on rank 0's run stamp (one run directory); non-zero ranks get the overrides
     that keep them from writing Hydra's files and logs.
     """
+    # Expandable segments unless the user chose: layer-major steps allocate sub-batch-sized blocks
+    # whose sizes change between the forward, the head and the backward, and the default allocator's
+    # fragmentation ran full LLaMA-2-7B out of memory with 9 GiB reserved but unallocated (H200).
+    # torchtitan's launcher sets the same. Before anything touches CUDA.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         agree_on_run_stamp()
     except ValueError as e:

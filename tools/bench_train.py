@@ -256,6 +256,9 @@ def main() -> None:
         print("RESULT " + json.dumps(run_worker(args)), flush=True)
         return
 
+    # Every contender with expandable segments (as train.launch sets it), unless the caller chose:
+    # the default allocator's fragmentation decides which sub-batch sizes fit under a cap.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
     rows = []
@@ -282,7 +285,8 @@ def main() -> None:
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     record = {"benchmark": "train", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": commit, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-              "config": {k: v for k, v in vars(args).items() if k not in ("worker",)}, "results": rows}
+              "config": {k: v for k, v in vars(args).items() if k not in ("worker",)},
+              "pytorch_cuda_alloc_conf": os.environ["PYTORCH_CUDA_ALLOC_CONF"], "results": rows}
     name = args.name or f"train_{args.model}_L{args.layers}_s{args.seq_len}"
     os.makedirs(args.out_dir, exist_ok=True)
     Path(args.out_dir, f"{name}.json").write_text(json.dumps(record, indent=2))
