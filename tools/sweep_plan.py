@@ -252,7 +252,8 @@ def main() -> None:
                               "gib_per_sequence": tuner["plan"]["gpu_fit"]["coef"][1] / GIB,
                               "r2": tuner["plan"]["gpu_fit"]["r2"], "points": tuner["plan"]["gpu_fit"]["num_points"]}
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    commit = os.environ.get("FSL_COMMIT") or subprocess.run(  # the GPU machine's copy has no .git
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     record = {"benchmark": "sweep_plan", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": commit,
               "command": " ".join(["tools/sweep_plan.py"] + sys.argv[1:]),
