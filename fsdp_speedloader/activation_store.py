@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .arena import DEFAULT_MARGIN, ArenaPlan, HostMemoryBudget, PinnedArena, move_fsdp_shards_into_arena, \
-    offloaded_fsdp_params, plan_fsdp_shards
+from .arena import DEFAULT_MARGIN, GIB, ArenaPlan, HostMemoryBudget, PinnedArena, bind_fsdp_grads_to_arena, \
+    move_fsdp_shards_into_arena, offloaded_fsdp_params, plan_fsdp_grads, plan_fsdp_shards
 from .exchange import TensorExchange
 
 
@@ -134,8 +134,12 @@ class ExchangeActivationStore(ActivationStore):
     Per-step metrics: ``step_stats()`` (``model._speedloader.store.step_stats()``).
 
     With ``hold_param_shards(model)`` the arena also holds the model's offloaded FSDP2 parameter
-    shards: at the first ``begin_step`` -- inside the root's forward, after FSDP2's lazy init -- they
-    are planned into the same arena, copied in, and FSDP2 is pointed at them.
+    shards and their gradients: at the first ``begin_step`` -- inside the root's forward, after
+    FSDP2's lazy init, before the first backward -- both are planned into the same arena (the
+    gradients at their exact shard size), the shards are copied in and FSDP2 is pointed at them, and
+    FSDP2's host copy of each reduce-scattered gradient lands in its slot from then on. Gradient
+    slots come with the first step that runs with grad enabled: generation and no-grad forwards do
+    not pay for them (a training step after them re-plans the arena once).
 
     Hazards the engine's schedule creates, and what orders them (all on the GPU, by events):
     - ``get(l, i)`` then ``put(l, i, ...)`` in the same iteration (head backward, and the last unit's
@@ -154,6 +158,10 @@ class ExchangeActivationStore(ActivationStore):
       one (GPU-side); a larger one needs a new arena: the host waits for the old copies first.
     - The parameter shards in the arena: FSDP2 copies them to the device and the CPU optimizer
       updates them in place, ordered exactly as with FSDP2's own pinned shards.
+    - The gradient slots: FSDP2 copies into them on its post-reduce stream and records its
+      ``grad_offload_event`` after the copy, which the CPU optimizer (``OverlappedOptimizer``) and
+      FSDP2's end of backward wait on, as for its own pinned gradients. The next step's copy into a
+      slot comes after ``optimizer.step()`` and ``zero_grad()`` have returned (the CPU read is over).
     """
 
     def __init__(self, *, host_memory_limit_bytes: Optional[int] = None,
@@ -168,10 +176,20 @@ class ExchangeActivationStore(ActivationStore):
         self._param_root: Optional[nn.Module] = None
         self._params_in_arena = False
         self.param_shard_bytes = 0
+        self.grad_shard_bytes = 0
+        self._grads_wanted = False  # a step with grad enabled has begun: the arena holds gradient slots
+        self._grads_in_arena = False  # the current arena was planned with them
 
     def hold_param_shards(self, root: nn.Module) -> None:
-        """Moves ``root``'s offloaded FSDP2 parameter shards into the arena at the first step."""
+        """Moves ``root``'s offloaded FSDP2 parameter shards, and their gradients, into the arena at the first step."""
         self._param_root = root
+
+    def begin_step(self, num_slots: int, num_sub_batches: int, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> None:
+        if self._param_root is not None and not self._grads_wanted and torch.is_grad_enabled():
+            self._grads_wanted = True
+            self.num_slots = 0  # an arena planned without gradient slots is re-planned (_allocate)
+        super().begin_step(num_slots, num_sub_batches, shape, dtype, device)
 
     def _allocate(self) -> None:
         shape = (self.num_slots, self.num_sub_batches, *self.shape)
@@ -182,7 +200,8 @@ class ExchangeActivationStore(ActivationStore):
         if self.exchange is None:
             self.exchange = TensorExchange(self.device)
         self.exchange.clear_ring()  # buffers of the old shape (held ones stay valid until dropped)
-        if self.arena is not None and self.arena.capacity("activations") >= nbytes:
+        missing_grads = self._grads_wanted and not self._grads_in_arena
+        if self.arena is not None and self.arena.capacity("activations") >= nbytes and not missing_grads:
             # Re-carve the same bytes (generation plans its longest step first, then carves each step).
             self.exchange.fence()  # copies into the old carving finish before any into the new one
             self._host = self.arena.slot("activations", shape, self.dtype)
@@ -192,10 +211,16 @@ class ExchangeActivationStore(ActivationStore):
 
     def _build_arena(self, shape: tuple[int, ...]) -> None:
         plan = ArenaPlan().add("activations", "activations", shape, self.dtype)
-        planned = plan_fsdp_shards(plan, offloaded_fsdp_params(self._param_root)) if self._param_root else []
+        fsdp_params = offloaded_fsdp_params(self._param_root) if self._param_root else []
+        planned = plan_fsdp_shards(plan, fsdp_params)
+        planned_grads = plan_fsdp_grads(plan, fsdp_params) if self._grads_wanted else []
         n_slots, n_sub, n, s, _ = shape
         hint = (f"lower schedule.num_sub_batches (N={n_sub}), schedule.sub_batch_size (n={n}) or data.seq_len "
                 f"(s={s}), or raise schedule.blocks_per_unit (the activations take {n_slots} slots of N x n x s x h)")
+        by_kind = plan.bytes_by_kind(aligned=True)
+        if states := by_kind.get("param_shards", 0) + by_kind.get("grad_shards", 0):
+            hint += (f"; the offloaded parameter shards and their gradients ({states / GIB:.2f} GiB) shrink only "
+                     "with more ranks, or leave the arena with offload.pin_memory=false (pageable, blocking copies)")
         budget = HostMemoryBudget.detect(self.host_memory_limit_bytes, margin=self.host_memory_margin)
         # Pageable shards are freed one by one as they move in; shards in an old arena are not (its
         # region lives until the last of them has moved).
@@ -213,6 +238,8 @@ class ExchangeActivationStore(ActivationStore):
         self._params_in_arena = bool(planned)
         self._host = arena.slot("activations")
         self._host.zero_()  # commit its pages on all intra-op threads (the shards' are committed by their copies)
+        self.grad_shard_bytes = bind_fsdp_grads_to_arena(arena, planned_grads)  # zeroes (commits) its slots
+        self._grads_in_arena = self._grads_wanted
         arena.pin()
         if old is not None:
             old.close()
@@ -251,6 +278,7 @@ class ExchangeActivationStore(ActivationStore):
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        self._grads_in_arena = False
         self.num_slots = 0  # the next begin_step plans again
 
     @property

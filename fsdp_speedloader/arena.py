@@ -21,7 +21,9 @@ than the store that built it). ``close()`` drops the arena's own references.
 
 ``move_fsdp_shards_into_arena`` puts FSDP2's offloaded parameter shards into arena slots (see its
 docstring for exactly which FSDP2 attributes it touches and why that is the same surgery FSDP2's own
-``reset_sharded_param`` does, on torch 2.11 and 2.13).
+``reset_sharded_param`` does, on torch 2.11 and 2.13); ``bind_fsdp_grads_to_arena`` makes FSDP2
+copy their gradients into arena slots too (``fsdp_internals.set_grad_slots``), instead of a fresh
+power-of-two page-locked block per parameter and step.
 """
 
 from __future__ import annotations
@@ -320,6 +322,13 @@ class PinnedArena:
         offset = self._offsets[name]
         return self._buffer[offset : offset + nbytes].view(dtype).view(shape)
 
+    def contains(self, t: torch.Tensor) -> bool:
+        """Whether all of ``t``'s bytes lie inside this arena's region."""
+        if self._buffer is None or t.device.type != "cpu" or t.numel() == 0:
+            return False
+        lo, start = self._buffer.data_ptr(), t.data_ptr()
+        return lo <= start and start + t.numel() * t.element_size() <= lo + self.nbytes
+
     def slots(self, kind: Optional[str] = None) -> Iterator[SlotSpec]:
         return (s for s in self.plan.slots if kind is None or s.kind == kind)
 
@@ -427,3 +436,41 @@ def move_fsdp_shards_into_arena(arena: PinnedArena, planned: list[tuple[str, obj
             fsdp_param.pin_memory = True
         moved += padded.numel() * padded.element_size()
     return moved
+
+
+# --- FSDP2 offloaded gradients ------------------------------------------------------------------
+
+
+def plan_fsdp_grads(plan: ArenaPlan, fsdp_params: list) -> list[tuple[str, object]]:
+    """Adds one 'grad_shards' slot per offloaded parameter that gets a gradient: exactly its shard
+    (``sharded_size``, unpadded, in the parameter's dtype: what FSDP2's reduce-scatter leaves for this
+    rank after casting back to the original dtype); returns (slot, param). Empty shards get none."""
+    planned = []
+    for k, fsdp_param in enumerate(fsdp_params):
+        sharded = getattr(fsdp_param, "sharded_param", None)
+        if sharded is None or not sharded.requires_grad or math.prod(fsdp_param.sharded_size) == 0:
+            continue
+        name = f"grad_shard:{k}:{getattr(fsdp_param, '_param_fqn', None) or ''}"
+        plan.add(name, "grad_shards", tuple(fsdp_param.sharded_size), sharded.dtype)
+        planned.append((name, fsdp_param))
+    return planned
+
+
+def bind_fsdp_grads_to_arena(arena: PinnedArena, planned: list[tuple[str, object]]) -> int:
+    """Points FSDP2's host gradient copies of the planned parameters at their slots; returns the bytes.
+
+    From the next backward on, a parameter whose ``.grad`` is None (``zero_grad(set_to_none=True)``)
+    gets its reduce-scattered gradient copied into its slot on FSDP2's post-reduce stream (without
+    blocking when the arena is page-locked) and wrapped as its ``.grad`` by FSDP2 itself; see
+    ``fsdp_internals.set_grad_slots`` for the one FSDP2 call this redirects. The slots are zeroed here,
+    which commits their pages before the arena is registered.
+    """
+    slots = []
+    for name, fsdp_param in planned:
+        tensor = arena.slot(name)
+        tensor.zero_()
+        slots.append((fsdp_param, tensor))
+    from .fsdp_internals import set_grad_slots  # FSDP2's private modules load only when FSDP is in use
+
+    set_grad_slots(slots)
+    return sum(t.numel() * t.element_size() for _, t in slots)

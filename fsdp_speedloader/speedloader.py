@@ -137,8 +137,8 @@ def apply_speedloader(
         activation_store: 'device', 'host' (pinned arena, copies overlapped with compute), 'host_sync'
             (synchronous copies) or 'auto' (host when parameters are offloaded).
         offload_params: parameters, gradients and optimizer state on the host (CPUOffloadPolicy).
-        pin_memory: page-lock offloaded shards (only with CUDA); with activation_store 'host' they
-            live in the store's exact-size arena instead of FSDP2's per-shard pinned copies.
+        pin_memory: page-lock offloaded shards and gradients (only with CUDA); with activation_store
+            'host' both live in the store's exact-size arena instead of FSDP2's per-tensor pinned blocks.
         param_dtype / reduce_dtype: FSDP mixed precision (compute / gradient reduction dtype).
         forward_prefetch: units whose unshard is issued ahead in forward.
         loss_chunk_tokens: tokens per chunk of the chunked cross-entropy.
@@ -161,8 +161,8 @@ def apply_speedloader(
 
     blocks = list(adapter.blocks)
     groups = [blocks[i : i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
-    # The exchange store's arena takes the offloaded shards (exact size, one registration): FSDP2 must
-    # not pin them shard by shard itself.
+    # The exchange store's arena takes the offloaded shards and their gradients (exact size, one
+    # registration): FSDP2 must not pin them tensor by tensor itself.
     arena_holds_params = offload_params and pin_memory and isinstance(store, ExchangeActivationStore)
     unit_modules = apply_fsdp(model, mesh, units=groups, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                               offload_params=offload_params, pin_memory=pin_memory and not arena_holds_params)

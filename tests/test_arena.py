@@ -14,13 +14,18 @@ import gc
 import pytest
 import torch
 
+from dist_utils import run_distributed
 from engine_cases import assert_grads_close, batch, reference_grads, tiny_model
 from fsdp_speedloader import apply_speedloader
 from fsdp_speedloader import arena as arena_mod
+from fsdp_speedloader import fsdp_internals
 from fsdp_speedloader.activation_store import ExchangeActivationStore, HostActivationStore, build_activation_store
 from fsdp_speedloader.arena import ALIGNMENT, ArenaPlan, HostMemoryBudget, PinnedArena, check_plan, \
-    offloaded_fsdp_params
+    offloaded_fsdp_params, plan_fsdp_grads, plan_fsdp_shards
+from fsdp_speedloader.config import ModelConfig
 from fsdp_speedloader.exchange import TensorExchange
+from fsdp_speedloader.fsdp_internals import grad_slot_of
+from fsdp_speedloader.models import build_model
 
 MIB = 1 << 20
 
@@ -409,3 +414,182 @@ def test_over_large_activation_plan_names_the_setting():
     with pytest.raises(ValueError, match=r"lower schedule.num_sub_batches \(N=4\), schedule.sub_batch_size "
                                          r"\(n=2\) or data.seq_len \(s=16\), or raise schedule.blocks_per_unit"):
         model(input_ids=ids, labels=labels)
+
+
+# --- FSDP2's offloaded gradients in the arena ----------------------------------------------------
+
+
+def _offloaded(n_sub=2, model=None, store="host"):
+    model = tiny_model("llama") if model is None else model
+    return apply_speedloader(model, num_sub_batches=n_sub, activation_store=store, offload_params=True)
+
+
+def _local_grad(fsdp_param):
+    grad = fsdp_param.sharded_param.grad
+    return None if grad is None else grad._local_tensor
+
+
+def test_gradient_slots_are_planned_before_the_first_backward_at_their_exact_size(monkeypatch):
+    model = _offloaded()
+    ids, labels = batch(2)
+    loss = model(input_ids=ids, labels=labels).loss  # the first forward plans the arena; no gradient yet
+    store = model._speedloader.store
+    fsdp_params = offloaded_fsdp_params(model)
+    grad_slots = list(store.arena.slots("grad_shards"))
+    assert len(grad_slots) == len(fsdp_params) == len(list(model.parameters()))
+    for spec, p in zip(grad_slots, fsdp_params):
+        assert spec.shape == tuple(p.sharded_size) and spec.dtype == torch.float32
+        assert spec.nbytes == p.sharded_param.numel() * 4  # the shard itself: no padding, no rounding
+        assert p.sharded_param.grad is None and store.arena.contains(grad_slot_of(p))
+    want = sum(p.numel() * 4 for p in model.parameters())
+    stats = store.step_stats()
+    assert stats["arena_grad_shards_requested_bytes"] == store.grad_shard_bytes == want
+    assert stats["arena_requested_bytes"] == sum(
+        stats[f"arena_{kind}_requested_bytes"] for kind in ("activations", "param_shards", "grad_shards"))
+    loss.backward()
+    assert all(store.arena.contains(_local_grad(p)) for p in fsdp_params)
+
+    # Page-locked: one registration of exactly the planned region (each slot padded to < 512 B), where
+    # the caching host allocator would take one power-of-two block per gradient.
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    plan = ArenaPlan()
+    plan_fsdp_shards(plan, fsdp_params)
+    plan_fsdp_grads(plan, fsdp_params)
+    arena = PinnedArena(plan, pin=True)
+    stats = arena.stats()
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    assert stats["arena_grad_shards_requested_bytes"] == sum(sizes)
+    assert stats["arena_grad_shards_page_locked_bytes"] == sum(arena_mod._align(n) for n in sizes)
+    assert stats["arena_grad_shards_page_locked_bytes"] - sum(sizes) < ALIGNMENT * len(sizes)
+    assert sum(1 << (n - 1).bit_length() for n in sizes) > stats["arena_grad_shards_page_locked_bytes"]
+    assert list(fake.registered.values()) == [(plan.nbytes, 0)]
+
+
+def test_gradient_slots_come_with_the_first_step_that_can_produce_gradients():
+    model = tiny_model("llama")
+    ids, labels = batch(2)
+    _, ref_grads = reference_grads(model, [(ids, labels)])
+    _offloaded(model=model)
+    store = model._speedloader.store
+    with torch.no_grad():  # an evaluation (or generation) first: it pays for no gradient slots
+        model(input_ids=ids, labels=labels)
+    first = store.arena
+    assert not list(first.slots("grad_shards")) and store.grad_shard_bytes == 0
+    model(input_ids=ids, labels=labels).loss.backward()  # the first training step re-plans once, with them
+    assert store.arena is not first and store.grad_shard_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert all(store.arena.contains(_local_grad(p)) for p in offloaded_fsdp_params(model))
+    assert_grads_close(model, ref_grads)
+    arena = store.arena
+    model.zero_grad()
+    with torch.no_grad():
+        model(input_ids=ids, labels=labels)
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert store.arena is arena
+    assert_grads_close(model, ref_grads)
+
+
+def test_over_large_gradient_plan_fails_before_allocating_and_names_the_setting(monkeypatch):
+    model = _offloaded()
+    states = sum(arena_mod._align(p.numel() * 4) for p in model.parameters())  # shard slots; gradients alike
+    activations = arena_mod._align(5 * 2 * 2 * 16 * 64 * 4)
+    # Room for the activations and the shards (they move in from host memory), not for the gradients.
+    budget = HostMemoryBudget(limit_bytes=activations + states // 2, used_bytes=0, margin=0.0)
+    monkeypatch.setattr(HostMemoryBudget, "detect", classmethod(lambda cls, *a, **k: budget))
+    allocations = []
+    monkeypatch.setattr(arena_mod, "_Region", lambda *a, **k: allocations.append(a))
+    ids, labels = batch(2)
+    with pytest.raises(ValueError) as err:
+        model(input_ids=ids, labels=labels)
+    message = str(err.value)
+    needed = activations + 2 * states - sum(p.numel() * 4 for p in model.parameters())  # shards: already resident
+    assert f"({needed} bytes; activations" in message
+    assert f"grad_shards {states / 2**30:.2f} GiB" in message
+    assert "the offloaded parameter shards and their gradients" in message and "offload.pin_memory=false" in message
+    assert allocations == []
+    assert all(grad_slot_of(p) is None for p in offloaded_fsdp_params(model))
+
+
+def test_offloaded_gradients_land_in_the_arena_with_exact_zero_grad_and_accumulation_semantics():
+    """Against FSDP2's own offload (the synchronous store, no arena): identical gradients in every case."""
+    base = tiny_model("llama")
+    models = {"host": _offloaded(model=copy.deepcopy(base)), "host_sync": _offloaded(model=copy.deepcopy(base),
+                                                                                        store="host_sync")}
+    fsdp_params = offloaded_fsdp_params(models["host"])
+    arena = models["host"]._speedloader.store
+
+    def backward(seed):
+        ids, labels = batch(2, seed=seed)
+        for m in models.values():
+            m(input_ids=ids, labels=labels).loss.backward()
+
+    def check(in_arena=True):
+        for (name, a), (_, b) in zip(models["host"].named_parameters(), models["host_sync"].named_parameters()):
+            assert torch.equal(a.grad.to_local(), b.grad.to_local()), name
+        assert all(arena.arena.contains(_local_grad(p)) == in_arena for p in fsdp_params)
+
+    def zero_grad(set_to_none):
+        for m in models.values():
+            m.zero_grad(set_to_none=set_to_none)
+
+    backward(0)
+    check()
+    slots = [_local_grad(p).data_ptr() for p in fsdp_params]
+    zero_grad(True)
+    backward(1)  # a fresh gradient: copied into the same slot
+    check()
+    assert [_local_grad(p).data_ptr() for p in fsdp_params] == slots
+    backward(2)  # no zero_grad: FSDP2 adds to the gradient in the slot
+    check()
+    zero_grad(False)  # zeroed in place (still in the slot), then added to
+    backward(3)
+    check()
+    assert [_local_grad(p).data_ptr() for p in fsdp_params] == slots
+
+
+def test_a_gradient_still_referenced_after_zero_grad_is_not_overwritten(caplog, monkeypatch):
+    monkeypatch.setattr(fsdp_internals, "_warned", set())  # warnings are once per process
+    model = _offloaded()
+    fsdp_params = offloaded_fsdp_params(model)
+    ids, labels = batch(2)
+    model(input_ids=ids, labels=labels).loss.backward()
+    store = model._speedloader.store
+    held = {name: p.grad for name, p in model.named_parameters()}  # e.g. kept for logging
+    kept = {name: g.to_local().clone() for name, g in held.items()}
+    model.zero_grad(set_to_none=True)
+    ids2, labels2 = batch(2, seed=1)
+    with caplog.at_level("WARNING", logger="fsdp_speedloader.fsdp_internals"):
+        model(input_ids=ids2, labels=labels2).loss.backward()
+    assert all(torch.equal(held[name].to_local(), kept[name]) for name in held)  # left as they were
+    assert not any(store.arena.contains(_local_grad(p)) for p in fsdp_params)  # FSDP2's own memory instead
+    assert "still referenced after zero_grad" in caplog.text
+    del held
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids2, labels=labels2).loss.backward()
+    assert all(store.arena.contains(_local_grad(p)) for p in fsdp_params)
+
+
+def _uneven_shards(rank: int, world_size: int) -> dict:
+    # vocab 97: the embedding and LM head shard into 49 and 48 rows; every other shard is even.
+    cfg = ModelConfig(family="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=128, vocab_size=97, max_position_embeddings=64)
+    model = build_model(cfg, device="cpu", seed=1)
+    _, ref_grads = reference_grads(model, [batch(2, seed=r) for r in range(world_size)])
+    apply_speedloader(model, num_sub_batches=2, activation_store="host", offload_params=True)
+    ids, labels = batch(2, seed=rank)
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert_grads_close(model, ref_grads)
+    store = model._speedloader.store
+    fsdp_params = offloaded_fsdp_params(model)
+    assert all(store.arena.contains(_local_grad(p)) for p in fsdp_params)
+    return {"grad_bytes": store.step_stats()["arena_grad_shards_requested_bytes"],
+            "local_bytes": sum(p.sharded_param._local_tensor.numel() * 4 for p in fsdp_params),
+            "param_bytes": store.step_stats()["arena_param_shards_requested_bytes"]}
+
+
+@pytest.mark.slow
+def test_gradient_slots_hold_the_unpadded_shard_at_world_size_2():
+    r0, r1 = run_distributed(_uneven_shards, 2)
+    assert r0["grad_bytes"] == r0["local_bytes"] and r1["grad_bytes"] == r1["local_bytes"]
+    assert r1["grad_bytes"] == r0["grad_bytes"] - 2 * 64 * 4  # rank 1 has one row less of two (97, 64) weights
+    assert r1["param_bytes"] == r0["param_bytes"]  # parameter shards are padded to the same size

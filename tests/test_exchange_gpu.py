@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from engine_cases import assert_grads_close, batch, tiny_model
-from fsdp_speedloader import apply_speedloader
+from fsdp_speedloader import apply_speedloader, fsdp_internals
 from fsdp_speedloader.activation_store import ExchangeActivationStore
 from fsdp_speedloader.arena import ArenaPlan, PinnedArena, _align, offloaded_fsdp_params
 from fsdp_speedloader.exchange import TensorExchange
+from fsdp_speedloader.optimizer_overlap import OverlappedOptimizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -262,14 +263,13 @@ def test_no_page_locked_growth_after_the_first_step(offload):
     assert stats["exchange_ring_buffers"] == ring <= 5
     assert stats["arena_page_locked_bytes"] == stats["arena_bytes"]
     if offload:
-        # The shards are in the arena (page-locked, exact); the caching host allocator holds only
-        # FSDP2's gradient copies (one power-of-two block per parameter, reused every step).
+        # The shards and their gradients are in the arena (page-locked, exact, < 512 B padding each).
         fsdp_params = offloaded_fsdp_params(model)
         assert all(p._sharded_param_data.is_pinned() for p in fsdp_params)
         assert stats["arena_param_shards_page_locked_bytes"] == sum(
-            _align(p._sharded_param_data.numel() * 4) for p in fsdp_params)  # < 512 B padding per shard
-        # What the caching host allocator still holds (FSDP2's gradient copies and small staging)
-        # is allocated in step 1 and reused: the no-growth check above is the requirement.
+            _align(p._sharded_param_data.numel() * 4) for p in fsdp_params)
+        assert stats["arena_grad_shards_page_locked_bytes"] == sum(
+            _align(p.sharded_param.numel() * 4) for p in fsdp_params)
 
 
 def test_exchange_traffic_per_step():
@@ -286,3 +286,96 @@ def test_exchange_traffic_per_step():
     assert stats["exchange_wait_s"] >= 0.0
     _step(model, ids, labels)
     assert model._speedloader.store.step_stats()["exchange_unpipelined_fetches"] == 0
+
+
+# --- FSDP2's offloaded gradients in the arena ------------------------------------------------------
+
+# Caching host allocator statistics (torch 2.11 and 2.13): ".allocated" is the historical total
+# increase, so a delta counts the page-locked blocks handed out (new or reused from its cache).
+HANDOUTS = ("active_requests.allocated", "active_bytes.allocated", "num_host_alloc", "allocated_bytes.current")
+
+
+def _host_stats() -> dict:
+    stats = torch.cuda.host_memory_stats()
+    missing = [k for k in HANDOUTS if k not in stats]
+    assert not missing, f"torch.cuda.host_memory_stats() has no {missing}: {sorted(stats)}"
+    return {k: stats[k] for k in HANDOUTS}
+
+
+def _grads_in_arena(store, fsdp_params) -> int:
+    """How many of ``fsdp_params`` have a gradient in ``store``'s arena (page-locked)."""
+    return sum(p.sharded_param.grad is not None and store.arena.contains(p.sharded_param.grad._local_tensor)
+               and p.sharded_param.grad._local_tensor.is_pinned() for p in fsdp_params)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("blocks_per_unit", [1, 2])
+def test_offloaded_gradients_land_in_the_arena_without_page_locked_blocks(set_to_none, blocks_per_unit):
+    """Against FSDP2's own offload (activation_store='host_sync': FSDP2 pins shards and gradients itself)."""
+    n_sub = 3
+    base = tiny_model("llama")
+    models = {store: apply_speedloader(copy.deepcopy(base), num_sub_batches=n_sub, blocks_per_unit=blocks_per_unit,
+                                       activation_store=store, offload_params=True) for store in ("host", "host_sync")}
+    # SGD: the weights follow the gradients linearly, so kernel-level noise stays at noise level
+    # (Adam's g / sqrt(v) can turn it into a full step where a gradient is ~0).
+    optims = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
+    fsdp_params = offloaded_fsdp_params(models["host"])
+    store = models["host"]._speedloader.store
+    handed_out = {k: [] for k in models}
+    for step in range(4):
+        ids, labels = batch(n_sub, seed=step)
+        for key, model in models.items():
+            torch.cuda.synchronize()
+            before = _host_stats()
+            _step(model, ids, labels)  # FSDP2 waits for its gradient copies at the end of backward
+            after = _host_stats()
+            handed_out[key].append({k: after[k] - before[k] for k in HANDOUTS})
+        # fp32, the same arithmetic; only the gradient's host memory differs.
+        assert_grads_close(models["host"], _grads(models["host_sync"]), rtol=1e-5)
+        # set_to_none=False: FSDP2 adds to the gradient already in the slot. (No local variable may keep
+        # a gradient past zero_grad: its slot would then be left alone in the next step.)
+        assert _grads_in_arena(store, fsdp_params) == len(fsdp_params)
+        for key in models:
+            optims[key].step()
+            optims[key].zero_grad(set_to_none=set_to_none)
+    for step, delta in enumerate(handed_out["host"][1:], start=1):
+        assert all(v == 0 for v in delta.values()), (step, delta)  # not one page-locked block after step 1
+    if set_to_none:  # FSDP2's own path takes a (power-of-two) block per gradient and step: the check can fail
+        assert all(d["active_requests.allocated"] >= len(fsdp_params) for d in handed_out["host_sync"])
+    stats = store.step_stats()
+    assert stats["arena_grad_shards_requested_bytes"] == sum(p.numel() * 4 for p in base.parameters())
+    assert stats["arena_grad_shards_page_locked_bytes"] == sum(_align(p.numel() * 4) for p in base.parameters())
+    for (name, a), (_, b) in zip(models["host"].named_parameters(), models["host_sync"].named_parameters()):
+        torch.testing.assert_close(a.to_local(), b.to_local(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_overlapped_optimizer_reads_each_gradient_only_after_its_copy(monkeypatch):
+    """The copy into the slot lags on FSDP2's post-reduce stream: a CPU step that did not wait on
+    ``grad_offload_event`` would read the slot's old content (zeros, then the previous step's gradient)."""
+    n_sub = 3
+    base = tiny_model("llama")
+    models = [apply_speedloader(copy.deepcopy(base), num_sub_batches=n_sub, activation_store="host",
+                                offload_params=True) for _ in range(2)]
+
+    def sgd(params):  # linear in the gradient (see above); a stale read moves a weight by lr x its gradient
+        return torch.optim.SGD(params, lr=0.5)
+
+    plain = sgd(models[0].parameters())
+    overlapped = OverlappedOptimizer(models[1], sgd)
+    try:
+        for step in range(3):
+            ids, labels = batch(n_sub, seed=step)
+            _step(models[0], ids, labels)
+            plain.step()
+            plain.zero_grad()
+            monkeypatch.setattr(fsdp_internals, "grad_copy_delay_cycles", ENGINE_LAG)
+            _step(models[1], ids, labels)  # units U .. 2 are stepped on the CPU while backward runs
+            monkeypatch.setattr(fsdp_internals, "grad_copy_delay_cycles", 0)
+            overlapped.step()
+            overlapped.zero_grad()
+    finally:
+        overlapped.close()
+    store = models[1]._speedloader.store
+    assert all(store.arena.contains(p.sharded_param._local_tensor) for p in offloaded_fsdp_params(models[1]))
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        torch.testing.assert_close(b.to_local(), a.to_local(), rtol=1e-5, atol=1e-6, msg=name)

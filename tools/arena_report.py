@@ -2,16 +2,15 @@
 
 Computed from the model's parameter shapes on the meta device (no GPU, nothing allocated):
 
-  PyTorch's pinning  CPUOffloadPolicy(pin_memory=True) pins each padded fp32 shard separately and
-                     the caching host allocator rounds every block up to a power of two; the
-                     synchronous host store (activation_store=host_sync) pins one block for all
-                     activation slots, rounded the same way.
-  arena              one region: the padded shards and the activation slots, each slot aligned
-                     to 512 bytes, registered with cudaHostRegister (exact).
-  both               FSDP2 copies each reduce-scattered gradient to the host with
-                     ``.to("cpu", non_blocking=True)``: one power-of-two block per parameter from the
-                     caching host allocator, reused every step (not in the arena: see the README of
-                     issue 4's report).
+  PyTorch's pinning  CPUOffloadPolicy(pin_memory=True) pins each padded fp32 shard separately, and
+                     FSDP2 copies each reduce-scattered fp32 gradient shard to the host with
+                     ``.to("cpu", non_blocking=True)``, a fresh block per parameter and step; the
+                     caching host allocator rounds every block up to a power of two. The synchronous
+                     host store (activation_store=host_sync) pins one block for all activation
+                     slots, rounded the same way.
+  arena              one region: the padded shards, the (unpadded) gradient shards and the
+                     activation slots, each slot aligned to 512 bytes, registered with
+                     cudaHostRegister (exact); FSDP2's gradient copies land in their slots.
 
 Usage:
   python tools/arena_report.py                         # llama2_7b, the llama2_7b_offload experiment
@@ -85,8 +84,9 @@ def compute(args: argparse.Namespace) -> dict:
         pinned_grads += pow2(mine * 4)
     units = -(-cfg.num_layers // args.blocks_per_unit)
     act_bytes = (units + 1) * args.num_sub_batches * args.sub_batch_size * args.seq_len * cfg.hidden_size * 2  # bf16
+    arena_grads = sum(align(shard_sizes(p.shape, args.world_size, args.rank)[1] * 4) for p in params.values())
     pytorch_total = pinned_shards + pinned_grads + pow2(act_bytes)
-    arena_total = align(act_bytes) + arena_shards
+    arena_total = align(act_bytes) + arena_shards + arena_grads
     num_params = sum(p.numel() for p in params.values())
     optimizer = num_params * 8 // args.world_size  # Adam moments, fp32, pageable
     return {
@@ -95,14 +95,13 @@ def compute(args: argparse.Namespace) -> dict:
                    "num_sub_batches": args.num_sub_batches, "sub_batch_size": args.sub_batch_size,
                    "seq_len": args.seq_len, "blocks_per_unit": args.blocks_per_unit, "activation_dtype": "bfloat16"},
         "param_shards": {"requested": shards, "pinned_by_fsdp2": pinned_shards, "arena": arena_shards},
-        "gradients": {"requested": grads, "pinned_by_fsdp2": pinned_grads, "arena": None},
+        "gradients": {"requested": grads, "pinned_by_fsdp2": pinned_grads, "arena": arena_grads},
         "activations": {"requested": act_bytes, "pinned_host_sync_store": pow2(act_bytes), "arena": align(act_bytes)},
-        "page_locked_total": {"pytorch_pinning": pytorch_total, "arena": arena_total + pinned_grads,
-                              "arena_region": arena_total, "gradient_blocks_outside_arena": pinned_grads,
-                              "saved": pytorch_total - arena_total - pinned_grads,
-                              "remaining_rounding_waste": pinned_grads - grads},
+        "page_locked_total": {"pytorch_pinning": pytorch_total, "arena": arena_total,
+                              "requested": shards + grads + act_bytes, "saved": pytorch_total - arena_total,
+                              "arena_padding": arena_total - shards - grads - act_bytes},
         "host_total_with_adam_moments": {"pytorch_pinning": pytorch_total + optimizer,
-                                         "arena": arena_total + pinned_grads + optimizer},
+                                         "arena": arena_total + optimizer},
     }
 
 
@@ -130,6 +129,7 @@ st = model._speedloader.store.step_stats()
 print(json.dumps({{'caching_host_allocator_bytes': s.get('allocated_bytes.current', 0),
                   'arena_page_locked_bytes': st.get('arena_page_locked_bytes', 0),
                   'host_store_bytes': model._speedloader.store.host_bytes,
+                  'arena': {{k: v for k, v in st.items() if k.startswith('arena_')}},
                   'exchange': {{k: v for k, v in st.items() if k.startswith('exchange')}}}}))
 """
         env = dict(os.environ)
@@ -181,10 +181,10 @@ def main() -> None:
           f"{gib(record['param_shards']['pinned_by_fsdp2'])} | {gib(record['param_shards']['arena'])} |")
     print(f"| activation slots (bf16) | {gib(record['activations']['requested'])} | "
           f"{gib(record['activations']['pinned_host_sync_store'])} | {gib(record['activations']['arena'])} |")
-    print(f"| fp32 gradients (FSDP2's copies, both ways) | {gib(record['gradients']['requested'])} | "
-          f"{gib(record['gradients']['pinned_by_fsdp2'])} | {gib(record['gradients']['pinned_by_fsdp2'])} |")
+    print(f"| fp32 gradient shards | {gib(record['gradients']['requested'])} | "
+          f"{gib(record['gradients']['pinned_by_fsdp2'])} | {gib(record['gradients']['arena'])} |")
     total = record["page_locked_total"]
-    print(f"| total | | {gib(total['pytorch_pinning'])} | {gib(total['arena'])} |")
+    print(f"| total | {gib(total['requested'])} | {gib(total['pytorch_pinning'])} | {gib(total['arena'])} |")
     if args.measure:
         for store, rec in record["measured"].items():
             print(f"measured ({store}): {gib(rec['page_locked_total'])} GiB page-locked "
