@@ -339,9 +339,13 @@ def test_offloaded_gradients_land_in_the_arena_without_page_locked_blocks(set_to
             optims[key].step()
             optims[key].zero_grad(set_to_none=set_to_none)
     for step, delta in enumerate(handed_out["host"][1:], start=1):
-        assert all(v == 0 for v in delta.values()), (step, delta)  # not one page-locked block after step 1
+        # No page-locked memory is added after step 1. (A few small requests per step -- 5 of 8.7 KB in all
+        # on the H200 -- are served from blocks cached in step 1; they are not gradients: see below.)
+        assert delta["num_host_alloc"] == 0 and delta["allocated_bytes.current"] == 0, (step, delta)
+        assert delta["active_requests.allocated"] < len(fsdp_params), (step, delta)
     if set_to_none:  # FSDP2's own path takes a (power-of-two) block per gradient and step: the check can fail
-        assert all(d["active_requests.allocated"] >= len(fsdp_params) for d in handed_out["host_sync"])
+        for own, ours in zip(handed_out["host_sync"], handed_out["host"]):
+            assert own["active_requests.allocated"] - ours["active_requests.allocated"] >= len(fsdp_params)
     stats = store.step_stats()
     assert stats["arena_grad_shards_requested_bytes"] == sum(p.numel() * 4 for p in base.parameters())
     assert stats["arena_grad_shards_page_locked_bytes"] == sum(_align(p.numel() * 4) for p in base.parameters())
