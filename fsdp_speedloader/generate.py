@@ -9,6 +9,12 @@ norm and LM head stay unsharded from the first step on)::
             fetch x[i] and the KV of (i, unit's layers); run; store x'[i] and the new positions' KV
     final norm + LM head on the last position of every sub-batch -> pick the next tokens (whole batch)
 
+A decoding step with the KV cache on the device runs the loop over sub-batches once, on the whole batch
+(one "sub-batch" of N x n sequences): the sub-batches exist to bound activation memory and to overlap
+KV copies, and such a step has one token per sequence and no copies, while its time is host overhead
+per decoder-layer call (measured with ``tools/profile_decode.py``). The prefill, the host KV cache and
+``kv_cache='off'`` keep N sub-batches.
+
 ``_unit_step`` is the schedule: which fetch, compute and store happen when. Activations go through the
 model's activation store (``apply_speedloader(activation_store=...)``), the KV cache through
 ``kv_cache.py``; both copy on a ``TensorExchange``'s streams when CUDA is present.
@@ -101,18 +107,24 @@ class StepState:
     A plain class, not a dataclass: it passes through FSDP-hooked calls, and FSDP rebuilds
     containers and dataclasses it finds in forward arguments (on CUDA the root's call copies them
     to the device), which would lose ``logits`` written into the copy. ``past`` positions are
-    cached; this step adds ``input_ids[i].shape[1]``.
+    cached; this step adds ``input_ids[i].shape[1]``. ``input_ids`` has one entry per group that runs
+    through a unit in one call: the N sub-batches, or one (the whole batch) in a decoding step with the
+    KV cache on the device (``KVCache.whole_batch_decode``).
     """
 
     def __init__(self, *, run: "_Run", input_ids: list[torch.Tensor], mask: Optional[torch.Tensor],
                  positions: torch.Tensor, past: int) -> None:
         self.run = run
-        self.input_ids = input_ids  # N x (n, q) on the device
+        self.input_ids = input_ids  # N x (n, q), or 1 x (B, q), on the device
         self.mask = mask  # (B, past + q) on the host; None: no padding in the batch
         self.positions = positions  # (B, q) on the host
         self.past = past
-        self.block_inputs: list[BlockInputs] = []  # N, built by the root step
+        self.block_inputs: list[BlockInputs] = []  # one per group, built by the root step
         self.logits: Optional[torch.Tensor] = None  # (B, V) fp32, set by the root step
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.input_ids)
 
 
 @dataclass(eq=False)
@@ -152,7 +164,7 @@ def _unit_step(unit: Unit, state: StepState) -> None:
     the next unit's first KV) are copied in, and i - 1's outputs are copied out.
     """
     run = state.run
-    store, kv, n_sub = run.store, run.kv, run.num_sub_batches
+    store, kv, n_sub = run.store, run.kv, state.num_groups
     src, dst = (unit.index - 1) % 2, unit.index % 2
     layers = run.layers[unit.index - 1]
     next_layers = run.layers[unit.index] if unit.index < len(run.layers) else None
@@ -177,7 +189,7 @@ def _unit_step(unit: Unit, state: StepState) -> None:
 def _root_step(state: StepState) -> None:
     """One layer-major step inside the root's hooked call: embed, all units, head."""
     run = state.run
-    adapter, store, device, n_sub = run.adapter, run.store, run.device, run.num_sub_batches
+    adapter, store, device, n_sub = run.adapter, run.store, run.device, state.num_groups
     act_dtype = adapter.embedding.weight.dtype  # the unsharded (compute) dtype, inside the root's call
     n, q = state.input_ids[0].shape
     h = adapter.config.hidden_size
@@ -185,13 +197,14 @@ def _root_step(state: StepState) -> None:
         _setup_kv(run, act_dtype)
     if not run.slots_planned:
         # Plan the activation slots for the longest step once (a re-plan would move the parameter
-        # shards that the store's arena may hold), then carve each step's geometry out of them.
+        # shards that the store's arena may hold), then carve each step's geometry out of them (a
+        # whole-batch decoding step's (1, B, 1, h) fits in the prefill's (N, n, s, h)).
         store.begin_step(2, n_sub, (n, run.capacity if run.kv is None else q, h), act_dtype, device)
         run.slots_planned = True
     store.begin_step(2, n_sub, (n, q, h), act_dtype, device)
     if run.kv is not None:
         run.kv.begin_step(state.past, q)
-    state.block_inputs = _step_inputs(run, act_dtype, state.mask, state.positions, state.past)
+    state.block_inputs = _step_inputs(run, act_dtype, state.mask, state.positions, state.past, n_sub)
     for i in range(n_sub):
         store.put(0, i, adapter.embed(state.input_ids[i], state.block_inputs[i].kwargs["position_ids"]))
     for module, _ in run.units:
@@ -258,12 +271,13 @@ def _causal_mask(config, dtype: torch.dtype, mask: Optional[torch.Tensor], posit
 
 
 def _step_inputs(run: _Run, dtype: torch.dtype, mask: Optional[torch.Tensor], positions: torch.Tensor,
-                 past: int) -> list[BlockInputs]:
-    """Block keyword arguments of every sub-batch. ``mask`` (B, past + q) and ``positions`` (B, q) on the host."""
-    n, device = run.sub_batch_size, run.device
+                 past: int, num_groups: int) -> list[BlockInputs]:
+    """Block keyword arguments of every group (sub-batch, or the whole batch), built once per step and
+    shared by all layers. ``mask`` (B, past + q) and ``positions`` (B, q) on the host."""
+    n, device = positions.shape[0] // num_groups, run.device
     rotary = getattr(getattr(run.adapter.model, "model", None), "rotary_emb", None)  # LLaMA layout
     out = []
-    for i in range(run.num_sub_batches):
+    for i in range(num_groups):
         rows = slice(i * n, (i + 1) * n)
         pos = positions[rows]
         sub_mask = None if mask is None else mask[rows]
@@ -448,7 +462,6 @@ def generate(
     new_tokens: list[torch.Tensor] = []
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
     eos_t = torch.tensor(eos, device=device) if eos else None
-    n = run.sub_batch_size
     start = time.perf_counter()
     prefill_s = 0.0
     try:
@@ -461,8 +474,12 @@ def generate(
                 past, step_ids = prompt_len + step - 1, new_tokens[-1][:, None]
                 step_pos = positions[:, -1:] + step
             step_mask = None if mask is None else torch.cat([mask, torch.ones(batch, step, dtype=mask.dtype)], 1)
-            state = StepState(run=run, input_ids=list(step_ids.split(n)), mask=step_mask, positions=step_pos,
-                              past=past)
+            # Host overhead, not the weights, bounds a decoding step (a decoder-layer call per layer and
+            # group): with the KV cache on the device, nothing is fetched per sub-batch, and the step's
+            # activations are one token per sequence, so each unit runs ONCE on the whole batch.
+            whole_batch = past > 0 and run.kv is not None and run.kv.whole_batch_decode
+            state = StepState(run=run, input_ids=list(step_ids.split(batch if whole_batch else run.sub_batch_size)),
+                              mask=step_mask, positions=step_pos, past=past)
             getattr(model, _ROOT_METHOD)(state)  # the root's hooked call: one layer-major step
             next_tokens = select_tokens(state.logits, do_sample=do_sample, temperature=temperature, top_k=top_k,
                                         top_p=top_p, generator=generator)

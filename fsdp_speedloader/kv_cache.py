@@ -1,6 +1,6 @@
 """The KV cache of layer-major generation: where each sub-batch's keys and values live between steps.
 
-Layout (one tensor, on the host or on the device)::
+Layout of the host cache (one tensor; the device cache orders it for views, see ``DeviceKVCache``)::
 
     kv[i, l, t, c, j, k, d]     i sub-batch (N)   l layer (L)   t position (capacity T)
                                 c 0 = key, 1 = value          j sequence of the sub-batch (n)
@@ -11,8 +11,12 @@ so ``kv[i, l]`` -- everything layer ``l`` of sub-batch ``i`` has seen -- is ONE 
 values of position ``t`` of every sequence of the sub-batch -- is one small contiguous write.
 
 Modes:
-- ``DeviceKVCache``: the tensor lives on the compute device; ``update`` writes the new positions in
-  place and hands the attention views of ``kv[i, l, :past + q]``.
+- ``DeviceKVCache``: the cache lives on the compute device, laid out ``kv[l, t, c, b, k, d]`` with
+  ``b`` the sequence of the WHOLE batch (sub-batch ``i`` is rows ``i*n .. (i+1)*n``): nothing is copied,
+  so the layout only has to let attention read any group of rows as a view. ``update`` writes the new
+  positions in place and hands the attention views of ``kv[l, :past + q, :, rows]``. Rows of the whole
+  batch are one view too, which lets a decoding step run each unit once on all N sub-batches
+  (``whole_batch_decode``: one decoder-layer call per layer instead of N).
 - ``HostKVCache``: the tensor is a slot of an exact-size page-locked ``PinnedArena``; a
   ``TensorExchange`` moves it. Per (unit, sub-batch): ``prefetch`` starts the H2D copy of
   ``kv[i, l, :past + q]`` for the unit's layers (the last q positions are stale; they are
@@ -102,6 +106,9 @@ class KVCache(ABC):
     attention calls ``update`` through ``view(i)``; ``end_step()``.
     """
 
+    #: A decoding step may run all sub-batches as one group (``view(0)`` then covers the whole batch).
+    whole_batch_decode = False
+
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         self.layout = layout
         self.device = device
@@ -124,9 +131,9 @@ class KVCache(ABC):
     def view(self, i: int) -> "SubBatchCache":
         return SubBatchCache(self, i)
 
-    def _check(self, i: int, layer: int, key: torch.Tensor) -> None:
+    def _check(self, i: int, layer: int, key: torch.Tensor, rows: Optional[int] = None) -> None:
         lay = self.layout
-        expected = (lay.sub_batch_size, lay.num_kv_heads, self.query, lay.head_dim)
+        expected = (rows or lay.sub_batch_size, lay.num_kv_heads, self.query, lay.head_dim)
         assert tuple(key.shape) == expected and key.dtype == lay.dtype, (
             f"attention of layer {layer} gave keys {tuple(key.shape)} {key.dtype}; cache expects {expected} {lay.dtype}")
 
@@ -142,15 +149,28 @@ class KVCache(ABC):
 
 
 class DeviceKVCache(KVCache):
-    """The whole cache on the compute device: no copies."""
+    """The whole cache on the compute device: no copies.
+
+    ``update(i, ...)`` with keys of ``k`` sequences addresses rows ``i*k .. (i+1)*k`` of the batch: sub-batch
+    ``i`` when ``k = n``, the whole batch when ``i = 0, k = N x n`` (``whole_batch_decode``).
+    """
+
+    whole_batch_decode = True
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         super().__init__(layout, device)
-        self.buffer = torch.empty(layout.shape, dtype=layout.dtype, device=device)
+        lay = layout
+        # (L, T, 2, B, H_kv, d): the batch's rows adjacent, so any group of sub-batches is a view.
+        shape = (lay.num_layers, lay.capacity, 2, lay.num_sub_batches * lay.sub_batch_size, lay.num_kv_heads,
+                 lay.head_dim)
+        self.buffer = torch.empty(shape, dtype=lay.dtype, device=device)
 
     def update(self, i, layer, key, value):
-        self._check(i, layer, key)
-        block = self.buffer[i, layer]  # (T, 2, n, H_kv, d)
+        k = key.shape[0]
+        whole = k == self.layout.num_sub_batches * self.layout.sub_batch_size  # every sub-batch at once
+        assert i == 0 or not whole, f"sub-batch {i} of a whole-batch call"
+        self._check(i, layer, key, rows=k if whole else None)
+        block = self.buffer[layer, :, :, i * k : (i + 1) * k]  # (T, 2, k, H_kv, d)
         new = block[self.past : self.past + self.query]
         new[:, 0].copy_(_as_positions(key))
         new[:, 1].copy_(_as_positions(value))

@@ -89,8 +89,10 @@ def test_greedy_parity_with_hugging_face(family):
 def test_parity_with_offload_and_larger_units(family, offload, blocks_per_unit):
     ids, mask = _prompts(4, seed=1)
     model = _prepared(family, 2, offload_params=offload, blocks_per_unit=blocks_per_unit, activation_store="host")
-    got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, kv_cache="host")
-    assert torch.equal(got, _reference(_tiny(family), ids, mask))
+    want = _reference(_tiny(family), ids, mask)
+    for kv_cache in ("host", "device"):  # device: whole-batch decoding steps through the host activation slots
+        got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache)
+        assert torch.equal(got, want), kv_cache
 
 
 def test_no_mask_and_unpadded_prompts():
@@ -160,6 +162,81 @@ def test_one_unshard_per_unit_per_step_and_stats():
         assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
     assert out.shape == (4, PROMPT_LEN + 5)
     assert model.training  # restored
+
+
+def test_decoding_runs_each_layer_once_per_step_with_the_kv_cache_on_the_device(monkeypatch):
+    """Device KV: the prefill runs every layer per sub-batch, a decoding step once on the whole batch (host
+    overhead, not the weights, bounds decoding). Host KV keeps per-sub-batch calls (its copies overlap them)."""
+    from fsdp_speedloader.models import ModelAdapter
+
+    rows: list[int] = []
+    run_block = ModelAdapter.run_block
+
+    def counted(self, block, hidden, inputs):
+        rows.append(hidden.shape[0])
+        return run_block(self, block, hidden, inputs)
+
+    monkeypatch.setattr(ModelAdapter, "run_block", counted)
+    ids, mask = _prompts(4, seed=8)
+    layers, new = 3, 5
+    model = _prepared("llama", 4)
+    for kv_cache, decode_calls in (("device", [4] * layers), ("host", [1] * (4 * layers))):
+        rows.clear()
+        got = generate(model, ids, mask, max_new_tokens=new, num_sub_batches=4, kv_cache=kv_cache)
+        assert torch.equal(got, _reference(_tiny("llama"), ids, mask, max_new_tokens=new))
+        assert rows[: 4 * layers] == [1] * (4 * layers), rows  # prefill: sub-batches of 1 sequence
+        assert rows[4 * layers :] == decode_calls * (new - 1), (kv_cache, rows)
+
+
+# Python-level calls that make the host wait for the GPU when the tensor lives there.
+_SYNCING_CALLS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "masked_select",
+                  "unique", "cpu", "numpy"}
+
+
+@pytest.mark.parametrize("kv_cache", ["device", "host"])
+def test_no_syncing_tensor_call_in_steady_state_decoding(kv_cache, monkeypatch):
+    """From the second decoding step on, no ``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``, ``nonzero``, ...
+    runs on a tensor, except in ``_causal_mask``, whose tensors are on the host by design (Hugging Face's mask
+    code reads the padding mask's values). On the GPU each would stall the pipeline once per step; the CPU
+    sees the Python-level calls (a torch function mode), ``test_generate_gpu.py`` also the ones inside kernels
+    (CUDA's sync debug mode)."""
+    import traceback
+
+    from torch.overrides import TorchFunctionMode
+
+    from fsdp_speedloader import kv_cache as kv_module
+
+    calls: list[str] = []
+
+    class SyncWatch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in _SYNCING_CALLS:
+                stack = traceback.extract_stack()
+                if not any(f.name == "_causal_mask" and f.filename.endswith("generate.py") for f in stack):
+                    calls.append(f"{name} at " + " <- ".join(f"{f.name}:{f.lineno}" for f in stack[-2:-7:-1]))
+            return func(*args, **(kwargs or {}))
+
+    watch = SyncWatch()
+    cls = kv_module.DeviceKVCache if kv_cache == "device" else kv_module.HostKVCache
+    begin_step, close = cls.begin_step, cls.close
+
+    def watched_begin_step(self, past, query):
+        begin_step(self, past, query)
+        if past == PROMPT_LEN + 1:  # the second decoding step: on until the cache closes
+            watch.__enter__()
+
+    def unwatched_close(self):
+        if torch._C._is_torch_function_mode_enabled():
+            watch.__exit__(None, None, None)
+        close(self)
+
+    monkeypatch.setattr(cls, "begin_step", watched_begin_step)
+    monkeypatch.setattr(cls, "close", unwatched_close)
+    ids, mask = _prompts(4, seed=9)
+    got = generate(_prepared("opt", 2), ids, mask, max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache)
+    assert torch.equal(got, _reference(_tiny("opt"), ids, mask))
+    assert not calls, calls[:5]
 
 
 def test_model_generates_after_training_and_trains_after_generating():

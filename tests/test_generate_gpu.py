@@ -149,3 +149,42 @@ def test_host_kv_keeps_gpu_memory_below_device_kv():
         kv_bytes = stats.io["kv_cache_bytes"]
     # bf16 KV: 8 layers x 264 positions x 2 x 64 rows x 4 heads x 32 = 69 MB.
     assert peaks["host"] < peaks["device"] - kv_bytes // 2, (peaks, kv_bytes)
+
+
+@pytest.mark.parametrize("kv_cache,offload", [("device", False), ("host", True)])
+def test_no_host_sync_in_steady_state_decoding(kv_cache, offload, monkeypatch):
+    """From the second decoding step on, nothing waits for the GPU: CUDA's sync debug mode raises on every
+    synchronising call (``.item()``, ``.tolist()``, ``.cpu()``, blocking copies, stream or event
+    ``synchronize``, ``nonzero``). A stall there would cost the whole GPU pipeline once per step.
+
+    The mode is switched on when the KV cache begins the second decoding step (the prefill and the first
+    decoding step may do one-time set-up: lazy init, the step geometry's first carving) and off before the
+    cache closes (its final drain waits by design). No EOS ids and no stats: the EOS vote and the stats'
+    timing synchronise on purpose."""
+    from fsdp_speedloader import kv_cache as kv_module
+
+    cls = kv_module.DeviceKVCache if kv_cache == "device" else kv_module.HostKVCache
+    begin_step, close = cls.begin_step, cls.close
+    strict_steps = []
+
+    def strict_begin_step(self, past, query):
+        begin_step(self, past, query)
+        if past > PROMPT_LEN:  # the second decoding step and later
+            strict_steps.append(past)
+            torch.cuda.set_sync_debug_mode("error")
+
+    def lenient_close(self):
+        torch.cuda.set_sync_debug_mode(0)
+        close(self)
+
+    monkeypatch.setattr(cls, "begin_step", strict_begin_step)
+    monkeypatch.setattr(cls, "close", lenient_close)
+    model = apply_speedloader(_model("opt"), num_sub_batches=2, offload_params=offload,
+                              param_dtype=torch.bfloat16, activation_store="host" if offload else "device")
+    ids, mask = _prompts(8, seed=4)
+    try:
+        generate(model, ids, mask, max_new_tokens=2, num_sub_batches=2, kv_cache=kv_cache)  # lazy init
+        out = generate(model, ids.cuda(), mask.cuda(), max_new_tokens=8, num_sub_batches=2, kv_cache=kv_cache)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert out.shape == (8, PROMPT_LEN + 8) and len(strict_steps) == 6, strict_steps
