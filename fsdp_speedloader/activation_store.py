@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from .arena import DEFAULT_MARGIN, GIB, ArenaPlan, HostMemoryBudget, PinnedArena, bind_fsdp_grads_to_arena, \
-    move_fsdp_shards_into_arena, offloaded_fsdp_params, plan_fsdp_grads, plan_fsdp_shards
+    bind_fsdp_param_transfer, move_fsdp_shards_into_arena, offloaded_fsdp_params, plan_fsdp_grads, \
+    plan_fsdp_param_transfer, plan_fsdp_shards
 from .exchange import TensorExchange
 
 
@@ -139,7 +140,9 @@ class ExchangeActivationStore(ActivationStore):
     gradients at their exact shard size), the shards are copied in and FSDP2 is pointed at them, and
     FSDP2's host copy of each reduce-scattered gradient lands in its slot from then on. Gradient
     slots come with the first step that runs with grad enabled: generation and no-grad forwards do
-    not pay for them (a training step after them re-plans the arena once).
+    not pay for them (a training step after them re-plans the arena once). With
+    ``param_transfer_dtype`` (opt-in) the arena also holds a copy of each shard in that dtype, which
+    FSDP2 then copies to the device instead of the fp32 shard (see ``fsdp_internals``).
 
     Hazards the engine's schedule creates, and what orders them (all on the GPU, by events):
     - ``get(l, i)`` then ``put(l, i, ...)`` in the same iteration (head backward, and the last unit's
@@ -158,6 +161,8 @@ class ExchangeActivationStore(ActivationStore):
       one (GPU-side); a larger one needs a new arena: the host waits for the old copies first.
     - The parameter shards in the arena: FSDP2 copies them to the device and the CPU optimizer
       updates them in place, ordered exactly as with FSDP2's own pinned shards.
+    - The transfer copies: cast on the CPU after the optimizer step that changed their shard (or when
+      FSDP2 reads a stale one), read by FSDP2's host-to-device copy: ordered like the shards themselves.
     - The gradient slots: FSDP2 copies into them on its post-reduce stream and records its
       ``grad_offload_event`` after the copy, which the CPU optimizer (``OverlappedOptimizer``) and
       FSDP2's end of backward wait on, as for its own pinned gradients. The next step's copy into a
@@ -177,6 +182,8 @@ class ExchangeActivationStore(ActivationStore):
         self._params_in_arena = False
         self.param_shard_bytes = 0
         self.grad_shard_bytes = 0
+        self.param_transfer_dtype: Optional[torch.dtype] = None  # set by apply_speedloader (opt-in)
+        self.param_transfer_bytes = 0
         self._grads_wanted = False  # a step with grad enabled has begun: the arena holds gradient slots
         self._grads_in_arena = False  # the current arena was planned with them
 
@@ -214,6 +221,8 @@ class ExchangeActivationStore(ActivationStore):
         fsdp_params = offloaded_fsdp_params(self._param_root) if self._param_root else []
         planned = plan_fsdp_shards(plan, fsdp_params)
         planned_grads = plan_fsdp_grads(plan, fsdp_params) if self._grads_wanted else []
+        planned_transfer = (plan_fsdp_param_transfer(plan, planned, self.param_transfer_dtype)
+                            if self.param_transfer_dtype is not None else [])
         n_slots, n_sub, n, s, _ = shape
         hint = (f"lower schedule.num_sub_batches (N={n_sub}), schedule.sub_batch_size (n={n}) or data.seq_len "
                 f"(s={s}), or raise schedule.blocks_per_unit (the activations take {n_slots} slots of N x n x s x h)")
@@ -221,6 +230,8 @@ class ExchangeActivationStore(ActivationStore):
         if states := by_kind.get("param_shards", 0) + by_kind.get("grad_shards", 0):
             hint += (f"; the offloaded parameter shards and their gradients ({states / GIB:.2f} GiB) shrink only "
                      "with more ranks, or leave the arena with offload.pin_memory=false (pageable, blocking copies)")
+        if transfer := by_kind.get("param_transfer", 0):
+            hint += f"; offload.param_transfer_dtype=null drops the transfer copies ({transfer / GIB:.2f} GiB)"
         budget = HostMemoryBudget.detect(self.host_memory_limit_bytes, margin=self.host_memory_margin)
         # Pageable shards are freed one by one as they move in; shards in an old arena are not (its
         # region lives until the last of them has moved).
@@ -239,6 +250,7 @@ class ExchangeActivationStore(ActivationStore):
         self._host = arena.slot("activations")
         self._host.zero_()  # commit its pages on all intra-op threads (the shards' are committed by their copies)
         self.grad_shard_bytes = bind_fsdp_grads_to_arena(arena, planned_grads)  # zeroes (commits) its slots
+        self.param_transfer_bytes = bind_fsdp_param_transfer(arena, planned_transfer) if planned_transfer else 0
         self._grads_in_arena = self._grads_wanted
         arena.pin()
         if old is not None:

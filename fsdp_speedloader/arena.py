@@ -23,7 +23,8 @@ than the store that built it). ``close()`` drops the arena's own references.
 docstring for exactly which FSDP2 attributes it touches and why that is the same surgery FSDP2's own
 ``reset_sharded_param`` does, on torch 2.11 and 2.13); ``bind_fsdp_grads_to_arena`` makes FSDP2
 copy their gradients into arena slots too (``fsdp_internals.set_grad_slots``), instead of a fresh
-power-of-two page-locked block per parameter and step.
+power-of-two page-locked block per parameter and step; ``bind_fsdp_param_transfer`` (opt-in) keeps a
+compute-dtype copy of each shard in the arena for FSDP2 to transfer instead of the fp32 shard.
 """
 
 from __future__ import annotations
@@ -420,10 +421,14 @@ def move_fsdp_shards_into_arena(arena: PinnedArena, planned: list[tuple[str, obj
 
     Call it when no unshard is reading the old shards from page-locked memory (pageable sources
     are staged by CUDA before the copy call returns, so FSDP2's first-forward copies are safe).
+
+    Each shard gets a version counter of its own (a view of the arena would share the region's with
+    every other slot, bumped by each activation copy): ``_version`` then counts writes to that shard
+    alone, which is what the parameter transfer copies check (``fsdp_internals.set_param_transfer``).
     """
     moved = 0
     for name, fsdp_param in planned:
-        padded = arena.slot(name)  # padded_sharded_param_size
+        padded = _own_version_counter(arena.slot(name))  # padded_sharded_param_size
         old = fsdp_param._sharded_param_data
         padded.view(-1).copy_(old)
         shard_dim = fsdp_param.fsdp_placement.dim
@@ -436,6 +441,39 @@ def move_fsdp_shards_into_arena(arena: PinnedArena, planned: list[tuple[str, obj
             fsdp_param.pin_memory = True
         moved += padded.numel() * padded.element_size()
     return moved
+
+
+def _own_version_counter(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a tensor that is no view: same storage, its own autograd version counter."""
+    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+# --- FSDP2 parameters transferred in the compute dtype --------------------------------------------
+
+
+def plan_fsdp_param_transfer(plan: ArenaPlan, planned_shards: list[tuple[str, object]], dtype: torch.dtype
+                             ) -> list[tuple[str, object]]:
+    """Adds one 'param_transfer' slot per planned parameter shard whose dtype is not ``dtype``: the padded
+    shard (``padded_sharded_param_size``, flattened) in ``dtype``, what FSDP2 then copies to the device
+    instead of the fp32 shard (half the bytes for bf16); returns (slot, param)."""
+    planned = []
+    for k, (_, fsdp_param) in enumerate(planned_shards):
+        if fsdp_param._sharded_param_data.dtype == dtype:
+            continue
+        name = f"param_transfer:{k}:{getattr(fsdp_param, '_param_fqn', None) or ''}"
+        plan.add(name, "param_transfer", (math.prod(fsdp_param.padded_sharded_param_size),), dtype)
+        planned.append((name, fsdp_param))
+    return planned
+
+
+def bind_fsdp_param_transfer(arena: PinnedArena, planned: list[tuple[str, object]]) -> int:
+    """Casts each planned shard into its 'param_transfer' slot (committing its pages) and makes FSDP2's
+    host-to-device parameter copy read the slot (``fsdp_internals.set_param_transfer``); returns the bytes."""
+    from .fsdp_internals import set_param_transfer  # FSDP2's private modules load only when FSDP is in use
+
+    copies = [(fsdp_param, arena.slot(name)) for name, fsdp_param in planned]
+    set_param_transfer(copies)
+    return sum(t.numel() * t.element_size() for _, t in copies)
 
 
 # --- FSDP2 offloaded gradients ------------------------------------------------------------------

@@ -210,6 +210,19 @@ class OffloadConfig:
     """Parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)."""
     pin_memory: bool = True
     """Page-lock offloaded shards so copies are asynchronous (ignored without CUDA)."""
+    param_transfer_dtype: Optional[str] = None
+    """None, or 'bf16' ('bfloat16'): keep a copy of each offloaded shard in the arena in this dtype (the
+    param_dtype) and transfer it instead of the fp32 shard: half the host-to-device bytes, the same bits.
+    Layer-major with params=true, pin_memory=true and the host activation store."""
+
+    def __post_init__(self) -> None:
+        if self.param_transfer_dtype == "bf16":
+            self.param_transfer_dtype = "bfloat16"
+        if self.param_transfer_dtype is not None:
+            _check_choice(self.param_transfer_dtype, "offload.param_transfer_dtype", ("bfloat16", "float16"))
+            _check(self.params and self.pin_memory, "offload.param_transfer_dtype",
+                   "its copies live in the pinned arena next to the offloaded shards: set offload=params with "
+                   "offload.pin_memory=true, or offload.param_transfer_dtype=null")
 
 
 @dataclass
@@ -312,6 +325,15 @@ class TrainConfig:
             _check(self.optim.grad_clip == 0, "optim.grad_clip",
                    f"got {self.optim.grad_clip}; global-norm clipping needs every gradient before any step, which "
                    "optim.overlap_with_backward=true does not wait for: set optim.grad_clip=0")
+        if self.offload.param_transfer_dtype is not None:
+            what = f"offload.param_transfer_dtype={self.offload.param_transfer_dtype}"
+            _check(self.schedule.name in ("speedloader", "auto") and self.schedule.activation_store in ("auto", "host"),
+                   "offload.param_transfer_dtype", f"{what} needs the layer-major schedule's host arena: "
+                   "schedule=speedloader (or auto) with schedule.activation_store=host (or auto), or "
+                   "offload.param_transfer_dtype=null")
+            _check(self.param_dtype in ("auto", self.offload.param_transfer_dtype), "offload.param_transfer_dtype",
+                   f"{what} differs from param_dtype={self.param_dtype}: FSDP2 casts to param_dtype on the device "
+                   "anyway; set both to the same dtype, or offload.param_transfer_dtype=null")
         _check(self.data.seq_len <= self.model.max_position_embeddings or self.model.path is not None,
                "data.seq_len", f"{self.data.seq_len} exceeds model.max_position_embeddings="
                f"{self.model.max_position_embeddings}; lower data.seq_len")

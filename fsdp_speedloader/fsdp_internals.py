@@ -3,7 +3,9 @@
 Each function names the FSDP2 attribute it relies on; all were read in torch 2.11 and 2.13
 (``FSDPParamGroup.fsdp_params``, ``FSDPParam.unsharded_accumulated_grad`` and its two helpers,
 ``FSDPParam.all_gather_inputs``, the world-size-1 branch of ``FSDPParamGroup.unshard`` /
-``wait_for_unshard``, the gradient copy to the host in ``foreach_reduce``). The state's group
+``wait_for_unshard``, the gradient copy to the host in ``foreach_reduce``, and for the parameter
+transfer copies ``FSDPParam._sharded_param_data``, ``sharded_param``, ``sharded_state``,
+``offload_to_cpu``, ``param_dtype``, ``device`` and ``_sharded_local_tensor``). The state's group
 attribute is ``_fsdp_param_group`` in 2.11 and ``_fsdp_param_groups`` (a list) in 2.13.
 """
 
@@ -18,8 +20,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
-from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
@@ -74,7 +77,21 @@ _original_wait = FSDPParamGroup.wait_for_unshard
 
 def _all_gather_inputs(self: FSDPParam) -> list[torch.Tensor]:
     staged = self.__dict__.pop("_speedloader_staged_input", None)
-    return [staged] if staged is not None else _original_inputs.fget(self)
+    return [staged] if staged is not None else _unstaged_inputs(self)
+
+
+def _unstaged_inputs(fsdp_param: FSDPParam) -> list[torch.Tensor]:
+    """FSDP2's own ``all_gather_inputs``, or the same tensors read from the parameter's transfer copy."""
+    copy = _transfer_source(fsdp_param)
+    if copy is None:
+        return _original_inputs.fget(fsdp_param)
+    return [copy.to(fsdp_param.device, non_blocking=True)]  # already param_dtype: FSDP's cast is a no-op
+
+
+def _patch_all_gather_inputs() -> None:
+    if not isinstance(FSDPParam.__dict__.get("all_gather_inputs"), property) or \
+            FSDPParam.all_gather_inputs.fget is not _all_gather_inputs:
+        FSDPParam.all_gather_inputs = property(_all_gather_inputs)
 
 
 def _single_rank_shortcut(group: FSDPParamGroup) -> bool:
@@ -92,7 +109,7 @@ def _unshard(self: FSDPParamGroup, async_op: bool = False):
     stream.wait_stream(torch.cuda.current_stream())  # e.g. a previous reshard of the same memory
     with torch.cuda.stream(stream):
         for fsdp_param in self.fsdp_params:
-            fsdp_param._speedloader_staged_input = _original_inputs.fget(fsdp_param)[0]
+            fsdp_param._speedloader_staged_input = _unstaged_inputs(fsdp_param)[0]
     self._speedloader_staged_event = stream.record_event()
     return out
 
@@ -116,7 +133,7 @@ def enable_single_rank_prefetch(modules: Sequence[nn.Module]) -> None:
     if not groups:
         return
     if FSDPParamGroup.unshard is not _unshard:  # patch the classes once; unmarked groups are unaffected
-        FSDPParam.all_gather_inputs = property(_all_gather_inputs)
+        _patch_all_gather_inputs()
         FSDPParamGroup.unshard = _unshard
         FSDPParamGroup.wait_for_unshard = _wait_for_unshard
     for group in groups:
@@ -268,3 +285,137 @@ def grad_slot_of(fsdp_param: FSDPParam) -> Optional[torch.Tensor]:
     """The host slot FSDP2 writes ``fsdp_param``'s gradient into, or None."""
     slot = fsdp_param.__dict__.get(_GRAD_SLOT)
     return None if slot is None else slot.tensor
+
+
+# --- parameters transferred in the compute dtype --------------------------------------------------
+#
+# With CPU offload, FSDP2's ``all_gather_inputs`` (SHARDED state, no tensor-subclass extension; the
+# same lines in torch 2.11 and 2.13), read by the all-gather and by the world-size-1 branch alike, is
+#
+#     sharded_param_data = self._sharded_param_data
+#     if self.offload_to_cpu: sharded_param_data = sharded_param_data.to(self.device, non_blocking=True)
+#     return [_to_dtype_if_needed(sharded_param_data, self.param_dtype)]
+#
+# i.e. the fp32 shard crosses to the device (4 B/param) and is cast there. For a parameter given a
+# transfer copy by ``set_param_transfer`` (a host tensor of the padded shard in ``param_dtype``, e.g. an
+# arena slot), the patched property copies that copy instead (2 B/param for bf16), and FSDP's cast has
+# nothing left to do. Same bits: the host cast rounds to nearest even, as the device's does.
+#
+# Never stale. A copy records what it was cast from: the ``_sharded_param_data`` and ``sharded_param``
+# objects and their version counters (``_version``; in-place writes through ``sharded_param``, e.g.
+# ``load_state_dict``, bump the DTensor's counter, writes through ``to_local()`` the shard's). torch.optim's
+# foreach and fused AdamW update a DTensor's local tensor without bumping either counter (measured on
+# torch 2.13), so a global optimizer step post-hook also marks the copies of every parameter a torch.optim
+# optimizer stepped. A copy that is not fresh when FSDP reads it is refreshed right there, synchronously
+# (correct, slow: the cast lands on the unshard's critical path); the fast path is
+# ``refresh_param_transfer`` right after the step (``OverlappedOptimizer``'s worker, unit by unit).
+# Writers outside both must call ``refresh_param_transfer(..., force=True)``: an optimizer that is not a
+# ``torch.optim.Optimizer`` and bumps no counter, and ``torch.distributed.checkpoint.load`` straight into
+# ``model.state_dict()`` (it bumps no counter either, measured on 2.13; loading through
+# ``set_model_state_dict`` / ``load_state_dict`` is seen).
+
+_TRANSFER = "_speedloader_transfer_copy"
+_by_param: dict[int, weakref.ref] = {}  # id(sharded_param) -> its FSDPParam, for the step post-hook
+_hook_handle = None
+
+
+class _TransferCopy:
+    """A parameter's host copy in the transfer dtype, and what it was last cast from."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor  # (padded shard numel,), the compute dtype
+        self.stamp: Optional[tuple] = None  # (ref to _sharded_param_data, ref to sharded_param, their versions)
+        self.dirty = True  # an optimizer stepped the parameter since the last refresh
+
+    def fresh(self, fsdp_param: FSDPParam) -> bool:
+        if self.dirty or self.stamp is None:
+            return False
+        data_ref, param_ref, versions = self.stamp
+        data, param = fsdp_param._sharded_param_data, fsdp_param.sharded_param
+        return data_ref() is data and param_ref() is param and versions == (data._version, param._version)
+
+    @torch.no_grad()
+    def refresh(self, fsdp_param: FSDPParam) -> None:
+        data, param = fsdp_param._sharded_param_data, fsdp_param.sharded_param
+        self.dirty = False  # first: a step that starts after this line marks the copy again
+        self.stamp = (weakref.ref(data), weakref.ref(param), (data._version, param._version))
+        self.tensor.copy_(data)  # the cast, round to nearest even
+        _by_param[id(param)] = weakref.ref(fsdp_param)
+
+
+def _mark_stepped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Global ``torch.optim`` step post-hook: the stepped parameters' copies are stale."""
+    if not _by_param:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            ref = _by_param.get(id(param))
+            fsdp_param = ref() if ref is not None else None
+            if fsdp_param is not None and fsdp_param.sharded_param is param:
+                copy = fsdp_param.__dict__.get(_TRANSFER)
+                if copy is not None:
+                    copy.dirty = True
+
+
+_logged_slow = False
+num_stale_transfer_casts = 0  # copies refreshed on the unshard path (the slow path), since import
+
+
+def _transfer_source(fsdp_param: FSDPParam) -> Optional[torch.Tensor]:
+    """The fresh transfer copy FSDP2 should copy to the device instead of ``_sharded_param_data``, or None."""
+    global _logged_slow, num_stale_transfer_casts
+    copy: Optional[_TransferCopy] = fsdp_param.__dict__.get(_TRANSFER)
+    if (copy is None or fsdp_param.sharded_state != ShardedState.SHARDED or not fsdp_param.offload_to_cpu
+            or hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather")
+            or copy.tensor.dtype != fsdp_param.param_dtype
+            or copy.tensor.numel() != fsdp_param._sharded_param_data.numel()):
+        return None
+    if not copy.fresh(fsdp_param):
+        if not _logged_slow:
+            _logged_slow = True
+            log.debug("transfer copy of %s is stale when FSDP2 loads it: cast on the unshard path (call "
+                      "refresh_param_transfer after the optimizer step to take the cast off it)", _fqn(fsdp_param))
+        copy.refresh(fsdp_param)
+        num_stale_transfer_casts += 1
+    return copy.tensor
+
+
+def set_param_transfer(copies: Sequence[tuple[FSDPParam, torch.Tensor]]) -> None:
+    """Makes FSDP2 copy each offloaded ``FSDPParam``'s ``tensor`` to the device instead of its fp32 shard.
+
+    ``tensor``: a 1-D host tensor of the padded shard's numel in the parameter's ``param_dtype`` (e.g. an
+    arena slot); it is cast from ``_sharded_param_data`` here and whenever it is stale (see the comment
+    above). Patches ``FSDPParam.all_gather_inputs`` (class-wide, once; parameters without a copy keep
+    FSDP2's own) and registers one global optimizer step post-hook.
+    """
+    global _hook_handle
+    for fsdp_param, tensor in copies:
+        data = fsdp_param._sharded_param_data
+        if (tensor.device.type != "cpu" or tensor.dim() != 1 or tensor.numel() != data.numel()
+                or tensor.dtype != fsdp_param.param_dtype):
+            raise ValueError(f"transfer copy of {_fqn(fsdp_param)}: {tuple(tensor.shape)} {tensor.dtype} on "
+                             f"{tensor.device}; FSDP2 needs ({data.numel()},) {fsdp_param.param_dtype} on the host")
+    _patch_all_gather_inputs()
+    if _hook_handle is None:
+        _hook_handle = register_optimizer_step_post_hook(_mark_stepped)
+    for fsdp_param, tensor in copies:
+        copy = _TransferCopy(tensor)
+        copy.refresh(fsdp_param)
+        fsdp_param.__dict__[_TRANSFER] = copy
+
+
+def refresh_param_transfer(fsdp_params: Sequence[FSDPParam], *, force: bool = False) -> int:
+    """Casts the stale transfer copies of ``fsdp_params`` (all with ``force``); returns how many were cast."""
+    cast = 0
+    for fsdp_param in fsdp_params:
+        copy = fsdp_param.__dict__.get(_TRANSFER)
+        if copy is not None and (force or not copy.fresh(fsdp_param)):
+            copy.refresh(fsdp_param)
+            cast += 1
+    return cast
+
+
+def param_transfer_of(fsdp_param: FSDPParam) -> Optional[torch.Tensor]:
+    """The host copy FSDP2 transfers for ``fsdp_param`` (its ``param_dtype``), or None."""
+    copy = fsdp_param.__dict__.get(_TRANSFER)
+    return None if copy is None else copy.tensor

@@ -10,6 +10,10 @@ final norm, LM head) remain after ``loss.backward()``.
 Exact: every unit is stepped once per optimizer step with its final gradient, and the next
 forward waits for all steps (``wait``). Incompatible with global-norm gradient clipping, which
 needs every gradient before any step.
+
+With ``param_transfer_dtype`` the worker also casts each unit's transfer copies right after that
+unit's step, so the next forward finds them fresh and the main thread casts only the units it
+steps itself (the first unit and the root).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class OverlappedOptimizer:
         engine = getattr(model, "_speedloader", None)
         if engine is None:
             raise ValueError("OverlappedOptimizer needs a model prepared with apply_speedloader")
+        self._engine = engine
         self._units = [module for module, _ in engine.units]
         unit_params = [[p for p in module_params(unit)] for unit in self._units]
         seen = {id(p) for params in unit_params for p in params}
@@ -78,6 +83,7 @@ class OverlappedOptimizer:
                     for event in events:
                         event.synchronize()  # blocks this thread only, until the gradient is on the host
                     self.optimizers[index].step()
+                    self._engine.refresh_param_transfer(index + 1)  # the unit's transfer copies, cast here
             except BaseException as e:  # reported to the main thread by wait()
                 self._error = e
             finally:
@@ -96,6 +102,7 @@ class OverlappedOptimizer:
         for index, opt in enumerate(self.optimizers):
             if index not in self._stepped:
                 opt.step()
+                self._engine.refresh_param_transfer(index + 1)
         self._stepped.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

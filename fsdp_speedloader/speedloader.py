@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .activation_store import ActivationStore, ExchangeActivationStore, build_activation_store
 from .chain import EmbedFunction, HeadLossFunction, StepState, Unit, UnitFunction, num_label_tokens, shift_labels
-from .fsdp_internals import enable_single_rank_prefetch
+from .fsdp_internals import enable_single_rank_prefetch, fsdp_params_of, refresh_param_transfer
 from .models import ModelAdapter, get_adapter
 from .parallel import apply_fsdp, build_mesh, check_mesh, compute_device, maybe_init_process_group, \
     set_forward_prefetch
@@ -35,8 +35,11 @@ class SpeedLoader:
     """The per-model engine: holds the units and the store, runs one layer-major forward."""
 
     def __init__(self, adapter: ModelAdapter, units: list[tuple[nn.Module, Unit]], store: ActivationStore,
-                 *, num_sub_batches: int, device: torch.device, loss_chunk_tokens: int) -> None:
+                 *, num_sub_batches: int, device: torch.device, loss_chunk_tokens: int,
+                 root: Optional[nn.Module] = None, param_transfer_dtype: Optional[torch.dtype] = None) -> None:
         self.adapter = adapter
+        self.root = root  # the FSDP root (the model), whose state holds the embeddings, norm and head
+        self.param_transfer_dtype = param_transfer_dtype
         self.units = units  # (FSDP module holding the unit's state, Unit)
         self.store = store
         self.num_sub_batches = num_sub_batches
@@ -44,6 +47,22 @@ class SpeedLoader:
         self.loss_chunk_tokens = loss_chunk_tokens
         # Called with l once unit l's gradients are final in backward (OverlappedOptimizer sets it).
         self.grad_ready_hook = None
+
+    def unit_fsdp_params(self, index: int) -> list:
+        """FSDP2's parameters of unit ``index`` (1 .. U), or of the root for ``index == U + 1``."""
+        module = self.units[index - 1][0] if index <= len(self.units) else self.root
+        return fsdp_params_of(module) if module is not None else []
+
+    def refresh_param_transfer(self, index: Optional[int] = None, *, force: bool = False) -> int:
+        """Casts the stale transfer copies (``param_transfer_dtype``) of unit ``index``, or of every unit and
+        the root; returns how many. Call it after ``optimizer.step()`` to keep the cast off the next
+        forward's unshards (a stale copy is also refreshed there, never used); ``force`` recasts all, for
+        writers that neither a ``torch.optim`` optimizer nor a version counter reveals. A no-op when the
+        option is off."""
+        if self.param_transfer_dtype is None:
+            return 0
+        indices = range(1, len(self.units) + 2) if index is None else [index]
+        return sum(refresh_param_transfer(self.unit_fsdp_params(i), force=force) for i in indices)
 
     def _check_inputs(self, input_ids, attention_mask, labels, kwargs) -> None:
         if input_ids is None or input_ids.dim() != 2:
@@ -125,6 +144,7 @@ def apply_speedloader(
     reduce_dtype: Optional[torch.dtype] = torch.float32,
     forward_prefetch: int = 1,
     loss_chunk_tokens: int = 4096,
+    param_transfer_dtype: Optional[torch.dtype] = None,
 ) -> nn.Module:
     """Shards ``model`` with FSDP2 and makes its forward/backward layer-major, in place.
 
@@ -142,6 +162,11 @@ def apply_speedloader(
         param_dtype / reduce_dtype: FSDP mixed precision (compute / gradient reduction dtype).
         forward_prefetch: units whose unshard is issued ahead in forward.
         loss_chunk_tokens: tokens per chunk of the chunked cross-entropy.
+        param_transfer_dtype: None (FSDP2 copies the fp32 shards to the device and casts there), or
+            ``param_dtype``: the arena keeps a copy of every offloaded shard in that dtype (cast on the
+            CPU after each optimizer step, never used stale) and FSDP2 copies it instead: half the
+            host-to-device bytes for bf16, the same bits. Needs offload_params, pin_memory and
+            activation_store 'host' (or 'auto').
     Returns:
         ``model`` itself.
     """
@@ -151,6 +176,10 @@ def apply_speedloader(
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}={value!r}; it must be an integer >= {low}")
     store = build_activation_store(activation_store, offload_params=offload_params)
+    if param_transfer_dtype is not None:
+        _check_param_transfer(param_transfer_dtype, param_dtype, offload_params=offload_params,
+                              pin_memory=pin_memory, store=store)
+        store.param_transfer_dtype = param_transfer_dtype
     if mesh is None:
         maybe_init_process_group()
         mesh = build_mesh("cuda" if torch.cuda.is_available() else "cpu")
@@ -179,6 +208,23 @@ def apply_speedloader(
         units.append((module, unit))
 
     model._speedloader = SpeedLoader(adapter, units, store, num_sub_batches=num_sub_batches,
-                                     device=compute_device(mesh.device_type), loss_chunk_tokens=loss_chunk_tokens)
+                                     device=compute_device(mesh.device_type), loss_chunk_tokens=loss_chunk_tokens,
+                                     root=model, param_transfer_dtype=param_transfer_dtype)
     model.forward = types.MethodType(_model_forward, model)
     return model
+
+
+def _check_param_transfer(dtype, param_dtype, *, offload_params: bool, pin_memory: bool, store) -> None:
+    """``param_transfer_dtype`` needs shards in the arena, and must be what FSDP2 casts to anyway."""
+    name = "param_transfer_dtype (offload.param_transfer_dtype)"
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{name}={dtype!r}; pass a floating-point torch.dtype such as torch.bfloat16, or None")
+    if not (offload_params and pin_memory and isinstance(store, ExchangeActivationStore)):
+        raise ValueError(f"{name}={dtype} keeps its copies in the host arena next to the offloaded parameter "
+                         f"shards; it needs offload_params=True, pin_memory=True and activation_store='host' or "
+                         f"'auto' (got offload_params={offload_params}, pin_memory={pin_memory}, store "
+                         f"{type(store).__name__}): set offload=params, or param_transfer_dtype=None")
+    if dtype != param_dtype:
+        raise ValueError(f"{name}={dtype} differs from param_dtype={param_dtype}: FSDP2 casts the transferred "
+                         f"parameters to param_dtype on the device anyway; set param_transfer_dtype=param_dtype "
+                         "(e.g. both bfloat16) or None")

@@ -194,7 +194,8 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
                           blocks_per_unit=sched.blocks_per_unit, activation_store=sched.activation_store,
                           offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory,
                           param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                          forward_prefetch=sched.forward_prefetch, loss_chunk_tokens=sched.loss_chunk_tokens)
+                          forward_prefetch=sched.forward_prefetch, loss_chunk_tokens=sched.loss_chunk_tokens,
+                          param_transfer_dtype=_DTYPES.get(cfg.offload.param_transfer_dtype))
         return
     if sched.activation_checkpointing:  # before sharding: FSDP's hooks then sit inside the checkpoint
         enable_activation_checkpointing(model)
@@ -294,6 +295,8 @@ class Trainer:
             self.step = self.checkpointer.load(resume_path, model=model, optimizer=self._optimizer_state(),
                                                scheduler=self.scheduler, loader=self.loader)
             self._info("resumed from %s at step %d", resume_path, self.step)
+            if (engine := getattr(model, "_speedloader", None)) is not None:
+                engine.refresh_param_transfer(force=True)  # loaded in place: recast whatever the checks missed
         elif cfg.checkpoint.resume == "auto":
             self._info("checkpoint.resume=auto: no checkpoint in %s, starting fresh", checkpoint_dir)
         self.logger = logger if logger is not None else build_logger(
@@ -346,11 +349,14 @@ class Trainer:
         self.metrics.mark_data_ready()
 
         loss = self._forward_backward(input_ids, labels, num_tokens)
+        engine = getattr(self.model, "_speedloader", None)
         grad_norm = None
         if self.cfg.optim.grad_clip > 0:
             grad_norm = _full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        if engine is not None and not isinstance(self.optimizer, OverlappedOptimizer):
+            engine.refresh_param_transfer()  # the bf16 transfer copies, cast now rather than in the next forward
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -362,7 +368,6 @@ class Trainer:
         metrics = self.metrics.end_step(loss=loss.item(), lr=float(lr),
                                         grad_norm=grad_norm.item() if grad_norm is not None else None)
         metrics["tokens"] = self.step * self.world_size * self.cfg.schedule.batch_size * self.cfg.data.seq_len
-        engine = getattr(self.model, "_speedloader", None)
         if engine is not None:  # copy bytes, compute-stream waits on copies, arena bytes (read at the step end)
             metrics.update(engine.store.step_stats())
         return metrics

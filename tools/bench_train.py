@@ -17,6 +17,11 @@ Usage (one GPU):
       --contender speedloader-overlap:1x8 --contender fsdp2-offload:1x8 --contender ondevice:1x8 \
       --max-gpu-memory-gib 40 --name llama7b_L8_b8
 Each ``--contender NAME:nxN`` sets the sub-batch (micro-batch) size n and their number N.
+``--param-transfer-dtype bf16`` makes the speedloader contenders transfer a bf16 copy of each offloaded
+fp32 shard (half the host-to-device parameter bytes); a ``:transfer=bf16`` or ``:transfer=fp32``
+suffix sets it per contender, so one invocation compares both:
+  python tools/bench_train.py --model llama2_7b --layers 8 --seq-len 4096 --max-gpu-memory-gib 40 \
+      --contender speedloader-overlap:4x2 --contender speedloader-overlap:4x2:transfer=bf16 --steps 3 --warmup 1
 Writes bench/results/<name>.json (device, torch version, commit, command, config, every figure)
 and prints a markdown table.
 """
@@ -136,6 +141,20 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
     return fb_times, opt_times, losses, profile
 
 
+def parse_contender(spec: str, default_transfer: Optional[str]) -> tuple[str, str, Optional[str]]:
+    """'NAME:nxN[:transfer=bf16|fp32]' -> (NAME, 'nxN', 'bf16' or None); ``default_transfer`` is the
+    ``--param-transfer-dtype`` given to every speedloader contender without a suffix."""
+    name, shape, *options = spec.split(":")
+    transfer = default_transfer if name.startswith("speedloader") else None
+    for option in options:
+        key, _, value = option.partition("=")
+        if key != "transfer" or value not in ("bf16", "fp32") or not name.startswith("speedloader"):
+            raise ValueError(f"contender {spec!r}: the only suffix is ':transfer=bf16' or ':transfer=fp32', "
+                             "for the speedloader contenders")
+        transfer = None if value == "fp32" else value
+    return name, shape, transfer
+
+
 def run_worker(args: argparse.Namespace) -> dict:
     """One contender, one process: build, warm up, time ``--steps`` steps, return the figures."""
     import torch
@@ -145,7 +164,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     from fsdp_speedloader.models import build_model, get_adapter, materialize_model
     from fsdp_speedloader.parallel import apply_fsdp, build_mesh, maybe_init_process_group, set_forward_prefetch
 
-    name, shape = args.worker.split(":")
+    name, shape, transfer = parse_contender(args.worker, args.param_transfer_dtype)
     sub_batch, num_sub = (int(v) for v in shape.split("x"))
     if name == "deepspeed-offload":  # a peer with its own engine and launcher environment
         from bench_deepspeed import run_deepspeed
@@ -165,7 +184,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     layer_major = name.startswith("speedloader")
     if layer_major:
         apply_speedloader(model, num_sub_batches=num_sub, param_dtype=torch.bfloat16, offload_params=True,
-                          activation_store=args.activation_store, forward_prefetch=args.prefetch)
+                          activation_store=args.activation_store, forward_prefetch=args.prefetch,
+                          param_transfer_dtype=torch.bfloat16 if transfer == "bf16" else None)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         units = apply_fsdp(model, build_mesh("cuda"), units=[[b] for b in adapter.blocks],
@@ -203,6 +223,8 @@ def run_worker(args: argparse.Namespace) -> dict:
 
     def optimizer_step() -> None:
         optim.step()
+        if layer_major and name != "speedloader-overlap":  # the overlapped optimizer casts in its worker
+            model._speedloader.refresh_param_transfer()  # a no-op without transfer copies
         optim.zero_grad(set_to_none=True)
 
     fb_times, opt_times, losses, profile = time_steps(fwd_bwd, optimizer_step, args, sync=torch.cuda.synchronize,
@@ -213,7 +235,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     recompute_per_token = flops_per_token / 3  # every block's forward runs twice: + (2 N + 4 L h s)
     peak = args.peak_tflops * 1e12
     result = {
-        "contender": name, "sub_batch_size": sub_batch, "num_sub_batches": num_sub, "tokens_per_step": tokens,
+        "contender": name, "contender_spec": args.worker, "param_transfer_dtype": transfer,
+        "sub_batch_size": sub_batch, "num_sub_batches": num_sub, "tokens_per_step": tokens,
         "fwd_bwd_s": fb, "optimizer_s": opt, "step_s": fb + opt,
         "tokens_per_s_fwd_bwd": tokens / fb, "tokens_per_s": tokens / (fb + opt),
         "mfu_fwd_bwd": tokens / fb * flops_per_token / peak, "mfu": tokens / (fb + opt) * flops_per_token / peak,
@@ -229,6 +252,9 @@ def run_worker(args: argparse.Namespace) -> dict:
         store = model._speedloader.store
         result["host_activation_gib"] = store.host_bytes / 2**30
         result["exchange"] = store.step_stats()  # the last measured step: copy bytes, compute-stream waits
+        from fsdp_speedloader import fsdp_internals
+
+        result["stale_transfer_casts"] = fsdp_internals.num_stale_transfer_casts  # casts on the unshard path
     return result
 
 
@@ -243,6 +269,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--activation-store", default="host")
+    parser.add_argument("--param-transfer-dtype", default=None, choices=["bf16"],
+                        help="speedloader contenders: transfer a bf16 copy of each offloaded shard (per contender: "
+                             "NAME:nxN:transfer=bf16 or :transfer=fp32)")
     parser.add_argument("--max-gpu-memory-gib", type=float, default=None)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--profile", action="store_true", help="trace one extra step and summarize it")
@@ -262,7 +291,13 @@ def main() -> None:
     import torch
 
     rows = []
-    for contender in args.contender or ["speedloader:1x8", "fsdp2-offload:1x8", "ondevice:1x8"]:
+    contenders = args.contender or ["speedloader:1x8", "fsdp2-offload:1x8", "ondevice:1x8"]
+    for contender in contenders:
+        try:
+            parse_contender(contender, args.param_transfer_dtype)  # a bad suffix fails before any run
+        except ValueError as e:
+            parser.error(str(e))
+    for contender in contenders:
         cmd = [sys.executable, __file__, "--worker", contender] + [
             a for a in sys.argv[1:] if not a.startswith("--contender") and ":" not in a]
         t0 = time.time()
@@ -296,7 +331,9 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['contender']} | - | error: {r['error'][:80]} | | | |")
         else:
-            print(f"| {r['contender']} | {r['sub_batch_size']}x{r['num_sub_batches']} | {r['tokens_per_s_fwd_bwd']:.0f} "
+            transfer = r.get("param_transfer_dtype")
+            label = r["contender"] + (f" ({transfer} transfer)" if transfer else "")
+            print(f"| {label} | {r['sub_batch_size']}x{r['num_sub_batches']} | {r['tokens_per_s_fwd_bwd']:.0f} "
                   f"| {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['peak_hbm_gib']:.1f} |")
 
 
