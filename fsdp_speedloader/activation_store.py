@@ -245,7 +245,8 @@ class ExchangeActivationStore(ActivationStore):
             torch.cuda.synchronize(self.device)
         self._host = None
         old, self.arena = self.arena, arena
-        self.param_shard_bytes = move_fsdp_shards_into_arena(arena, planned)
+        self.param_shard_bytes = move_fsdp_shards_into_arena(arena, planned,
+                                                             own_version_counters=bool(planned_transfer))
         self._params_in_arena = bool(planned)
         self._host = arena.slot("activations")
         self._host.zero_()  # commit its pages on all intra-op threads (the shards' are committed by their copies)

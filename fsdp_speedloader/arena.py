@@ -404,7 +404,8 @@ def plan_fsdp_shards(plan: ArenaPlan, fsdp_params: list) -> list[tuple[str, obje
 
 
 @torch.no_grad()
-def move_fsdp_shards_into_arena(arena: PinnedArena, planned: list[tuple[str, object]]) -> int:
+def move_fsdp_shards_into_arena(arena: PinnedArena, planned: list[tuple[str, object]], *,
+                                own_version_counters: bool = False) -> int:
     """Copies each planned shard into its slot and points FSDP2 at the slot; returns the bytes moved.
 
     Two FSDP2 attributes change per parameter, exactly as FSDP2's own ``reset_sharded_param`` changes
@@ -422,13 +423,16 @@ def move_fsdp_shards_into_arena(arena: PinnedArena, planned: list[tuple[str, obj
     Call it when no unshard is reading the old shards from page-locked memory (pageable sources
     are staged by CUDA before the copy call returns, so FSDP2's first-forward copies are safe).
 
-    Each shard gets a version counter of its own (a view of the arena would share the region's with
-    every other slot, bumped by each activation copy): ``_version`` then counts writes to that shard
-    alone, which is what the parameter transfer copies check (``fsdp_internals.set_param_transfer``).
+    With ``own_version_counters`` (the parameter transfer copies need it) each shard gets a version
+    counter of its own (a view of the arena would share the region's with every other slot, bumped by
+    each activation copy): ``_version`` then counts writes to that shard alone, which is what the
+    copies check (``fsdp_internals.set_param_transfer``).
     """
     moved = 0
     for name, fsdp_param in planned:
-        padded = _own_version_counter(arena.slot(name))  # padded_sharded_param_size
+        padded = arena.slot(name)  # padded_sharded_param_size
+        if own_version_counters:
+            padded = _own_version_counter(padded)
         old = fsdp_param._sharded_param_data
         padded.view(-1).copy_(old)
         shard_dim = fsdp_param.fsdp_placement.dim
