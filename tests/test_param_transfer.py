@@ -13,6 +13,7 @@ even) as FSDP2's cast, and nothing else changes in the arithmetic.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -130,18 +131,22 @@ def test_overlapped_optimizer_casts_in_its_worker_and_gives_identical_weights(bl
     assert fsdp_internals.num_stale_transfer_casts == stale_before  # every copy was fresh when FSDP2 read it
 
 
+def _losses(models, ids, labels) -> list[float]:
+    """Each model's loss on one forward and backward (every unit and the root resharded afterwards)."""
+    out = []
+    for m in models:
+        loss = m(input_ids=ids, labels=labels).loss
+        loss.backward()
+        m.zero_grad(set_to_none=True)
+        out.append(loss.item())
+    return out
+
+
 def test_fsdp_reads_the_copy_and_never_a_stale_one():
     models = _pair()
     ids, labels = batch(N_SUB)
 
-    def losses():  # forward and backward: every unit and the root resharded afterwards
-        out = []
-        for m in models:
-            loss = m(input_ids=ids, labels=labels).loss
-            loss.backward()
-            m.zero_grad(set_to_none=True)
-            out.append(loss.item())
-        return out
+    losses = functools.partial(_losses, models, ids, labels)
 
     first = losses()
     assert first[0] == first[1]
@@ -176,14 +181,7 @@ def test_checkpoint_loads_either_are_seen_or_need_a_forced_refresh(tmp_path):
     models = _pair()
     ids, labels = batch(N_SUB)
 
-    def losses():
-        out = []
-        for m in models:
-            loss = m(input_ids=ids, labels=labels).loss
-            loss.backward()
-            m.zero_grad(set_to_none=True)
-            out.append(loss.item())
-        return out
+    losses = functools.partial(_losses, models, ids, labels)
 
     first = losses()
     dcp.save({k: v.detach() * 0.5 for k, v in models[0].state_dict().items()}, checkpoint_id=str(tmp_path / "a"))
