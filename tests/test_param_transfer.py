@@ -116,19 +116,25 @@ def test_overlapped_optimizer_casts_in_its_worker_and_gives_identical_weights(bl
     try:
         for step in range(3):
             ids, labels = batch(N_SUB, seed=step)
-            losses = []
-            for model, opt in zip(models, optims):
-                loss = model(input_ids=ids, labels=labels).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            losses = _train_steps(models, optims, ids, labels)
             assert losses[0] == losses[1], step
             _assert_same_weights(*models)
     finally:
         for opt in optims:
             opt.close()
     assert fsdp_internals.num_stale_transfer_casts == stale_before  # every copy was fresh when FSDP2 read it
+
+
+def _train_steps(models, optims, ids, labels) -> list[float]:
+    """One training step of each model with its optimizer; each model's loss."""
+    losses = []
+    for model, opt in zip(models, optims):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def _losses(models, ids, labels) -> list[float]:
@@ -319,13 +325,7 @@ def _parity_world_size_2(rank: int, world_size: int) -> int:
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in models]
     for step in range(3):
         ids, labels = batch(N_SUB, seed=10 * step + rank)
-        losses = []
-        for model, opt in zip(models, optims):
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _train_steps(models, optims, ids, labels)
         assert losses[0] == losses[1], (rank, step)
         if step == 1:
             models[1]._speedloader.refresh_param_transfer()  # one step each way
