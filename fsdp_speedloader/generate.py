@@ -140,6 +140,7 @@ class _Run:
     sub_batch_size: int
     capacity: int  # prompt_len + max_new_tokens
     kv_mode: str  # 'auto' until the first step resolves it
+    kv_device_sub_batches: Optional[int]  # 'split': sub-batches whose cache stays on the device (None: fit)
     host_memory_limit_bytes: Optional[int]
     resources: "_Resources"
     kv: Optional[KVCache] = None
@@ -228,13 +229,15 @@ def _root_step(state: StepState) -> None:
 def _setup_kv(run: _Run, dtype: torch.dtype) -> None:
     layout = kv_layout_for(run.adapter.config, num_sub_batches=run.num_sub_batches,
                            sub_batch_size=run.sub_batch_size, capacity=run.capacity, dtype=dtype)
-    run.kv_mode = choose_kv_mode(run.kv_mode, layout, run.device)
+    run.kv_mode, on_device = choose_kv_mode(run.kv_mode, layout, run.device,
+                                            device_sub_batches=run.kv_device_sub_batches)
     res = run.resources
-    run.kv = build_kv_cache(run.kv_mode, layout, run.device, arena=res.kv_arena, exchange=res.kv_exchange,
-                            host_memory_limit_bytes=run.host_memory_limit_bytes)
-    if run.kv_mode == "host":
+    run.kv = build_kv_cache(run.kv_mode, layout, run.device, device_sub_batches=on_device, arena=res.kv_arena,
+                            exchange=res.kv_exchange, host_memory_limit_bytes=run.host_memory_limit_bytes)
+    if run.kv_mode in ("host", "split"):
         res.kv_arena, res.kv_exchange = run.kv.arena, run.kv.exchange
-    log.debug("KV cache: %s, %.3f GiB %s", run.kv_mode, layout.nbytes / 2**30, layout.shape)
+    log.debug("KV cache: %s (%d of %d sub-batches on the device), %.3f GiB %s", run.kv_mode, on_device,
+              layout.num_sub_batches, layout.nbytes / 2**30, layout.shape)
 
 
 def _registered(model: nn.Module) -> _Resources:
@@ -332,7 +335,7 @@ def select_tokens(logits: torch.Tensor, *, do_sample: bool, temperature: float, 
 
 
 def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batches, do_sample, temperature,
-                  top_k, top_p, kv_cache) -> None:
+                  top_k, top_p, kv_cache, kv_device_sub_batches) -> None:
     """ValueError, naming what to change, before anything is allocated."""
     if getattr(model, "_speedloader", None) is None:
         raise ValueError("generate needs a model prepared with fsdp_speedloader.apply_speedloader(model, ...)")
@@ -369,6 +372,17 @@ def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batc
         raise ValueError(f"input_ids hold ids outside the vocabulary [0, {vocab})")
     if kv_cache not in KV_CACHE_MODES:
         raise ValueError(f"kv_cache={kv_cache!r}; choose one of {', '.join(map(repr, KV_CACHE_MODES))}")
+    if kv_cache == "split" and num_sub_batches < 2:
+        raise ValueError("kv_cache='split' keeps some sub-batches' cache on the device and the others on the host: "
+                         "it needs num_sub_batches >= 2 (with one sub-batch use 'device' or 'host')")
+    if kv_device_sub_batches is not None:
+        if kv_cache != "split":
+            raise ValueError(f"kv_device_sub_batches={kv_device_sub_batches!r} applies to kv_cache='split' only "
+                             f"(got kv_cache={kv_cache!r})")
+        value = kv_device_sub_batches
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < num_sub_batches:
+            raise ValueError(f"kv_device_sub_batches={value!r}; a split cache keeps 1 to num_sub_batches - 1 = "
+                             f"{num_sub_batches - 1} sub-batches on the device (all: kv_cache='device', none: 'host')")
     if do_sample:
         if not temperature > 0:
             raise ValueError(f"temperature={temperature}; it must be > 0 (or do_sample=False for greedy)")
@@ -399,6 +413,7 @@ def generate(
     eos_token_id: Union[int, Sequence[int], None] = None,
     pad_token_id: Optional[int] = None,
     kv_cache: str = "auto",
+    kv_device_sub_batches: Optional[int] = None,
     seed: Optional[int] = None,
     host_memory_limit_bytes: Optional[int] = None,
     return_stats: bool = False,
@@ -418,8 +433,12 @@ def generate(
             model's generation config is NOT consulted). Ended sequences get ``pad_token_id``
             (default: the first EOS id); generation stops when all have ended (on every rank).
         kv_cache: 'device' (GPU), 'host' (page-locked host arena, copies overlapped with compute),
-            'off' (recompute the prefix every step), 'auto' (device when it fits in half of the GPU
-            memory this process may still use, else host; 'device' without CUDA).
+            'split' (the last ``kv_device_sub_batches`` sub-batches on the GPU, the others on the host:
+            only those are copied), 'off' (recompute the prefix every step), 'auto' (device when the
+            whole cache fits in half of the GPU memory this process may still use, split when some
+            sub-batches do, else host; 'device' without CUDA).
+        kv_device_sub_batches: with kv_cache='split', the sub-batches whose cache stays on the GPU
+            (1 .. N - 1); None: as many as fit in half of the GPU memory this process may still use.
         seed: seeds sampling (a private generator: the global RNG is untouched); None: global RNG.
         host_memory_limit_bytes: host budget of the KV arena (default: detected, see ``arena.py``).
         return_stats: also return a ``GenerationStats``.
@@ -427,7 +446,7 @@ def generate(
         (B, prompt_len + new tokens) LongTensor on ``input_ids``' device, as Hugging Face ``generate``.
     """
     _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batches, do_sample, temperature,
-                  top_k, top_p, kv_cache)
+                  top_k, top_p, kv_cache, kv_device_sub_batches)
     eos = _eos_list(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
     engine = model._speedloader
@@ -447,6 +466,7 @@ def generate(
     run = _Run(adapter=adapter, units=engine.units, layers=[[layer_of[id(b)] for b in u.blocks] for _, u in engine.units],
                store=engine.store, device=device, num_sub_batches=num_sub_batches,
                sub_batch_size=batch // num_sub_batches, capacity=prompt_len + max_new_tokens, kv_mode=kv_cache,
+               kv_device_sub_batches=kv_device_sub_batches,
                host_memory_limit_bytes=host_memory_limit_bytes, resources=resources,
                block_kwargs=frozenset(inspect.signature(type(blocks[0]).forward).parameters))
     generator = None

@@ -17,6 +17,13 @@ Modes:
   positions in place and hands the attention views of ``kv[l, :past + q, :, rows]``. Rows of the whole
   batch are one view too, which lets a decoding step run each unit once on all N sub-batches
   (``whole_batch_decode``: one decoder-layer call per layer instead of N).
+- ``SplitKVCache``: the last D sub-batches' cache on the device, the first N - D sub-batches' in the
+  host arena (a ``HostKVCache`` and a ``DeviceKVCache`` of their own sub-batches). Each step copies
+  only the host part: when the batch outgrows the GPU, the sequences that still fit there cost no link
+  bandwidth, and the host adds sequences (tokens per weight pass) at the price of their KV copies.
+  Host sub-batches come first so that the schedule's look-ahead fetch of the next unit's sub-batch 0
+  (issued during this unit's last sub-batch) is a real copy, and the device sub-batches at the end of
+  each unit compute while it runs.
 - ``HostKVCache``: the tensor is a slot of an exact-size page-locked ``PinnedArena``; a
   ``TensorExchange`` moves it. Per (unit, sub-batch): ``prefetch`` starts the H2D copy of
   ``kv[i, l, :past + q]`` for the unit's layers (the last q positions are stale; they are
@@ -40,6 +47,7 @@ integer shared by all layers (every layer has seen the same positions at the sam
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -50,7 +58,7 @@ import torch
 from .arena import DEFAULT_MARGIN, ArenaPlan, HostMemoryBudget, PinnedArena
 from .exchange import FetchHandle, TensorExchange
 
-KV_CACHE_MODES = ("auto", "device", "host", "off")
+KV_CACHE_MODES = ("auto", "device", "split", "host", "off")
 
 
 @dataclass(frozen=True)
@@ -255,6 +263,51 @@ class HostKVCache(KVCache):
         self.host = None
 
 
+class SplitKVCache(KVCache):
+    """Sub-batches ``0 .. N-D-1`` in the host arena (fetched per step), ``N-D .. N-1`` on the device (no copies)."""
+
+    def __init__(self, layout: KVLayout, device: torch.device, device_sub_batches: int, **host_kwargs) -> None:
+        super().__init__(layout, device)
+        if not 0 < device_sub_batches < layout.num_sub_batches:
+            raise ValueError(f"a split KV cache keeps 1 to N - 1 = {layout.num_sub_batches - 1} sub-batches on the "
+                             f"device, not {device_sub_batches}")
+        self.num_device = device_sub_batches
+        self.num_host = layout.num_sub_batches - device_sub_batches
+        self.on_host = HostKVCache(dataclasses.replace(layout, num_sub_batches=self.num_host), device, **host_kwargs)
+        self.on_device = DeviceKVCache(dataclasses.replace(layout, num_sub_batches=device_sub_batches), device)
+        self.arena, self.exchange = self.on_host.arena, self.on_host.exchange  # kept for reuse, as HostKVCache's
+
+    def _part(self, i: int) -> tuple[KVCache, int]:
+        return (self.on_host, i) if i < self.num_host else (self.on_device, i - self.num_host)
+
+    def begin_step(self, past: int, query: int) -> None:
+        super().begin_step(past, query)
+        self.on_device.begin_step(past, query)
+        self.on_host.begin_step(past, query)
+
+    def prefetch(self, i: int, layers: Sequence[int]) -> None:
+        part, j = self._part(i)
+        part.prefetch(j, layers)
+
+    def update(self, i, layer, key, value):
+        part, j = self._part(i)
+        return part.update(j, layer, key, value)
+
+    def end_step(self) -> None:
+        self.on_device.end_step()
+        self.on_host.end_step()
+
+    def stats(self) -> dict:
+        host = self.on_host.stats()
+        return {"kv_cache_bytes": self.layout.nbytes, "kv_h2d_bytes": host["kv_h2d_bytes"],
+                "kv_d2h_bytes": host["kv_d2h_bytes"], "kv_device_sub_batches": self.num_device,
+                "kv_device_bytes": self.on_device.layout.nbytes}
+
+    def close(self) -> None:
+        self.on_device.close()
+        self.on_host.close()
+
+
 class SubBatchCache:
     """What Hugging Face attention and mask code see of the cache, for sub-batch ``i`` (all layers)."""
 
@@ -280,31 +333,57 @@ class SubBatchCache:
         return self._cache.past + q, 0
 
 
-def choose_kv_mode(mode: str, layout: KVLayout, device: torch.device, *, device_fraction: float = 0.5) -> str:
-    """'auto': on the device when the whole cache takes at most ``device_fraction`` of the GPU memory this
-    process may still use (weights of the units in flight and activations need the rest), else on the host.
-    Without CUDA the host is the device: 'device'."""
-    if mode != "auto":
-        return mode
+def device_sub_batches_that_fit(layout: KVLayout, device: torch.device, *, device_fraction: float = 0.5) -> int:
+    """Sub-batches whose cache fits in ``device_fraction`` of the GPU memory this process may still use
+    (the units in flight, the host part's fetched blocks and the activations need the rest)."""
     if device.type != "cuda":
-        return "device"
+        return layout.num_sub_batches
     free, total = torch.cuda.mem_get_info(device)
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = get_fraction(device) if get_fraction is not None else 1.0
     allowed = fraction * total - torch.cuda.memory_reserved(device)
     available = min(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), allowed)
-    return "device" if layout.nbytes <= device_fraction * max(0, available) else "host"
+    per_sub_batch = layout.nbytes // layout.num_sub_batches
+    return min(layout.num_sub_batches, int(device_fraction * max(0, available)) // per_sub_batch)
 
 
-def build_kv_cache(mode: str, layout: KVLayout, device: torch.device, *, arena: Optional[PinnedArena] = None,
-                   exchange: Optional[TensorExchange] = None, host_memory_limit_bytes: Optional[int] = None
-                   ) -> Optional[KVCache]:
-    """'device', 'host' or 'off' (None: the caller recomputes the prefix every step)."""
+def choose_kv_mode(mode: str, layout: KVLayout, device: torch.device, *, device_sub_batches: Optional[int] = None,
+                   device_fraction: float = 0.5) -> tuple[str, int]:
+    """The mode and the number of sub-batches whose cache is on the device.
+
+    'auto': 'device' when every sub-batch fits (``device_sub_batches_that_fit``), 'split' when some do,
+    else 'host'; without CUDA the host is the device: 'device'. 'split': ``device_sub_batches`` (None:
+    as many as fit, at most N - 1); a ValueError when none fits.
+    """
+    n_sub = layout.num_sub_batches
+    if mode in ("device", "host", "off"):
+        return mode, {"device": n_sub, "host": 0, "off": 0}[mode]
+    fit = device_sub_batches if device_sub_batches is not None else device_sub_batches_that_fit(
+        layout, device, device_fraction=device_fraction)
+    if mode == "split":
+        fit = min(fit, n_sub - 1)
+        if fit < 1:
+            raise ValueError(f"kv_cache='split': not one sub-batch's cache ({layout.nbytes / n_sub / 2**30:.2f} GiB) "
+                             f"fits in {device_fraction:.0%} of the free GPU memory; use kv_cache='host', or "
+                             "smaller sub-batches (more of them)")
+        return "split", fit
+    if fit >= n_sub:
+        return "device", n_sub
+    return ("split", fit) if fit >= 1 and n_sub > 1 else ("host", 0)
+
+
+def build_kv_cache(mode: str, layout: KVLayout, device: torch.device, *, device_sub_batches: int = 0,
+                   arena: Optional[PinnedArena] = None, exchange: Optional[TensorExchange] = None,
+                   host_memory_limit_bytes: Optional[int] = None) -> Optional[KVCache]:
+    """'device', 'split' (``device_sub_batches`` on the device), 'host' or 'off' (None: the caller
+    recomputes the prefix every step)."""
     if mode == "off":
         return None
     if mode == "device":
         return DeviceKVCache(layout, device)
+    host_kwargs = dict(arena=arena, exchange=exchange, host_memory_limit_bytes=host_memory_limit_bytes)
+    if mode == "split":
+        return SplitKVCache(layout, device, device_sub_batches, **host_kwargs)
     if mode == "host":
-        return HostKVCache(layout, device, arena=arena, exchange=exchange,
-                           host_memory_limit_bytes=host_memory_limit_bytes)
+        return HostKVCache(layout, device, **host_kwargs)
     raise ValueError(f"kv_cache={mode!r}; choose one of {', '.join(map(repr, KV_CACHE_MODES))}")

@@ -79,7 +79,7 @@ def test_greedy_parity_with_hugging_face(family):
     assert (mask == 0).any() and cached.shape == (4, PROMPT_LEN + NEW)
     for n_sub in (1, 2, 4):
         model = _prepared(family, n_sub)
-        for kv_cache in ("device", "host", "off"):
+        for kv_cache in ("device", "host", "off") + (("split",) if n_sub > 1 else ()):
             got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=n_sub, kv_cache=kv_cache)
             want = recomputed if kv_cache == "off" else cached
             assert got.dtype == torch.long and torch.equal(got, want), (family, n_sub, kv_cache, got, want)
@@ -90,7 +90,7 @@ def test_parity_with_offload_and_larger_units(family, offload, blocks_per_unit):
     ids, mask = _prompts(4, seed=1)
     model = _prepared(family, 2, offload_params=offload, blocks_per_unit=blocks_per_unit, activation_store="host")
     want = _reference(_tiny(family), ids, mask)
-    for kv_cache in ("host", "device"):  # device: whole-batch decoding steps through the host activation slots
+    for kv_cache in ("host", "device", "split"):  # device: whole-batch decoding steps through the host activation slots
         got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache)
         assert torch.equal(got, want), kv_cache
 
@@ -239,6 +239,41 @@ def test_no_syncing_tensor_call_in_steady_state_decoding(kv_cache, monkeypatch):
     assert not calls, calls[:5]
 
 
+def test_split_kv_copies_only_the_host_sub_batches():
+    """kv_cache='split' with D of N sub-batches on the device: greedy tokens equal HF's for every D, the host
+    part (the first N - D sub-batches) is the only one copied, and the reported bytes are exactly its copies."""
+    ids, mask = _prompts(4, seed=11)
+    want = _reference(_tiny("opt"), ids, mask)
+    model = _prepared("opt", 4)
+    per_position = {}  # KV bytes of one position of one layer of one sub-batch (1 sequence here)
+    for on_device in (1, 2, 3):
+        out, stats = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=4, kv_cache="split",
+                              kv_device_sub_batches=on_device, return_stats=True)
+        assert torch.equal(out, want), on_device
+        assert stats.kv_cache == "split" and stats.io["kv_device_sub_batches"] == on_device
+        layers, host = _tiny("opt").config.num_hidden_layers, 4 - on_device
+        fetched = sum(PROMPT_LEN + step for step in range(1, NEW))  # positions fetched per decoding step
+        per_position[on_device] = stats.io["kv_h2d_bytes"] / (host * layers * fetched)
+        assert stats.io["kv_d2h_bytes"] == host * layers * (PROMPT_LEN + NEW - 1) * per_position[on_device]
+    assert len(set(per_position.values())) == 1, per_position  # the bytes scale with the host sub-batches only
+
+
+def test_auto_kv_cache_splits_when_only_some_sub_batches_fit(monkeypatch):
+    from fsdp_speedloader import kv_cache as kv_module
+    from fsdp_speedloader.kv_cache import choose_kv_mode, kv_layout_for
+
+    layout = kv_layout_for(_tiny("opt").config, num_sub_batches=4, sub_batch_size=2, capacity=16, dtype=torch.float32)
+    cuda = torch.device("cuda", 0)
+    for fit, want in ((4, ("device", 4)), (3, ("split", 3)), (1, ("split", 1)), (0, ("host", 0))):
+        monkeypatch.setattr(kv_module, "device_sub_batches_that_fit", lambda *a, fit=fit, **k: fit)
+        assert choose_kv_mode("auto", layout, cuda) == want
+    assert choose_kv_mode("split", layout, cuda, device_sub_batches=2) == ("split", 2)
+    with pytest.raises(ValueError, match="use kv_cache='host'"):
+        choose_kv_mode("split", layout, cuda)  # fit is 0 from the last patch
+    monkeypatch.undo()
+    assert choose_kv_mode("auto", layout, torch.device("cpu")) == ("device", 4)  # without CUDA the host is the device
+
+
 def test_model_generates_after_training_and_trains_after_generating():
     ids, mask = _prompts(4, seed=7)
     model = _prepared("opt", 2)
@@ -261,6 +296,9 @@ def test_model_generates_after_training_and_trains_after_generating():
     (dict(num_sub_batches=3), "not num_sub_batches=3"),
     (dict(max_new_tokens=0), "max_new_tokens=0"),
     (dict(kv_cache="disk"), "kv_cache='disk'"),
+    (dict(kv_cache="host", kv_device_sub_batches=1), "applies to kv_cache='split' only"),
+    (dict(kv_cache="split", kv_device_sub_batches=2), "1 to num_sub_batches - 1 = 1"),
+    (dict(kv_cache="split", num_sub_batches=1), "needs num_sub_batches >= 2"),
     (dict(input_ids=torch.full((4, PROMPT_LEN), VOCAB)), "outside the vocabulary"),
     (dict(do_sample=True, temperature=0.0), "temperature"),
     (dict(do_sample=True, top_p=1.5), "top_p"),

@@ -79,7 +79,7 @@ def test_fp32_greedy_parity_offloaded_weights_host_kv(family):
     for n_sub in (1, 2, 4):
         model = apply_speedloader(copy.deepcopy(base), num_sub_batches=n_sub, offload_params=True,
                                   activation_store="host")
-        for kv_cache in ("host", "device"):
+        for kv_cache in ("host", "device") + (("split",) if n_sub > 1 else ()):
             got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=n_sub, kv_cache=kv_cache)
             assert torch.equal(got, want), (family, n_sub, kv_cache, (got != want).nonzero()[:5].tolist())
 
@@ -151,7 +151,7 @@ def test_host_kv_keeps_gpu_memory_below_device_kv():
     assert peaks["host"] < peaks["device"] - kv_bytes // 2, (peaks, kv_bytes)
 
 
-@pytest.mark.parametrize("kv_cache,offload", [("device", False), ("host", True)])
+@pytest.mark.parametrize("kv_cache,offload", [("device", False), ("host", True), ("split", True)])
 def test_no_host_sync_in_steady_state_decoding(kv_cache, offload, monkeypatch):
     """From the second decoding step on, nothing waits for the GPU: CUDA's sync debug mode raises on every
     synchronising call (``.item()``, ``.tolist()``, ``.cpu()``, blocking copies, stream or event

@@ -7,7 +7,7 @@ weights: nothing is downloaded), prompt length and generation length, and genera
 
   speedloader:BxN[:kv]   this project: B prompts in N sub-batches; weights offloaded to the host when they
                          take more than half the budget (--offload to force), KV cache 'auto' (default),
-                         'host', 'device' or 'off'
+                         'host', 'device', 'split', 'split=D' (the last D sub-batches on the GPU) or 'off'
   accelerate:B           Hugging Face generate on a model dispatched by accelerate (device_map from
                          infer_auto_device_map with max_memory: the budget minus B's KV cache and a margin
                          on the GPU, the rest of the layers on the host)
@@ -121,7 +121,7 @@ def run_speedloader(args, spec: str) -> dict:
 
     shape, _, kv_cache = spec.partition(":")
     batch, num_sub = (int(v) for v in shape.split("x"))
-    kv_cache = kv_cache or "auto"
+    kv_cache, _, on_device = (kv_cache or "auto").partition("=")
     maybe_init_process_group("cuda")
     device = _cap_gpu(args)
     cfg = _model_config(args)
@@ -135,7 +135,8 @@ def run_speedloader(args, spec: str) -> dict:
     model.to_empty(device=torch.device("cpu") if offload else device)
     _rebuild_buffers(model, device)
     ids = _prompts(args, batch, cfg.vocab_size)
-    kwargs = dict(num_sub_batches=num_sub, kv_cache=kv_cache, eos_token_id=None)
+    kwargs = dict(num_sub_batches=num_sub, kv_cache=kv_cache, eos_token_id=None,
+                  kv_device_sub_batches=int(on_device) if on_device else None)
     # Warm-up: lazy init, arenas (the longest geometry first, so the timed run re-plans nothing).
     warm = torch.cat([ids, ids[:, : args.gen_len - 1]], dim=1) if args.gen_len > 1 else ids
     generate(model, warm, max_new_tokens=1, **kwargs)
@@ -160,6 +161,7 @@ def run_speedloader(args, spec: str) -> dict:
         "activation_bytes": (2 * units * batch * h * 2 * (args.prompt_len + args.gen_len - 1)) if offload else 0,
     }
     return {"batch_size": batch, "num_sub_batches": num_sub, "kv_cache": stats.kv_cache, "offload_weights": offload,
+            "kv_device_sub_batches": stats.io.get("kv_device_sub_batches"),
             "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "wall_s_generate": wall,
             "generated_tokens_per_s": stats.generated_tokens_per_s, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
             "decode_tokens_per_s": stats.decode_tokens_per_s, "io": io, "kv_cache_bytes": stats.io.get("kv_cache_bytes", 0),
@@ -318,6 +320,9 @@ def main() -> None:
         print("RESULT " + json.dumps(CONTENDERS[name](args, spec)), flush=True)
         return
 
+    # Every contender with expandable segments (as the generate CLI sets it through train.launch), unless
+    # the caller chose: under a cap, fragmentation otherwise decides which batches fit.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
     rows = []
@@ -356,10 +361,13 @@ def main() -> None:
         mine = {r["contender"] for r in rows}
         rows = [r for r in old["results"] if r["contender"] not in mine] + rows
         commands = old.get("commands", [old.get("command", "")]) + commands
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    # The GPU machine's copy of the tree has no .git: pass FSL_COMMIT=$(git rev-parse HEAD) there (as bench_train).
+    commit = os.environ.get("FSL_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                             text=True, cwd=REPO).stdout.strip()
     record = {"benchmark": "infer", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": commit or "unknown",
-              "commands": commands, "config": {k: v for k, v in vars(args).items() if k != "worker"}, "results": rows}
+              "commands": commands, "config": {k: v for k, v in vars(args).items() if k != "worker"},
+              "cuda_alloc_conf": os.environ["PYTORCH_CUDA_ALLOC_CONF"], "results": rows}
     ok = {r["contender"].partition(":")[0]: r["generated_tokens_per_s"] for r in rows if "error" not in r}
     if "speedloader" in ok:
         record["speedup"] = {f"vs_{k}": ok["speedloader"] / v for k, v in ok.items() if k != "speedloader" and v > 0}

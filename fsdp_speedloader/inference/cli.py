@@ -106,7 +106,9 @@ class GenerateConfig:
     blocks_per_unit: int = 1
     """Consecutive blocks per FSDP unit."""
     kv_cache: str = "auto"
-    """'auto', 'device', 'host' or 'off' (recompute the prefix every step)."""
+    """'auto', 'device', 'split', 'host' or 'off' (recompute the prefix every step)."""
+    kv_device_sub_batches: Optional[int] = None
+    """With kv_cache 'split': sub-batches whose cache stays on the GPU (null: as many as fit)."""
     activation_store: str = "auto"
     """Block-boundary activations between units: 'auto', 'device' or 'host'."""
     forward_prefetch: int = 1
@@ -137,6 +139,10 @@ class GenerateConfig:
             _check_positive(getattr(self, name), name)
         _check_positive(self.forward_prefetch, "forward_prefetch", allow_zero=True)
         _check_choice(self.kv_cache, "kv_cache", KV_CACHE_MODES)
+        if self.kv_device_sub_batches is not None:
+            _check(self.kv_cache == "split", "kv_device_sub_batches", "applies to kv_cache=split only")
+            _check(1 <= self.kv_device_sub_batches < self.num_sub_batches, "kv_device_sub_batches",
+                   f"must be 1 .. num_sub_batches - 1 = {self.num_sub_batches - 1}")
         _check_choice(self.activation_store, "activation_store", ("auto", "device", "host"))
         _check_choice(self.device, "device", ("auto", "cuda", "cpu"))
         _check_choice(self.param_dtype, "param_dtype", ("auto", *_DTYPES))
@@ -270,6 +276,7 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     ids, mask = left_pad([tokens[k] for k in rows], pad_id)
     eos = eos_id if cfg.stop_at_eos and cfg.prompts.source == "file" else None
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, num_sub_batches=cfg.num_sub_batches, kv_cache=cfg.kv_cache,
+                  kv_device_sub_batches=cfg.kv_device_sub_batches,
                   do_sample=cfg.sampling.do_sample, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
                   top_p=cfg.sampling.top_p, eos_token_id=eos, pad_token_id=pad_id, seed=cfg.seed + rank,
                   host_memory_limit_bytes=None if cfg.host_memory_limit_gib is None
