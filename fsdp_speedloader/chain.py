@@ -99,9 +99,10 @@ class Unit:
     def fsdp_params(self) -> list:
         return fsdp_params_of(self.blocks[0])  # a group's FSDP state lives on its first module
 
-    def forward(self, adapter: ModelAdapter, x: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
+    def forward(self, adapter: ModelAdapter, x: torch.Tensor, inputs: BlockInputs, *, compiled: bool = False
+                ) -> torch.Tensor:
         for block in self.blocks:
-            x = adapter.run_block(block, x, inputs)
+            x = adapter.run_block(block, x, inputs, compiled=compiled)
         return x
 
 
@@ -166,7 +167,7 @@ class UnitFunction(torch.autograd.Function):
             if i + 1 < state.num_sub_batches:
                 store.prefetch(src, i + 1)
             with state.rng((unit.index, i), replay=False):
-                y = unit.forward(state.adapter, x, state.block_inputs[i])
+                y = unit.forward(state.adapter, x, state.block_inputs[i], compiled=True)
             store.put(dst, i, y)
         ctx.state, ctx.unit = state, unit
         return _placeholder(placeholder)
@@ -187,7 +188,7 @@ class UnitFunction(torch.autograd.Function):
                 store.prefetch(src, i + 1)
                 store.prefetch(g_in, i + 1)
             with torch.enable_grad(), state.rng((unit.index, i), replay=True):
-                y = unit.forward(state.adapter, x, state.block_inputs[i])
+                y = unit.forward(state.adapter, x, state.block_inputs[i], compiled=True)
             torch.autograd.backward(y, g)
             fold_unsharded_grads(unit.fsdp_params)
             store.put(g_out, i, x.grad)

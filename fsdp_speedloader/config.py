@@ -167,6 +167,8 @@ class ScheduleConfig:
     """FSDP units whose all-gather is issued ahead in forward (0 = FSDP's default only)."""
     loss_chunk_tokens: int = 4096
     """Tokens per chunk of the chunked cross-entropy (bounds the logits kept in memory)."""
+    compile_blocks: bool = False
+    """torch.compile the transformer blocks' forward (one compiled function shared by every block; training only)."""
     gpu_memory_budget_gib: Optional[float] = None
     """auto: GPU memory the plan may fill (peak, less 10%); null: max_gpu_memory_gib, else the device's."""
     host_memory_budget_gib: Optional[float] = None

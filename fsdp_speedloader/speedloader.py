@@ -145,6 +145,7 @@ def apply_speedloader(
     forward_prefetch: int = 1,
     loss_chunk_tokens: int = 4096,
     param_transfer_dtype: Optional[torch.dtype] = None,
+    compile_blocks: bool = False,
 ) -> nn.Module:
     """Shards ``model`` with FSDP2 and makes its forward/backward layer-major, in place.
 
@@ -167,6 +168,8 @@ def apply_speedloader(
             CPU after each optimizer step, never used stale) and FSDP2 copies it instead: half the
             host-to-device bytes for bf16, the same bits. Needs offload_params, pin_memory and
             activation_store 'host' (or 'auto').
+        compile_blocks: run the blocks of the layer-major training step through ONE ``torch.compile``d
+            function (forward and the recompute in backward; generation stays eager).
     Returns:
         ``model`` itself.
     """
@@ -210,6 +213,8 @@ def apply_speedloader(
     model._speedloader = SpeedLoader(adapter, units, store, num_sub_batches=num_sub_batches,
                                      device=compute_device(mesh.device_type), loss_chunk_tokens=loss_chunk_tokens,
                                      root=model, param_transfer_dtype=param_transfer_dtype)
+    if compile_blocks:
+        adapter.compile_blocks()
     model.forward = types.MethodType(_model_forward, model)
     return model
 

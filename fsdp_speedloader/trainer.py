@@ -184,7 +184,7 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
     """Shards the (meta) ``model`` in place for ``cfg.schedule.name``.
 
     canonical: optional per-block activation checkpointing, FSDP2 units of ``blocks_per_unit`` blocks,
-    forward prefetch. speedloader: ``apply_speedloader`` (which shards the same units itself).
+    forward prefetch, optionally compiled blocks. speedloader: ``apply_speedloader`` (which shards the same units itself).
     """
     sched = cfg.schedule
     if sched.name == "speedloader":
@@ -195,7 +195,8 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
                           offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory,
                           param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                           forward_prefetch=sched.forward_prefetch, loss_chunk_tokens=sched.loss_chunk_tokens,
-                          param_transfer_dtype=_DTYPES.get(cfg.offload.param_transfer_dtype))
+                          param_transfer_dtype=_DTYPES.get(cfg.offload.param_transfer_dtype),
+                          compile_blocks=sched.compile_blocks)
         return
     if sched.activation_checkpointing:  # before sharding: FSDP's hooks then sit inside the checkpoint
         enable_activation_checkpointing(model)
@@ -204,6 +205,8 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
     unit_modules = parallel.apply_fsdp(model, mesh, units=units, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                        offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory)
     parallel.set_forward_prefetch(model, unit_modules, sched.forward_prefetch)
+    if sched.compile_blocks:
+        get_adapter(model).compile_blocks(as_forward=True)
 
 
 def num_label_tokens(labels: torch.Tensor) -> int:

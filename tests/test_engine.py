@@ -32,6 +32,24 @@ def test_gradient_parity(family, num_sub_batches, blocks_per_unit, store, offloa
     assert_grads_close(model, ref_grads)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_gradient_parity_with_compiled_blocks(family):
+    """compile_blocks=True: the forward and the recompute in backward run through one compiled function."""
+    import torch._dynamo
+
+    model = tiny_model(family)
+    ids, labels = batch(2)
+    ref_loss, ref_grads = reference_grads(model, [(ids, labels)])
+    torch._dynamo.reset()
+    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=2, blocks_per_unit=2, compile_blocks=True)
+    assert model._speedloader.adapter.compiled_block_forward is not None
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss[0], rtol=1e-6, atol=0)
+    assert_grads_close(model, ref_grads)
+
+
 @pytest.mark.parametrize("blocks_per_unit", [1, 2])
 def test_collectives_do_not_grow_with_num_sub_batches(blocks_per_unit):
     counts_by_n = {}

@@ -46,8 +46,9 @@ def _rel_err(a: dict, b: dict) -> float:
     return float(num / den)
 
 
-@pytest.mark.parametrize("store,offload", [("device", False), ("host", False), ("host", True)])
-def test_bf16_within_noise_of_canonical(store, offload):
+@pytest.mark.parametrize("store,offload,compiled", [("device", False, False), ("host", False, False),
+                                                    ("host", True, False), ("host", True, True)])
+def test_bf16_within_noise_of_canonical(store, offload, compiled):
     maybe_init_process_group("cuda")
     n_sub, base = 4, _model()
     ids, labels = _batch(8, 256)
@@ -68,7 +69,7 @@ def test_bf16_within_noise_of_canonical(store, offload):
         canonical_loss += loss.item()
 
     layer_major = apply_speedloader(copy.deepcopy(base), num_sub_batches=n_sub, param_dtype=BF16,
-                                    activation_store=store, offload_params=offload)
+                                    activation_store=store, offload_params=offload, compile_blocks=compiled)
     loss = layer_major(input_ids=ids, labels=labels).loss
     loss.backward()
 

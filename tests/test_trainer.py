@@ -69,6 +69,23 @@ def test_speedloader_matches_canonical(tmp_path):
     assert b == pytest.approx(a, rel=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_compiled_blocks_give_the_eager_losses(tmp_path, schedule):
+    """schedule.compile_blocks: one compiled block forward (inductor on the CPU) trains like eager, with no
+    graph break and graphs shared by every block (forward, and forward with grad for the recompute)."""
+    from torch._dynamo.utils import counters
+
+    eager = _losses(Trainer(tiny_config(tmp_path / "a", steps=3, schedule={"name": schedule})).train())
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _losses(Trainer(tiny_config(tmp_path / "b", steps=3, schedule={"name": schedule,
+                                                                             "compile_blocks": True})).train())
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert 1 <= counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])  # not one per block
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_deterministic(tmp_path, schedule):
     a = _losses(Trainer(tiny_config(tmp_path / "a", schedule={"name": schedule})).train())

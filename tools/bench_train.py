@@ -19,7 +19,8 @@ Usage (one GPU):
 Each ``--contender NAME:nxN`` sets the sub-batch (micro-batch) size n and their number N.
 ``--param-transfer-dtype bf16`` makes the speedloader contenders transfer a bf16 copy of each offloaded
 fp32 shard (half the host-to-device parameter bytes); a ``:transfer=bf16`` or ``:transfer=fp32``
-suffix sets it per contender, so one invocation compares both:
+suffix sets it per contender, so one invocation compares both (``--compile`` and ``:compile`` / ``:eager``
+likewise run the blocks through one ``torch.compile``d forward):
   python tools/bench_train.py --model llama2_7b --layers 8 --seq-len 4096 --max-gpu-memory-gib 40 \
       --contender speedloader-overlap:4x2 --contender speedloader-overlap:4x2:transfer=bf16 --steps 3 --warmup 1
 Writes bench/results/<name>.json (device, torch version, commit, command, config, every figure)
@@ -141,18 +142,24 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
     return fb_times, opt_times, losses, profile
 
 
-def parse_contender(spec: str, default_transfer: Optional[str]) -> tuple[str, str, Optional[str]]:
-    """'NAME:nxN[:transfer=bf16|fp32]' -> (NAME, 'nxN', 'bf16' or None); ``default_transfer`` is the
-    ``--param-transfer-dtype`` given to every speedloader contender without a suffix."""
+def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False
+                    ) -> tuple[str, str, Optional[str], bool]:
+    """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager]' -> (NAME, 'nxN', 'bf16' or None, compiled).
+    ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
+    ``--compile`` (every contender but DeepSpeed) for a contender without the suffix."""
     name, shape, *options = spec.split(":")
     transfer = default_transfer if name.startswith("speedloader") else None
+    compiled = default_compile and name != "deepspeed-offload"
     for option in options:
         key, _, value = option.partition("=")
+        if key in ("compile", "eager") and not value and name != "deepspeed-offload":
+            compiled = key == "compile"
+            continue
         if key != "transfer" or value not in ("bf16", "fp32") or not name.startswith("speedloader"):
-            raise ValueError(f"contender {spec!r}: the only suffix is ':transfer=bf16' or ':transfer=fp32', "
-                             "for the speedloader contenders")
+            raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16' or ':transfer=fp32' (speedloader "
+                             "contenders) and ':compile' or ':eager' (every contender but deepspeed-offload)")
         transfer = None if value == "fp32" else value
-    return name, shape, transfer
+    return name, shape, transfer, compiled
 
 
 def run_worker(args: argparse.Namespace) -> dict:
@@ -164,7 +171,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     from fsdp_speedloader.models import build_model, get_adapter, materialize_model
     from fsdp_speedloader.parallel import apply_fsdp, build_mesh, maybe_init_process_group, set_forward_prefetch
 
-    name, shape, transfer = parse_contender(args.worker, args.param_transfer_dtype)
+    name, shape, transfer, compiled = parse_contender(args.worker, args.param_transfer_dtype, args.compile)
     sub_batch, num_sub = (int(v) for v in shape.split("x"))
     if name == "deepspeed-offload":  # a peer with its own engine and launcher environment
         from bench_deepspeed import run_deepspeed
@@ -185,12 +192,15 @@ def run_worker(args: argparse.Namespace) -> dict:
     if layer_major:
         apply_speedloader(model, num_sub_batches=num_sub, param_dtype=torch.bfloat16, offload_params=True,
                           activation_store=args.activation_store, forward_prefetch=args.prefetch,
-                          param_transfer_dtype=torch.bfloat16 if transfer == "bf16" else None)
+                          param_transfer_dtype=torch.bfloat16 if transfer == "bf16" else None,
+                          compile_blocks=compiled)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         units = apply_fsdp(model, build_mesh("cuda"), units=[[b] for b in adapter.blocks],
                            param_dtype=torch.bfloat16, offload_params=offload)
         set_forward_prefetch(model, units, args.prefetch)
+        if compiled:  # the same one compiled block forward, under HF's checkpointing and FSDP2's hooks
+            adapter.compile_blocks(as_forward=True)
     materialize_model(model, cfg, device=device, seed=0, param_device=torch.device("cpu") if offload else device)
     model.train()
     def build_adamw(params):
@@ -235,7 +245,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     recompute_per_token = flops_per_token / 3  # every block's forward runs twice: + (2 N + 4 L h s)
     peak = args.peak_tflops * 1e12
     result = {
-        "contender": name, "contender_spec": args.worker, "param_transfer_dtype": transfer,
+        "contender": name, "contender_spec": args.worker, "param_transfer_dtype": transfer, "compiled": compiled,
         "sub_batch_size": sub_batch, "num_sub_batches": num_sub, "tokens_per_step": tokens,
         "fwd_bwd_s": fb, "optimizer_s": opt, "step_s": fb + opt,
         "tokens_per_s_fwd_bwd": tokens / fb, "tokens_per_s": tokens / (fb + opt),
@@ -269,6 +279,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--activation-store", default="host")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the blocks' forward in every contender but DeepSpeed (per contender: "
+                             "NAME:nxN:compile or :eager)")
     parser.add_argument("--param-transfer-dtype", default=None, choices=["bf16"],
                         help="speedloader contenders: transfer a bf16 copy of each offloaded shard (per contender: "
                              "NAME:nxN:transfer=bf16 or :transfer=fp32)")
@@ -294,7 +307,7 @@ def main() -> None:
     contenders = args.contender or ["speedloader:1x8", "fsdp2-offload:1x8", "ondevice:1x8"]
     for contender in contenders:
         try:
-            parse_contender(contender, args.param_transfer_dtype)  # a bad suffix fails before any run
+            parse_contender(contender, args.param_transfer_dtype, args.compile)  # a bad suffix fails before any run
         except ValueError as e:
             parser.error(str(e))
     for contender in contenders:
@@ -332,7 +345,7 @@ def main() -> None:
             print(f"| {r['contender']} | - | error: {r['error'][:80]} | | | |")
         else:
             transfer = r.get("param_transfer_dtype")
-            label = r["contender"] + (f" ({transfer} transfer)" if transfer else "")
+            label = r["contender"] + (f" ({transfer} transfer)" if transfer else "") + (" compiled" if r.get("compiled") else "")
             print(f"| {label} | {r['sub_batch_size']}x{r['num_sub_batches']} | {r['tokens_per_s_fwd_bwd']:.0f} "
                   f"| {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['peak_hbm_gib']:.1f} |")
 

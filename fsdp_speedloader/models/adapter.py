@@ -9,9 +9,10 @@ so the layer-major loss equals the unmodified model's.
 from __future__ import annotations
 
 import inspect
+import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -37,8 +38,22 @@ class ModelAdapter(ABC):
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.config = model.config
+        self.compiled_block_forward: Optional[Callable] = None  # set by compile_blocks()
 
-    # --- structure -----------------------------------------------------------------------------
+    def compile_blocks(self, *, as_forward: bool = False) -> None:
+        """Compiles the blocks' class forward ONCE with ``torch.compile`` (fused norms, activations and rotary
+        kernels); every block is an input of the one compiled function, so all blocks share its graphs.
+
+        The layer-major training chain asks for it (``run_block(..., compiled=True)``); generation stays
+        eager (its shapes change every step, and its cache is a Python object). ``as_forward``: also make
+        it each block's ``forward``, for schedules that call blocks as modules (FSDP2's hooks and
+        activation checkpointing then stay outside the compiled code).
+        """
+        self.compiled_block_forward = torch.compile(type(self.blocks[0]).forward)
+        if as_forward:
+            for block in self.blocks:
+                block.forward = types.MethodType(self.compiled_block_forward, block)
+
     @property
     @abstractmethod
     def blocks(self) -> nn.ModuleList:
@@ -80,9 +95,12 @@ class ModelAdapter(ABC):
         return BlockInputs(kwargs={"attention_mask": self.causal_mask(hidden, attention_mask, position_ids),
                                    "position_ids": position_ids})
 
-    def run_block(self, block: nn.Module, hidden: torch.Tensor, inputs: BlockInputs) -> torch.Tensor:
-        """One block, WITHOUT its FSDP hooks: the unit's single hooked call already unsharded it."""
-        out = type(block).forward(block, hidden, **inputs.kwargs)
+    def run_block(self, block: nn.Module, hidden: torch.Tensor, inputs: BlockInputs, *,
+                  compiled: bool = False) -> torch.Tensor:
+        """One block, WITHOUT its FSDP hooks: the unit's single hooked call already unsharded it.
+        ``compiled``: through ``compile_blocks``' function when there is one."""
+        forward = self.compiled_block_forward if compiled and self.compiled_block_forward else type(block).forward
+        out = forward(block, hidden, **inputs.kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     @abstractmethod
