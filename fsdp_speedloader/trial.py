@@ -258,6 +258,7 @@ class TrialModel:
         loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
         self.optimizer.step()
+        self.model._speedloader.refresh_param_transfer()  # as the trainer does (a no-op without transfer copies)
 
     def measure(self, n: int, seq_len: int) -> Measurement:
         """One training step (forward, backward, optimizer step) at sub-batch size n, and its memory."""

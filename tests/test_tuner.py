@@ -347,6 +347,19 @@ def test_tune_end_to_end_on_cpu():
     assert plan.batch_size <= 16 and plan.predicted_host_bytes <= 64 * MIB
 
 
+def test_tune_counts_the_parameter_transfer_copies():
+    """With param_transfer_dtype the trials hold the run's bf16 transfer copies: 2 bytes per offloaded parameter
+    more host memory in the fitted constant than without them (alignment aside)."""
+    kwargs = dict(seq_len=32, offload_params=True, activation_store="host", host_memory_budget_bytes=64 * MIB,
+                  target_batch_size=16, param_dtype=torch.bfloat16)
+    plain = fsdp_speedloader.tune(TINY, **kwargs)
+    with_copies = fsdp_speedloader.tune(TINY, param_transfer_dtype=torch.bfloat16, **kwargs)
+    params = sum(p.numel() for p in build_model(TINY, device="meta").parameters())
+    extra = with_copies.host_fit.coef[0] - plain.host_fit.coef[0]
+    assert 2 * params <= extra <= 2 * params + 64 * 1024, (extra, 2 * params)
+    assert with_copies.measurements[0].host_breakdown["arena"] > plain.measurements[0].host_breakdown["arena"]
+
+
 def test_cpu_stand_in_predicts_a_third_size():
     mesh = _cpu_mesh()
     kwargs = dict(num_sub_batches=2, mesh=mesh)  # activations on the device (the CPU): GPU memory grows with N too
