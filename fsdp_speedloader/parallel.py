@@ -103,9 +103,11 @@ def apply_fsdp(
     offload_params: bool = False,
     pin_memory: bool = True,
     reshard_after_forward: bool = True,
+    offload_root: bool = True,
 ) -> list[FSDPModule]:
     """Shards each unit (a group of blocks) and then the root (embeddings, final norm, LM head).
 
+    ``offload_root=False`` keeps the root's states on the device even with ``offload_params``.
     Returns the FSDP module of each unit: the first module of its group, which holds the state.
     """
     check_mesh(mesh)
@@ -120,7 +122,8 @@ def apply_fsdp(
                     offload_policy=offload, reshard_after_forward=reshard_after_forward)
         unit_modules.append(blocks[0])
     # The root stays unsharded between forward and backward: it is small and used at both ends.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload if offload_root else OffloadPolicy(),
+                reshard_after_forward=False)
     return unit_modules
 
 

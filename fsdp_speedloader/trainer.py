@@ -196,14 +196,15 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
                           param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                           forward_prefetch=sched.forward_prefetch, loss_chunk_tokens=sched.loss_chunk_tokens,
                           param_transfer_dtype=_DTYPES.get(cfg.offload.param_transfer_dtype),
-                          compile_blocks=sched.compile_blocks)
+                          compile_blocks=sched.compile_blocks, offload_root=cfg.offload.root)
         return
     if sched.activation_checkpointing:  # before sharding: FSDP's hooks then sit inside the checkpoint
         enable_activation_checkpointing(model)
     blocks = list(get_adapter(model).blocks)
     units = [blocks[i : i + sched.blocks_per_unit] for i in range(0, len(blocks), sched.blocks_per_unit)]
     unit_modules = parallel.apply_fsdp(model, mesh, units=units, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                       offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory)
+                                       offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory,
+                                       offload_root=cfg.offload.root)
     parallel.set_forward_prefetch(model, unit_modules, sched.forward_prefetch)
     if sched.compile_blocks:
         get_adapter(model).compile_blocks(as_forward=True)

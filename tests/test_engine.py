@@ -11,7 +11,8 @@ import itertools
 import pytest
 import torch
 
-from engine_cases import assert_grads_close, batch, count_collectives, cpu_mesh, full_grad, reference_grads, tiny_model
+from engine_cases import (assert_grads_close, batch, count_collectives, cpu_mesh, full_grad, is_fsdp, reference_grads,
+                          tiny_model)
 from fsdp_speedloader import apply_speedloader
 from fsdp_speedloader.parallel import apply_fsdp
 
@@ -28,6 +29,22 @@ def test_gradient_parity(family, num_sub_batches, blocks_per_unit, store, offloa
                       activation_store=store, offload_params=offload)
     loss = model(input_ids=ids, labels=labels).loss
     (scale * loss).backward()
+    torch.testing.assert_close(loss.detach(), ref_loss[0], rtol=1e-6, atol=0)
+    assert_grads_close(model, ref_grads)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_gradient_parity_with_the_root_kept_on_the_device(family):
+    """offload_root=False: the units offloaded, the root (embeddings, final norm, LM head) not."""
+    model = tiny_model(family)
+    ids, labels = batch(3)
+    ref_loss, ref_grads = reference_grads(model, [(ids, labels)])
+    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=3, offload_params=True, offload_root=False)
+    policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+                for m in model.modules() if is_fsdp(m)}
+    assert policies == {"CPUOffloadPolicy", "OffloadPolicy"}, policies
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss[0], rtol=1e-6, atol=0)
     assert_grads_close(model, ref_grads)
 

@@ -172,9 +172,9 @@ def test_decoding_runs_each_layer_once_per_step_with_the_kv_cache_on_the_device(
     rows: list[int] = []
     run_block = ModelAdapter.run_block
 
-    def counted(self, block, hidden, inputs):
+    def counted(self, block, hidden, inputs, **kwargs):
         rows.append(hidden.shape[0])
-        return run_block(self, block, hidden, inputs)
+        return run_block(self, block, hidden, inputs, **kwargs)
 
     monkeypatch.setattr(ModelAdapter, "run_block", counted)
     ids, mask = _prompts(4, seed=8)

@@ -46,9 +46,10 @@ def _rel_err(a: dict, b: dict) -> float:
     return float(num / den)
 
 
-@pytest.mark.parametrize("store,offload,compiled", [("device", False, False), ("host", False, False),
-                                                    ("host", True, False), ("host", True, True)])
-def test_bf16_within_noise_of_canonical(store, offload, compiled):
+@pytest.mark.parametrize("store,offload,compiled,offload_root", [
+    ("device", False, False, True), ("host", False, False, True), ("host", True, False, True),
+    ("host", True, True, True), ("host", True, False, False)])
+def test_bf16_within_noise_of_canonical(store, offload, compiled, offload_root):
     maybe_init_process_group("cuda")
     n_sub, base = 4, _model()
     ids, labels = _batch(8, 256)
@@ -69,13 +70,43 @@ def test_bf16_within_noise_of_canonical(store, offload, compiled):
         canonical_loss += loss.item()
 
     layer_major = apply_speedloader(copy.deepcopy(base), num_sub_batches=n_sub, param_dtype=BF16,
-                                    activation_store=store, offload_params=offload, compile_blocks=compiled)
+                                    activation_store=store, offload_params=offload, compile_blocks=compiled,
+                                    offload_root=offload_root)
     loss = layer_major(input_ids=ids, labels=labels).loss
     loss.backward()
 
     assert abs(loss.item() - truth_loss.item()) <= max(2 * abs(canonical_loss - truth_loss.item()), 1e-2)
     err, canonical_err = _rel_err(_grads(layer_major), truth_grads), _rel_err(_grads(canonical), truth_grads)
     assert err <= max(1.5 * canonical_err, 5e-3), (err, canonical_err)
+
+
+def test_overlapped_optimizer_with_the_root_on_the_gpu():
+    """offload_root=False: the root's states on the GPU, the units' on the host; fused AdamW over both (one
+    optimizer, or one per unit and the root overlapped with backward) gives the same weights."""
+    from fsdp_speedloader.optimizer_overlap import OverlappedOptimizer
+
+    maybe_init_process_group("cuda")
+    base = _model()
+    models = [apply_speedloader(copy.deepcopy(base), num_sub_batches=2, param_dtype=BF16, offload_params=True,
+                                offload_root=False) for _ in range(2)]
+    devices = {n: p.device.type for n, p in models[0].named_parameters()}
+    assert devices["model.embed_tokens.weight"] == "cuda" and devices["model.layers.0.mlp.up_proj.weight"] == "cpu"
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+    optimizers = [adamw(list(models[0].parameters())), OverlappedOptimizer(models[1], adamw)]
+    try:
+        for step in range(2):
+            ids, labels = _batch(4, 128, seed=step)
+            for model, opt in zip(models, optimizers):
+                model(input_ids=ids, labels=labels).loss.backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        optimizers[1].close()
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
 def _peak_step_memory(num_sub_batches: int, *, store: str, offload: bool, seq_len: int, sub_batch: int) -> dict:

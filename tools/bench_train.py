@@ -20,7 +20,8 @@ Each ``--contender NAME:nxN`` sets the sub-batch (micro-batch) size n and their 
 ``--param-transfer-dtype bf16`` makes the speedloader contenders transfer a bf16 copy of each offloaded
 fp32 shard (half the host-to-device parameter bytes); a ``:transfer=bf16`` or ``:transfer=fp32``
 suffix sets it per contender, so one invocation compares both (``--compile`` and ``:compile`` / ``:eager``
-likewise run the blocks through one ``torch.compile``d forward):
+likewise run the blocks through one ``torch.compile``d forward; ``:root=device`` keeps the embeddings, final
+norm and LM head of a speedloader contender on the GPU):
   python tools/bench_train.py --model llama2_7b --layers 8 --seq-len 4096 --max-gpu-memory-gib 40 \
       --contender speedloader-overlap:4x2 --contender speedloader-overlap:4x2:transfer=bf16 --steps 3 --warmup 1
 Writes bench/results/<name>.json (device, torch version, commit, command, config, every figure)
@@ -37,7 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {  # hidden, intermediate, heads, kv heads, vocab (the full models' shapes; depth is --layers)
@@ -142,24 +143,36 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
     return fb_times, opt_times, losses, profile
 
 
-def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False
-                    ) -> tuple[str, str, Optional[str], bool]:
-    """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager]' -> (NAME, 'nxN', 'bf16' or None, compiled).
+class Contender(NamedTuple):
+    name: str
+    shape: str  # 'nxN'
+    transfer: Optional[str]  # 'bf16' or None
+    compiled: bool
+    root_on_device: bool
+
+
+def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
+    """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device]' -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
-    ``--compile`` (every contender but DeepSpeed) for a contender without the suffix."""
+    ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
+    (speedloader contenders): the embeddings, final norm and LM head keep their states on the GPU."""
     name, shape, *options = spec.split(":")
     transfer = default_transfer if name.startswith("speedloader") else None
     compiled = default_compile and name != "deepspeed-offload"
+    root_on_device = False
     for option in options:
         key, _, value = option.partition("=")
         if key in ("compile", "eager") and not value and name != "deepspeed-offload":
             compiled = key == "compile"
-            continue
-        if key != "transfer" or value not in ("bf16", "fp32") or not name.startswith("speedloader"):
-            raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16' or ':transfer=fp32' (speedloader "
-                             "contenders) and ':compile' or ':eager' (every contender but deepspeed-offload)")
-        transfer = None if value == "fp32" else value
-    return name, shape, transfer, compiled
+        elif key == "root" and value in ("device", "host") and name.startswith("speedloader"):
+            root_on_device = value == "device"
+        elif key == "transfer" and value in ("bf16", "fp32") and name.startswith("speedloader"):
+            transfer = None if value == "fp32" else value
+        else:
+            raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
+                             "(speedloader contenders) and ':compile' or ':eager' (every contender but "
+                             "deepspeed-offload)")
+    return Contender(name, shape, transfer, compiled, root_on_device)
 
 
 def run_worker(args: argparse.Namespace) -> dict:
@@ -171,7 +184,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     from fsdp_speedloader.models import build_model, get_adapter, materialize_model
     from fsdp_speedloader.parallel import apply_fsdp, build_mesh, maybe_init_process_group, set_forward_prefetch
 
-    name, shape, transfer, compiled = parse_contender(args.worker, args.param_transfer_dtype, args.compile)
+    name, shape, transfer, compiled, root_on_device = parse_contender(args.worker, args.param_transfer_dtype,
+                                                                      args.compile)
     sub_batch, num_sub = (int(v) for v in shape.split("x"))
     if name == "deepspeed-offload":  # a peer with its own engine and launcher environment
         from bench_deepspeed import run_deepspeed
@@ -193,7 +207,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         apply_speedloader(model, num_sub_batches=num_sub, param_dtype=torch.bfloat16, offload_params=True,
                           activation_store=args.activation_store, forward_prefetch=args.prefetch,
                           param_transfer_dtype=torch.bfloat16 if transfer == "bf16" else None,
-                          compile_blocks=compiled)
+                          compile_blocks=compiled, offload_root=not root_on_device)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         units = apply_fsdp(model, build_mesh("cuda"), units=[[b] for b in adapter.blocks],
@@ -246,6 +260,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     peak = args.peak_tflops * 1e12
     result = {
         "contender": name, "contender_spec": args.worker, "param_transfer_dtype": transfer, "compiled": compiled,
+        "root_on_device": root_on_device,
         "sub_batch_size": sub_batch, "num_sub_batches": num_sub, "tokens_per_step": tokens,
         "fwd_bwd_s": fb, "optimizer_s": opt, "step_s": fb + opt,
         "tokens_per_s_fwd_bwd": tokens / fb, "tokens_per_s": tokens / (fb + opt),
@@ -345,7 +360,8 @@ def main() -> None:
             print(f"| {r['contender']} | - | error: {r['error'][:80]} | | | |")
         else:
             transfer = r.get("param_transfer_dtype")
-            label = r["contender"] + (f" ({transfer} transfer)" if transfer else "") + (" compiled" if r.get("compiled") else "")
+            label = (r["contender"] + (f" ({transfer} transfer)" if transfer else "")
+                     + (" compiled" if r.get("compiled") else "") + (", root on GPU" if r.get("root_on_device") else ""))
             print(f"| {label} | {r['sub_batch_size']}x{r['num_sub_batches']} | {r['tokens_per_s_fwd_bwd']:.0f} "
                   f"| {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['peak_hbm_gib']:.1f} |")
 
