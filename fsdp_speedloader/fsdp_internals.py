@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -57,6 +57,30 @@ def fold_unsharded_grads(fsdp_params: Sequence[FSDPParam]) -> None:
             fsdp_param.to_accumulated_grad_if_needed()
         else:
             fsdp_param.accumulate_unsharded_grad_if_needed()
+
+
+def move_unoffloaded_shards(model: nn.Module, device: torch.device) -> int:
+    """After ``model.to_empty(device=host)``: gives the parameters of FSDP groups that do not offload
+    (``offload_root=False``'s root) fresh, uninitialised shards on ``device``; returns how many moved.
+
+    Each parameter keeps its object (``torch.utils.swap_tensors``, as ``nn.Module._apply`` does, so tied
+    parameters stay tied and optimizers built later see them), then ``FSDPParam.reset_sharded_param``
+    re-reads its local shard, as FSDP2's own ``_apply`` does after ``to_empty``.
+    """
+    moved = 0
+    with torch.no_grad():
+        for group in [g for m in model.modules() if isinstance(m, FSDPModule) for g in fsdp_param_groups_of(m)]:
+            if any(p.offload_to_cpu for p in group.fsdp_params):
+                continue
+            for fsdp_param in group.fsdp_params:
+                param = fsdp_param.sharded_param
+                if param.device == device:
+                    continue
+                torch.utils.swap_tensors(param, nn.Parameter(torch.empty_like(param, device=device),
+                                                             requires_grad=param.requires_grad))
+                fsdp_param.reset_sharded_param()
+                moved += 1
+    return moved
 
 
 # --- host-to-device prefetch at world size 1 ------------------------------------------------------

@@ -49,6 +49,26 @@ def test_gradient_parity_with_the_root_kept_on_the_device(family):
     assert_grads_close(model, ref_grads)
 
 
+def test_materialize_moves_only_the_groups_that_do_not_offload():
+    """materialize_model's to_empty puts every shard on param_device (the host); the root of offload_root=False
+    then gets shards on the compute device, keeping its parameter objects (here 'meta' stands in for the GPU)."""
+    from fsdp_speedloader.config import ModelConfig
+    from fsdp_speedloader.fsdp_internals import move_unoffloaded_shards
+    from fsdp_speedloader.models import build_model
+
+    cfg = ModelConfig(family="opt", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vocab_size=320,
+                      max_position_embeddings=64)
+    model = build_model(cfg, device="meta")
+    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=2, offload_params=True, offload_root=False)
+    model.to_empty(device="cpu")
+    before = dict(model.named_parameters())
+    assert move_unoffloaded_shards(model, torch.device("meta")) == 5  # token/position embeddings, final norm (2), head
+    after = dict(model.named_parameters())
+    assert all(after[k] is before[k] for k in before)
+    moved = {k for k, p in after.items() if p.device.type == "meta"}
+    assert moved == {k for k in after if ".layers." not in k}, moved
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_gradient_parity_with_compiled_blocks(family):

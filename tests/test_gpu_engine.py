@@ -109,6 +109,26 @@ def test_overlapped_optimizer_with_the_root_on_the_gpu():
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
+def test_materialized_root_stays_on_the_gpu():
+    """Built on meta and materialised with param_device=cpu (as the trainer and the benchmarks do): with
+    offload_root=False the root's shards land on the GPU, the units' on the host, and a step trains."""
+    from fsdp_speedloader.models import materialize_model
+
+    maybe_init_process_group("cuda")
+    cfg = ModelConfig(hidden_size=512, num_layers=2, num_heads=8, intermediate_size=1408, vocab_size=2048,
+                      max_position_embeddings=4096)
+    model = build_model(cfg, device="meta")
+    apply_speedloader(model, num_sub_batches=2, param_dtype=BF16, offload_params=True, offload_root=False)
+    materialize_model(model, cfg, device=torch.device("cuda"), seed=0, param_device=torch.device("cpu"))
+    devices = {n: p.device.type for n, p in model.named_parameters()}
+    assert {d for n, d in devices.items() if ".layers." in n} == {"cpu"}
+    assert {d for n, d in devices.items() if ".layers." not in n} == {"cuda"}
+    ids, labels = _batch(4, 128)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None and p.grad.device == p.device for p in model.parameters())
+
+
 def _peak_step_memory(num_sub_batches: int, *, store: str, offload: bool, seq_len: int, sub_batch: int) -> dict:
     model = apply_speedloader(_model(hidden=1024, layers=4, vocab=4096), num_sub_batches=num_sub_batches,
                               param_dtype=BF16, activation_store=store, offload_params=offload)

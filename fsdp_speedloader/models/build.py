@@ -71,10 +71,15 @@ def materialize_model(model: nn.Module, cfg: ModelConfig, *, device: torch.devic
                       param_device: Optional[torch.device] = None) -> None:
     """Allocates the (sharded) parameters and fills them: from ``cfg.path`` if set, else seeded init.
 
-    ``param_device`` is where parameters live (the host when offloaded); buffers such as the
-    rotary frequencies always go to the compute ``device``.
+    ``param_device`` is where offloaded parameters live (the host); parameters of FSDP groups that do not
+    offload (``offload_root=False``'s root) and buffers such as the rotary frequencies go to the compute
+    ``device``.
     """
     model.to_empty(device=param_device or device)
+    if param_device is not None and param_device != device:  # groups that keep their states on the device
+        from ..fsdp_internals import move_unoffloaded_shards
+
+        move_unoffloaded_shards(model, device)
     _rebuild_buffers(model, device)
     if cfg.path is not None:
         load_safetensors(model, cfg.path)
