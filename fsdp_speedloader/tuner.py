@@ -579,6 +579,7 @@ def tune(
     forward_prefetch: int = 1,
     loss_chunk_tokens: int = 4096,
     param_transfer_dtype: Optional[torch.dtype] = None,
+    offload_root: bool = True,
     mesh=None,
     build_optimizer: Optional[Callable[[nn.Module], torch.optim.Optimizer]] = None,
     seed: int = 0,
@@ -603,9 +604,9 @@ def tune(
             take other paths, and the step from 1 to 2 is not the slope beyond (on the CPU it is 2-3x). If
             the larger one runs out of GPU memory, the trials run again at (1, the smaller one).
         trial_num_sub_batches: N of the trial steps.
-        offload_params ... param_transfer_dtype: as ``apply_speedloader``; the run must use the same (the
-            trials then hold the same host slots: parameter transfer copies are 2 bytes per offloaded
-            parameter for bf16).
+        offload_params ... offload_root: as ``apply_speedloader``; the run must use the same (the trials
+            then hold the same states where the run will: parameter transfer copies are 2 bytes per
+            offloaded parameter for bf16; a root kept on the GPU is part of the GPU line's constant).
         mesh: as ``apply_speedloader`` (every rank runs the trials; the maximum over ranks is fitted).
         build_optimizer: the run's optimizer for a model (its state is part of the memory); default:
             the trainer's fused AdamW.
@@ -641,7 +642,8 @@ def tune(
     speedloader_kwargs = dict(num_sub_batches=trial_num_sub_batches, mesh=mesh, offload_params=offload_params,
                               activation_store=activation_store, pin_memory=pin_memory, param_dtype=param_dtype,
                               reduce_dtype=reduce_dtype, forward_prefetch=forward_prefetch,
-                              loss_chunk_tokens=loss_chunk_tokens, param_transfer_dtype=param_transfer_dtype)
+                              loss_chunk_tokens=loss_chunk_tokens, param_transfer_dtype=param_transfer_dtype,
+                              offload_root=offload_root)
     start = time.perf_counter()
     measurements = []
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
@@ -717,6 +719,7 @@ def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduc
                 offload_params=cfg.offload.params, activation_store=sched.activation_store,
                 pin_memory=cfg.offload.pin_memory, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                 forward_prefetch=sched.forward_prefetch, loss_chunk_tokens=sched.loss_chunk_tokens,
-                param_transfer_dtype=_DTYPES.get(cfg.offload.param_transfer_dtype), mesh=mesh,
+                param_transfer_dtype=_DTYPES.get(cfg.offload.param_transfer_dtype), offload_root=cfg.offload.root,
+                mesh=mesh,
                 build_optimizer=lambda m: build_optimizer(m, cfg.optim), seed=cfg.seed,
                 budget_names=(gpu_name, "schedule.host_memory_budget_gib"))

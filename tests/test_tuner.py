@@ -482,3 +482,18 @@ def test_ranks_agree_on_the_plan():
     a, b = run_distributed(_tune_on_rank, 2)
     assert a == b, "every rank fits the maximum over ranks and gets the same plan"
     assert a["host_budget"] == 64 * MIB  # the smallest budget of any rank
+
+
+def test_train_config_passes_the_run_s_placement_to_the_trials(tmp_path, monkeypatch):
+    """schedule=auto tunes with the run's offload.root and offload.param_transfer_dtype, so the trials hold
+    the run's states where the run will (a root on the GPU, bf16 transfer copies in the arena)."""
+    from dist_utils import tiny_config
+
+    from fsdp_speedloader import tuner
+
+    seen = {}
+    monkeypatch.setattr(tuner, "tune", lambda *args, **kwargs: seen.update(kwargs))
+    cfg = tiny_config(tmp_path, schedule={"name": "auto"}, param_dtype="bfloat16",
+                      offload={"params": True, "root": False, "param_transfer_dtype": "bf16"})
+    tuner.tune_train_config(cfg, mesh=None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert seen["offload_root"] is False and seen["param_transfer_dtype"] == torch.bfloat16
