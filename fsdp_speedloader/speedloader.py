@@ -183,6 +183,8 @@ def apply_speedloader(
                              ("forward_prefetch", forward_prefetch, 0), ("loss_chunk_tokens", loss_chunk_tokens, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}={value!r}; it must be an integer >= {low}")
+    if compile_blocks:  # lazy (nothing is traced before the first step); first, so its errors precede sharding
+        adapter.compile_blocks()
     store = build_activation_store(activation_store, offload_params=offload_params)
     if param_transfer_dtype is not None:
         _check_param_transfer(param_transfer_dtype, param_dtype, offload_params=offload_params,
@@ -219,8 +221,6 @@ def apply_speedloader(
     model._speedloader = SpeedLoader(adapter, units, store, num_sub_batches=num_sub_batches,
                                      device=compute_device(mesh.device_type), loss_chunk_tokens=loss_chunk_tokens,
                                      root=model, param_transfer_dtype=param_transfer_dtype)
-    if compile_blocks:
-        adapter.compile_blocks()
     model.forward = types.MethodType(_model_forward, model)
     return model
 

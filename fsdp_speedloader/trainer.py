@@ -200,14 +200,14 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
         return
     if sched.activation_checkpointing:  # before sharding: FSDP's hooks then sit inside the checkpoint
         enable_activation_checkpointing(model)
+    if sched.compile_blocks:  # lazy; before sharding, so a refusal leaves the model untouched
+        get_adapter(model).compile_blocks(as_forward=True)
     blocks = list(get_adapter(model).blocks)
     units = [blocks[i : i + sched.blocks_per_unit] for i in range(0, len(blocks), sched.blocks_per_unit)]
     unit_modules = parallel.apply_fsdp(model, mesh, units=units, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                        offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory,
                                        offload_root=cfg.offload.root)
     parallel.set_forward_prefetch(model, unit_modules, sched.forward_prefetch)
-    if sched.compile_blocks:
-        get_adapter(model).compile_blocks(as_forward=True)
 
 
 def num_label_tokens(labels: torch.Tensor) -> int:

@@ -69,6 +69,13 @@ def test_materialize_moves_only_the_groups_that_do_not_offload():
     assert moved == {k for k in after if ".layers." not in k}, moved
 
 
+def test_compiled_blocks_refuse_dropout():
+    model = tiny_model("opt", dropout=0.1)
+    with pytest.raises(ValueError, match="compile_blocks with dropout"):
+        apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=2, compile_blocks=True)
+    assert not any(is_fsdp(m) for m in model.modules())  # refused before sharding
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_gradient_parity_with_compiled_blocks(family):

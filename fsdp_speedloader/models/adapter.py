@@ -49,6 +49,10 @@ class ModelAdapter(ABC):
         it each block's ``forward``, for schedules that call blocks as modules (FSDP2's hooks and
         activation checkpointing then stay outside the compiled code).
         """
+        if self.has_dropout:  # the recompute in backward must draw the forward's dropout masks again
+            raise ValueError("compile_blocks with dropout: the backward recomputes each block and must replay its "
+                             "dropout masks, which compiled kernels do not guarantee (a silent gradient error); set "
+                             "the model's dropout to 0 (model.dropout) or schedule.compile_blocks=false")
         self.compiled_block_forward = torch.compile(type(self.blocks[0]).forward)
         if as_forward:
             for block in self.blocks:
