@@ -379,9 +379,9 @@ def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batc
         if kv_cache != "split":
             raise ValueError(f"kv_device_sub_batches={kv_device_sub_batches!r} applies to kv_cache='split' only "
                              f"(got kv_cache={kv_cache!r})")
-        value = kv_device_sub_batches
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < num_sub_batches:
-            raise ValueError(f"kv_device_sub_batches={value!r}; a split cache keeps 1 to num_sub_batches - 1 = "
+        d = kv_device_sub_batches
+        if not isinstance(d, int) or isinstance(d, bool) or not 1 <= d < num_sub_batches:
+            raise ValueError(f"kv_device_sub_batches={d!r}; a split cache keeps 1 to num_sub_batches - 1 = "
                              f"{num_sub_batches - 1} sub-batches on the device (all: kv_cache='device', none: 'host')")
     if do_sample:
         if not temperature > 0:

@@ -19,34 +19,34 @@ from fsdp_speedloader.parallel import apply_fsdp
 CASES = list(itertools.product(("llama", "opt"), (1, 2, 3, 8), (1, 2), ("device", "host"), (False, True)))
 
 
-@pytest.mark.parametrize("family,num_sub_batches,blocks_per_unit,store,offload", CASES)
-def test_gradient_parity(family, num_sub_batches, blocks_per_unit, store, offload):
+def _assert_parity(family: str, num_sub_batches: int, *, scale: float = 1.0, **speedloader_kwargs):
+    """One layer-major step of ``tiny_model(family)`` prepared with ``speedloader_kwargs``: its loss and
+    (``scale * loss``) gradients equal the unmodified model's on the full batch. Returns the model."""
     model = tiny_model(family)
     ids, labels = batch(num_sub_batches)
-    scale = 2.5  # (c * loss).backward() must give c times the gradients
     ref_loss, ref_grads = reference_grads(model, [(ids, labels)], scale=scale)
-    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=num_sub_batches, blocks_per_unit=blocks_per_unit,
-                      activation_store=store, offload_params=offload)
+    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=num_sub_batches, **speedloader_kwargs)
     loss = model(input_ids=ids, labels=labels).loss
     (scale * loss).backward()
     torch.testing.assert_close(loss.detach(), ref_loss[0], rtol=1e-6, atol=0)
     assert_grads_close(model, ref_grads)
+    return model
+
+
+@pytest.mark.parametrize("family,num_sub_batches,blocks_per_unit,store,offload", CASES)
+def test_gradient_parity(family, num_sub_batches, blocks_per_unit, store, offload):
+    # scale: (c * loss).backward() must give c times the gradients
+    _assert_parity(family, num_sub_batches, scale=2.5, blocks_per_unit=blocks_per_unit, activation_store=store,
+                   offload_params=offload)
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_gradient_parity_with_the_root_kept_on_the_device(family):
     """offload_root=False: the units offloaded, the root (embeddings, final norm, LM head) not."""
-    model = tiny_model(family)
-    ids, labels = batch(3)
-    ref_loss, ref_grads = reference_grads(model, [(ids, labels)])
-    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=3, offload_params=True, offload_root=False)
+    model = _assert_parity(family, 3, offload_params=True, offload_root=False)
     policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
                 for m in model.modules() if is_fsdp(m)}
     assert policies == {"CPUOffloadPolicy", "OffloadPolicy"}, policies
-    loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
-    torch.testing.assert_close(loss.detach(), ref_loss[0], rtol=1e-6, atol=0)
-    assert_grads_close(model, ref_grads)
 
 
 def test_materialize_moves_only_the_groups_that_do_not_offload():
@@ -82,16 +82,9 @@ def test_gradient_parity_with_compiled_blocks(family):
     """compile_blocks=True: the forward and the recompute in backward run through one compiled function."""
     import torch._dynamo
 
-    model = tiny_model(family)
-    ids, labels = batch(2)
-    ref_loss, ref_grads = reference_grads(model, [(ids, labels)])
     torch._dynamo.reset()
-    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=2, blocks_per_unit=2, compile_blocks=True)
+    model = _assert_parity(family, 2, blocks_per_unit=2, compile_blocks=True)
     assert model._speedloader.adapter.compiled_block_forward is not None
-    loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
-    torch.testing.assert_close(loss.detach(), ref_loss[0], rtol=1e-6, atol=0)
-    assert_grads_close(model, ref_grads)
 
 
 @pytest.mark.parametrize("blocks_per_unit", [1, 2])
