@@ -34,6 +34,7 @@ CLI (Hydra, ``conf/generate.yaml``)::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -48,6 +49,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers.masking_utils import create_causal_mask
 
 from .chain import Unit
+from .host_attention import attention_on_host
 from .kv_cache import KV_CACHE_MODES, KVCache, build_kv_cache, choose_kv_mode, kv_layout_for
 from .models import BlockInputs, ModelAdapter
 
@@ -141,6 +143,7 @@ class _Run:
     capacity: int  # prompt_len + max_new_tokens
     kv_mode: str  # 'auto' until the first step resolves it
     kv_device_sub_batches: Optional[int]  # 'split': sub-batches whose cache stays on the device (None: fit)
+    cpu_attention_sub_batches: int  # host sub-batches whose decoding attention runs on the host
     host_memory_limit_bytes: Optional[int]
     resources: "_Resources"
     kv: Optional[KVCache] = None
@@ -232,7 +235,8 @@ def _setup_kv(run: _Run, dtype: torch.dtype) -> None:
     run.kv_mode, on_device = choose_kv_mode(run.kv_mode, layout, run.device,
                                             device_sub_batches=run.kv_device_sub_batches)
     res = run.resources
-    run.kv = build_kv_cache(run.kv_mode, layout, run.device, device_sub_batches=on_device, arena=res.kv_arena,
+    run.kv = build_kv_cache(run.kv_mode, layout, run.device, device_sub_batches=on_device,
+                            cpu_attention=run.cpu_attention_sub_batches, arena=res.kv_arena,
                             exchange=res.kv_exchange, host_memory_limit_bytes=run.host_memory_limit_bytes)
     if run.kv_mode in ("host", "split"):
         res.kv_arena, res.kv_exchange = run.kv.arena, run.kv.exchange
@@ -335,7 +339,7 @@ def select_tokens(logits: torch.Tensor, *, do_sample: bool, temperature: float, 
 
 
 def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batches, do_sample, temperature,
-                  top_k, top_p, kv_cache, kv_device_sub_batches) -> None:
+                  top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches) -> None:
     """ValueError, naming what to change, before anything is allocated."""
     if getattr(model, "_speedloader", None) is None:
         raise ValueError("generate needs a model prepared with fsdp_speedloader.apply_speedloader(model, ...)")
@@ -383,6 +387,18 @@ def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batc
         if not isinstance(d, int) or isinstance(d, bool) or not 1 <= d < num_sub_batches:
             raise ValueError(f"kv_device_sub_batches={d!r}; a split cache keeps 1 to num_sub_batches - 1 = "
                              f"{num_sub_batches - 1} sub-batches on the device (all: kv_cache='device', none: 'host')")
+    c = cpu_attention_sub_batches
+    if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+        raise ValueError(f"cpu_attention_sub_batches={c!r}; it must be an integer >= 0")
+    if c > 0:
+        if kv_cache not in ("host", "split"):
+            raise ValueError(f"cpu_attention_sub_batches={c} runs attention next to a host KV cache: it needs "
+                             f"kv_cache='host' or 'split' (got kv_cache={kv_cache!r})")
+        host = num_sub_batches - (kv_device_sub_batches or 0) if kv_cache == "split" else num_sub_batches
+        if c > host:
+            raise ValueError(f"cpu_attention_sub_batches={c}, but the host holds the cache of {host} sub-batches "
+                             f"(num_sub_batches={num_sub_batches}" + (f" - kv_device_sub_batches={kv_device_sub_batches}"
+                                                                      if kv_cache == "split" else "") + ")")
     if do_sample:
         if not temperature > 0:
             raise ValueError(f"temperature={temperature}; it must be > 0 (or do_sample=False for greedy)")
@@ -414,6 +430,7 @@ def generate(
     pad_token_id: Optional[int] = None,
     kv_cache: str = "auto",
     kv_device_sub_batches: Optional[int] = None,
+    cpu_attention_sub_batches: int = 0,
     seed: Optional[int] = None,
     host_memory_limit_bytes: Optional[int] = None,
     return_stats: bool = False,
@@ -439,6 +456,10 @@ def generate(
             sub-batches do, else host; 'device' without CUDA).
         kv_device_sub_batches: with kv_cache='split', the sub-batches whose cache stays on the GPU
             (1 .. N - 1); None: as many as fit in half of the GPU memory this process may still use.
+        cpu_attention_sub_batches: with kv_cache='host' or 'split', the first host sub-batches whose
+            decoding attention runs on the CPU next to their cache (FlexGen's ``cpu_cache_compute``): the
+            query and output cross the link instead of the cache. The others' cache is copied to the GPU.
+            Balances link and CPU memory bandwidth; 0 (default): every host cache is copied.
         seed: seeds sampling (a private generator: the global RNG is untouched); None: global RNG.
         host_memory_limit_bytes: host budget of the KV arena (default: detected, see ``arena.py``).
         return_stats: also return a ``GenerationStats``.
@@ -446,7 +467,7 @@ def generate(
         (B, prompt_len + new tokens) LongTensor on ``input_ids``' device, as Hugging Face ``generate``.
     """
     _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batches, do_sample, temperature,
-                  top_k, top_p, kv_cache, kv_device_sub_batches)
+                  top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches)
     eos = _eos_list(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
     engine = model._speedloader
@@ -466,7 +487,7 @@ def generate(
     run = _Run(adapter=adapter, units=engine.units, layers=[[layer_of[id(b)] for b in u.blocks] for _, u in engine.units],
                store=engine.store, device=device, num_sub_batches=num_sub_batches,
                sub_batch_size=batch // num_sub_batches, capacity=prompt_len + max_new_tokens, kv_mode=kv_cache,
-               kv_device_sub_batches=kv_device_sub_batches,
+               kv_device_sub_batches=kv_device_sub_batches, cpu_attention_sub_batches=cpu_attention_sub_batches,
                host_memory_limit_bytes=host_memory_limit_bytes, resources=resources,
                block_kwargs=frozenset(inspect.signature(type(blocks[0]).forward).parameters))
     generator = None
@@ -475,6 +496,7 @@ def generate(
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     was_training = model.training
     model.eval()
+    routing = attention_on_host(adapter.config) if cpu_attention_sub_batches else contextlib.nullcontext()
     # Timing needs the GPU to finish the prefill (and the last step); without stats nothing waits for it.
     sync = (torch.cuda.current_stream(device).synchronize if device.type == "cuda" and return_stats
             else (lambda: None))
@@ -485,39 +507,40 @@ def generate(
     start = time.perf_counter()
     prefill_s = 0.0
     try:
-        for step in range(max_new_tokens):
-            recompute = kv_cache == "off" or run.kv_mode == "off"
-            if step == 0 or recompute:  # the whole sequence so far, from position 0
-                past, step_ids = 0, torch.cat([ids_all, *[t[:, None] for t in new_tokens]], dim=1)
-                step_pos = torch.cat([positions, positions[:, -1:] + torch.arange(1, step + 1)], dim=1)
-            else:  # one new token per sequence after `past` cached positions
-                past, step_ids = prompt_len + step - 1, new_tokens[-1][:, None]
-                step_pos = positions[:, -1:] + step
-            step_mask = None if mask is None else torch.cat([mask, torch.ones(batch, step, dtype=mask.dtype)], 1)
-            # Host overhead, not the weights, bounds a decoding step (a decoder-layer call per layer and
-            # group): with the KV cache on the device, nothing is fetched per sub-batch, and the step's
-            # activations are one token per sequence, so each unit runs ONCE on the whole batch.
-            whole_batch = past > 0 and run.kv is not None and run.kv.whole_batch_decode
-            state = StepState(run=run, input_ids=list(step_ids.split(batch if whole_batch else run.sub_batch_size)),
-                              mask=step_mask, positions=step_pos, past=past)
-            getattr(model, _ROOT_METHOD)(state)  # the root's hooked call: one layer-major step
-            next_tokens = select_tokens(state.logits, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                                        top_p=top_p, generator=generator)
-            if eos_t is not None:
-                next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
-                unfinished = unfinished & ~torch.isin(next_tokens, eos_t)
-            new_tokens.append(next_tokens)
-            if step == 0:
-                sync()
-                prefill_s = time.perf_counter() - start
-            # Ranks step together (FSDP's all-gathers are collective): with several ranks every rank
-            # votes each step, also one without EOS ids, so a rank that passed none cannot hang the others.
-            if (eos_t is not None or distributed) and step + 1 < max_new_tokens:
-                alive = unfinished.max()
-                if distributed:
-                    dist.all_reduce(alive, op=dist.ReduceOp.MAX)
-                if int(alive) == 0:
-                    break
+        with routing:  # attention on the host for the sub-batches the cache keeps there
+            for step in range(max_new_tokens):
+                recompute = kv_cache == "off" or run.kv_mode == "off"
+                if step == 0 or recompute:  # the whole sequence so far, from position 0
+                    past, step_ids = 0, torch.cat([ids_all, *[t[:, None] for t in new_tokens]], dim=1)
+                    step_pos = torch.cat([positions, positions[:, -1:] + torch.arange(1, step + 1)], dim=1)
+                else:  # one new token per sequence after `past` cached positions
+                    past, step_ids = prompt_len + step - 1, new_tokens[-1][:, None]
+                    step_pos = positions[:, -1:] + step
+                step_mask = None if mask is None else torch.cat([mask, torch.ones(batch, step, dtype=mask.dtype)], 1)
+                # Host overhead, not the weights, bounds a decoding step (a decoder-layer call per layer and
+                # group): with the KV cache on the device, nothing is fetched per sub-batch, and the step's
+                # activations are one token per sequence, so each unit runs ONCE on the whole batch.
+                whole_batch = past > 0 and run.kv is not None and run.kv.whole_batch_decode
+                state = StepState(run=run, input_ids=list(step_ids.split(batch if whole_batch else run.sub_batch_size)),
+                                  mask=step_mask, positions=step_pos, past=past)
+                getattr(model, _ROOT_METHOD)(state)  # the root's hooked call: one layer-major step
+                next_tokens = select_tokens(state.logits, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                                            top_p=top_p, generator=generator)
+                if eos_t is not None:
+                    next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
+                    unfinished = unfinished & ~torch.isin(next_tokens, eos_t)
+                new_tokens.append(next_tokens)
+                if step == 0:
+                    sync()
+                    prefill_s = time.perf_counter() - start
+                # Ranks step together (FSDP's all-gathers are collective): with several ranks every rank
+                # votes each step, also one without EOS ids, so a rank that passed none cannot hang the others.
+                if (eos_t is not None or distributed) and step + 1 < max_new_tokens:
+                    alive = unfinished.max()
+                    if distributed:
+                        dist.all_reduce(alive, op=dist.ReduceOp.MAX)
+                    if int(alive) == 0:
+                        break
         sync()
         total_s = time.perf_counter() - start
     finally:

@@ -30,6 +30,9 @@ Modes:
   overwritten on the device before any kernel reads them), ``update`` waits for that copy (first use,
   so a later layer's copy still overlaps an earlier layer's compute), writes the new keys/values
   into the device copy and stores them back with one D2H copy of ``kv[i, l, past:past + q]``.
+  Its first ``cpu_attention`` sub-batches are never fetched: in a decoding step ``update`` writes the
+  new position into the host cache and hands attention the host views, and ``host_attention.py`` runs
+  their attention on the CPU (the query travels instead of the cache). Prefill attention stays on the GPU.
 
 Streams and order (host mode, CUDA): fetch on the exchange's H2D stream; compute waits on the
 fetch's event; the store runs on the D2H stream after compute. A step's fetches read positions the
@@ -199,10 +202,15 @@ class HostKVCache(KVCache):
 
     SLOT = "kv_cache"
 
-    def __init__(self, layout: KVLayout, device: torch.device, *, arena: Optional[PinnedArena] = None,
-                 exchange: Optional[TensorExchange] = None, host_memory_limit_bytes: Optional[int] = None,
-                 host_memory_margin: float = DEFAULT_MARGIN) -> None:
+    def __init__(self, layout: KVLayout, device: torch.device, *, cpu_attention: int = 0,
+                 arena: Optional[PinnedArena] = None, exchange: Optional[TensorExchange] = None,
+                 host_memory_limit_bytes: Optional[int] = None, host_memory_margin: float = DEFAULT_MARGIN) -> None:
         super().__init__(layout, device)
+        if not 0 <= cpu_attention <= layout.num_sub_batches:
+            raise ValueError(f"cpu_attention_sub_batches={cpu_attention}; the host cache holds "
+                             f"{layout.num_sub_batches} sub-batches (0 .. {layout.num_sub_batches})")
+        self.cpu_attention = cpu_attention  # sub-batches 0 .. cpu_attention - 1: attention on the host
+        self.cpu_read_bytes = 0  # cache bytes those attentions read (instead of copying them)
         if arena is None or self.SLOT not in arena or arena.capacity(self.SLOT) < layout.nbytes:
             if arena is not None:
                 arena.close()
@@ -229,6 +237,12 @@ class HostKVCache(KVCache):
     def prefetch(self, i: int, layers: Sequence[int]) -> None:
         if self.past == 0:
             return  # prefill: nothing cached yet
+        if i < self.cpu_attention:
+            # Its cache stays where it is: the link is free now, so start the first sub-batch whose cache is
+            # copied (it then arrives while the CPU computes, instead of after).
+            i = self.cpu_attention
+            if i >= self.layout.num_sub_batches:
+                return
         for layer in layers:
             if (i, layer) not in self._pending:
                 src = self.host[i, layer, : self.past + self.query]
@@ -243,6 +257,11 @@ class HostKVCache(KVCache):
             # (q, 2, n, H_kv, d): one contiguous tensor, one D2H copy.
             self.exchange.store(torch.stack((_as_positions(key), _as_positions(value)), dim=1), new_host)
             return key, value
+        if i < self.cpu_attention:
+            # Written on the compute stream: host attention waits for that stream before reading.
+            new_host.copy_(torch.stack((_as_positions(key), _as_positions(value)), dim=1), non_blocking=True)
+            self.cpu_read_bytes += (self.past + self.query) * self.layout.position_bytes
+            return _as_attention(self.host[i, layer, : self.past + self.query])
         self.prefetch(i, (layer,))  # no-op when the schedule prefetched it
         block = self.exchange.wait(self._pending.pop((i, layer)))  # (past + q, 2, n, H_kv, d) on the device
         new = block[self.past :]
@@ -254,6 +273,10 @@ class HostKVCache(KVCache):
     def end_step(self) -> None:
         self._pending.clear()
         self.exchange.end_step()
+
+    def stats(self) -> dict:
+        return {**super().stats(), "kv_cpu_attention_sub_batches": self.cpu_attention,
+                "kv_cpu_attention_read_bytes": self.cpu_read_bytes}
 
     def close(self) -> None:
         """Waits for queued copies; the arena stays with the caller for reuse (``self.arena``)."""
@@ -298,9 +321,7 @@ class SplitKVCache(KVCache):
         self.on_host.end_step()
 
     def stats(self) -> dict:
-        host = self.on_host.stats()
-        return {"kv_cache_bytes": self.layout.nbytes, "kv_h2d_bytes": host["kv_h2d_bytes"],
-                "kv_d2h_bytes": host["kv_d2h_bytes"], "kv_device_sub_batches": self.num_device,
+        return {**self.on_host.stats(), "kv_cache_bytes": self.layout.nbytes, "kv_device_sub_batches": self.num_device,
                 "kv_device_bytes": self.on_device.layout.nbytes}
 
     def close(self) -> None:
@@ -373,15 +394,18 @@ def choose_kv_mode(mode: str, layout: KVLayout, device: torch.device, *, device_
 
 
 def build_kv_cache(mode: str, layout: KVLayout, device: torch.device, *, device_sub_batches: int = 0,
-                   arena: Optional[PinnedArena] = None, exchange: Optional[TensorExchange] = None,
+                   cpu_attention: int = 0, arena: Optional[PinnedArena] = None,
+                   exchange: Optional[TensorExchange] = None,
                    host_memory_limit_bytes: Optional[int] = None) -> Optional[KVCache]:
     """'device', 'split' (``device_sub_batches`` on the device), 'host' or 'off' (None: the caller
-    recomputes the prefix every step)."""
+    recomputes the prefix every step). ``cpu_attention``: host sub-batches (the first ones) whose
+    decoding attention runs on the host (``host_attention.py``)."""
     if mode == "off":
         return None
     if mode == "device":
         return DeviceKVCache(layout, device)
-    host_kwargs = dict(arena=arena, exchange=exchange, host_memory_limit_bytes=host_memory_limit_bytes)
+    host_kwargs = dict(cpu_attention=cpu_attention, arena=arena, exchange=exchange,
+                       host_memory_limit_bytes=host_memory_limit_bytes)
     if mode == "split":
         return SplitKVCache(layout, device, device_sub_batches, **host_kwargs)
     if mode == "host":

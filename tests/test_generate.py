@@ -258,6 +258,31 @@ def test_split_kv_copies_only_the_host_sub_batches():
     assert len(set(per_position.values())) == 1, per_position  # the bytes scale with the host sub-batches only
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_cpu_attention_sub_batches_attend_next_to_the_host_cache(family):
+    """The first C host sub-batches attend on the host (their cache handed to attention where it is):
+    greedy tokens equal HF's for host and split caches, those sub-batches are never fetched, the bytes
+    their attention read are reported, and the model's attention implementation is restored."""
+    ids, mask = _prompts(4, seed=13)
+    want = _reference(_tiny(family), ids, mask)
+    model = _prepared(family, 4)
+    implementation = model.config._attn_implementation
+    layers = _tiny(family).config.num_hidden_layers
+    fetched = sum(PROMPT_LEN + step for step in range(1, NEW))  # positions read per sub-batch and layer
+    per_position = None
+    for kv_cache, on_device, on_cpu in (("host", None, 1), ("host", None, 4), ("split", 1, 3), ("split", 2, 1)):
+        out, stats = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=4, kv_cache=kv_cache,
+                              kv_device_sub_batches=on_device, cpu_attention_sub_batches=on_cpu, return_stats=True)
+        assert torch.equal(out, want), (kv_cache, on_device, on_cpu)
+        assert model.config._attn_implementation == implementation
+        copied = 4 - (on_device or 0) - on_cpu
+        read = stats.io["kv_cpu_attention_read_bytes"]
+        per_position = per_position or read / (on_cpu * layers * fetched)
+        assert read == on_cpu * layers * fetched * per_position
+        assert stats.io["kv_h2d_bytes"] == copied * layers * fetched * per_position
+        assert stats.io["kv_cpu_attention_sub_batches"] == on_cpu
+
+
 def test_auto_kv_cache_splits_when_only_some_sub_batches_fit(monkeypatch):
     from fsdp_speedloader import kv_cache as kv_module
     from fsdp_speedloader.kv_cache import choose_kv_mode, kv_layout_for
@@ -299,6 +324,10 @@ def test_model_generates_after_training_and_trains_after_generating():
     (dict(kv_cache="host", kv_device_sub_batches=1), "applies to kv_cache='split' only"),
     (dict(kv_cache="split", kv_device_sub_batches=2), "1 to num_sub_batches - 1 = 1"),
     (dict(kv_cache="split", num_sub_batches=1), "needs num_sub_batches >= 2"),
+    (dict(kv_cache="device", cpu_attention_sub_batches=1), "needs kv_cache='host' or 'split'"),
+    (dict(kv_cache="host", cpu_attention_sub_batches=3), "the host holds the cache of 2 sub-batches"),
+    (dict(kv_cache="split", kv_device_sub_batches=1, cpu_attention_sub_batches=2), "holds the cache of 1 sub-batch"),
+    (dict(kv_cache="host", cpu_attention_sub_batches=-1), "integer >= 0"),
     (dict(input_ids=torch.full((4, PROMPT_LEN), VOCAB)), "outside the vocabulary"),
     (dict(do_sample=True, temperature=0.0), "temperature"),
     (dict(do_sample=True, top_p=1.5), "top_p"),
@@ -334,12 +363,14 @@ def test_host_kv_arena_budget_error_names_the_settings():
 def _sharded_generation(rank: int, world_size: int) -> list:
     torch.set_num_threads(1)
     out = []
-    for family, kv_cache, offload in itertools.product(("llama", "opt"), ("host", "off"), (False, True)):
+    for family, (kv_cache, on_cpu), offload in itertools.product(("llama", "opt"), (("host", 0), ("host", 1), ("off", 0)),
+                                                                 (False, True)):
         model = _tiny(family)
         ids, mask = _prompts(4, seed=10 + rank)  # each rank its own prompts
         want = _reference(model, ids, mask)
         prepared = apply_speedloader(copy.deepcopy(model), mesh=cpu_mesh(), num_sub_batches=2, offload_params=offload)
-        got = generate(prepared, ids, mask, max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache)
+        got = generate(prepared, ids, mask, max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache,
+                       cpu_attention_sub_batches=on_cpu)
         out.append(bool(torch.equal(got, want)))
     # EOS on one rank only: the ranks agree to keep stepping until both are done (no hang), and the
     # rank that finished pads.
@@ -383,6 +414,11 @@ def test_generate_yaml_composes_into_a_valid_config():
         GenerateConfig.from_dict({"kv_cache": "disk"})
     with pytest.raises(ValueError, match="unknown key"):
         GenerateConfig.from_dict({"max_new_token": 3})
+    with pytest.raises(ValueError, match="cpu_attention_sub_batches.*needs kv_cache=host or split"):
+        GenerateConfig.from_dict({"cpu_attention_sub_batches": 1, "kv_cache": "device"})
+    with pytest.raises(ValueError, match="at most the 1 sub-batches whose cache is on the host"):
+        GenerateConfig.from_dict({"cpu_attention_sub_batches": 2, "kv_cache": "split", "num_sub_batches": 2,
+                                  "kv_device_sub_batches": 1})
 
 
 def test_cli_generates_prompts_from_a_file(tmp_path):
@@ -393,7 +429,7 @@ def test_cli_generates_prompts_from_a_file(tmp_path):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.generate", *CLI_TINY, "prompts.source=file",
-                           f"prompts.path={prompts}", "kv_cache=host", f"hydra.run.dir={tmp_path / 'run'}"],
+                           f"prompts.path={prompts}", "kv_cache=host", "cpu_attention_sub_batches=1", f"hydra.run.dir={tmp_path / 'run'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]

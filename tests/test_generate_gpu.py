@@ -84,6 +84,21 @@ def test_fp32_greedy_parity_offloaded_weights_host_kv(family):
             assert torch.equal(got, want), (family, n_sub, kv_cache, (got != want).nonzero()[:5].tolist())
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_fp32_greedy_parity_with_attention_on_the_host(family):
+    """cpu_attention_sub_batches: those sub-batches' decoding attention runs on the CPU over the host cache
+    (query and padding mask copied to the host, output back): tokens equal Hugging Face's on the GPU."""
+    base = _model(family)
+    ids, mask = _prompts(8, seed=6)
+    want = _hf_generate(_hf(base, torch.float32), ids, mask)
+    model = apply_speedloader(copy.deepcopy(base), num_sub_batches=4, offload_params=True, activation_store="host")
+    for kv_cache, on_device, on_cpu in (("host", None, 4), ("host", None, 2), ("split", 1, 2)):
+        got, stats = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=4, kv_cache=kv_cache,
+                              kv_device_sub_batches=on_device, cpu_attention_sub_batches=on_cpu, return_stats=True)
+        assert torch.equal(got, want), (family, kv_cache, on_cpu, (got != want).nonzero()[:5].tolist())
+        assert stats.io["kv_cpu_attention_read_bytes"] > 0
+
+
 def test_fp32_parity_with_delayed_copies():
     """Every exchange copy (KV and activations) lags by ~1 ms: only event ordering keeps the tokens right."""
     base = _model("llama")

@@ -5,9 +5,11 @@ set to the same ``--gpu-memory-gib``), on the same model shape (``conf/model/<mo
 weights: nothing is downloaded), prompt length and generation length, and generates EVERY token
 (no projected timings, no EOS stop). A contender that fails or times out is recorded as such.
 
-  speedloader:BxN[:kv]   this project: B prompts in N sub-batches; weights offloaded to the host when they
+  speedloader:BxN[:kv][:cpu=C]
+                         this project: B prompts in N sub-batches; weights offloaded to the host when they
                          take more than half the budget (--offload to force), KV cache 'auto' (default),
-                         'host', 'device', 'split', 'split=D' (the last D sub-batches on the GPU) or 'off'
+                         'host', 'device', 'split', 'split=D' (the last D sub-batches on the GPU) or 'off';
+                         cpu=C: the first C host sub-batches attend on the CPU (cpu_attention_sub_batches)
   accelerate:B           Hugging Face generate on a model dispatched by accelerate (device_map from
                          infer_auto_device_map with max_memory: the budget minus B's KV cache and a margin
                          on the GPU, the rest of the layers on the host)
@@ -119,9 +121,10 @@ def run_speedloader(args, spec: str) -> dict:
     from fsdp_speedloader.models.build import _rebuild_buffers
     from fsdp_speedloader.parallel import maybe_init_process_group
 
-    shape, _, kv_cache = spec.partition(":")
+    shape, *options = spec.split(":")
     batch, num_sub = (int(v) for v in shape.split("x"))
-    kv_cache, _, on_device = (kv_cache or "auto").partition("=")
+    on_cpu = sum(int(o.partition("=")[2]) for o in options if o.startswith("cpu="))
+    kv_cache, _, on_device = (([o for o in options if not o.startswith("cpu=")] or ["auto"])[0]).partition("=")
     maybe_init_process_group("cuda")
     device = _cap_gpu(args)
     cfg = _model_config(args)
@@ -136,7 +139,7 @@ def run_speedloader(args, spec: str) -> dict:
     _rebuild_buffers(model, device)
     ids = _prompts(args, batch, cfg.vocab_size)
     kwargs = dict(num_sub_batches=num_sub, kv_cache=kv_cache, eos_token_id=None,
-                  kv_device_sub_batches=int(on_device) if on_device else None)
+                  kv_device_sub_batches=int(on_device) if on_device else None, cpu_attention_sub_batches=on_cpu)
     # Warm-up: lazy init, arenas (the longest geometry first, so the timed run re-plans nothing).
     warm = torch.cat([ids, ids[:, : args.gen_len - 1]], dim=1) if args.gen_len > 1 else ids
     generate(model, warm, max_new_tokens=1, **kwargs)
@@ -157,11 +160,14 @@ def run_speedloader(args, spec: str) -> dict:
     io = {
         "weights_h2d_bytes": block_bytes * args.gen_len if offload else 0,
         "kv_h2d_bytes": stats.io.get("kv_h2d_bytes", 0), "kv_d2h_bytes": stats.io.get("kv_d2h_bytes", 0),
+        # Read by attention on the CPU from host memory (never crosses the link); its queries and outputs do.
+        "kv_cpu_attention_read_bytes": stats.io.get("kv_cpu_attention_read_bytes", 0),
         # Block-boundary activations cross the link twice per unit (store + fetch) when the store is on the host.
         "activation_bytes": (2 * units * batch * h * 2 * (args.prompt_len + args.gen_len - 1)) if offload else 0,
     }
     return {"batch_size": batch, "num_sub_batches": num_sub, "kv_cache": stats.kv_cache, "offload_weights": offload,
             "kv_device_sub_batches": stats.io.get("kv_device_sub_batches"),
+            "cpu_attention_sub_batches": stats.io.get("kv_cpu_attention_sub_batches", 0),
             "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "wall_s_generate": wall,
             "generated_tokens_per_s": stats.generated_tokens_per_s, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
             "decode_tokens_per_s": stats.decode_tokens_per_s, "io": io, "kv_cache_bytes": stats.io.get("kv_cache_bytes", 0),
@@ -287,7 +293,8 @@ def _row(r: dict) -> str:
         return f"| {r['contender']} | | error: {r['error'][:100]} | | | | |"
     io = r.get("io")
     io_s = (f"W {io['weights_h2d_bytes'] / 2**30:.0f} / KV {io['kv_h2d_bytes'] / 2**30:.0f}+"
-            f"{io['kv_d2h_bytes'] / 2**30:.1f} / A {io['activation_bytes'] / 2**30:.1f}") if io else ""
+            f"{io['kv_d2h_bytes'] / 2**30:.1f} / A {io['activation_bytes'] / 2**30:.1f} / "
+            f"KV read on CPU {io.get('kv_cpu_attention_read_bytes', 0) / 2**30:.0f}") if io else ""
     return (f"| {r['contender']} | {r['batch_size']} | {r['generated_tokens_per_s']:.1f} | "
             f"{r['prefill_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.1f} | {r['peak_hbm_gib']:.1f} | {io_s} |")
 
@@ -325,6 +332,9 @@ def main() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
+    # The GPU machine's copy of the tree has no .git: pass FSL_COMMIT=$(git rev-parse HEAD) there (as bench_train).
+    commit = os.environ.get("FSL_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                             text=True, cwd=REPO).stdout.strip()
     rows = []
     contenders = args.contender or ["speedloader:64x4", "flexgen", "accelerate:8"]
     argv = sys.argv[1:]
@@ -350,6 +360,7 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             row = {"contender": contender, "error": f"timeout after {args.timeout:.0f} s"}
         row["wall_s"] = time.time() - t0
+        row["commit"] = commit or "unknown"  # rows merged with --append may come from other commits
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "stderr_tail"}), flush=True)
 
@@ -361,21 +372,22 @@ def main() -> None:
         mine = {r["contender"] for r in rows}
         rows = [r for r in old["results"] if r["contender"] not in mine] + rows
         commands = old.get("commands", [old.get("command", "")]) + commands
-    # The GPU machine's copy of the tree has no .git: pass FSL_COMMIT=$(git rev-parse HEAD) there (as bench_train).
-    commit = os.environ.get("FSL_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                             text=True, cwd=REPO).stdout.strip()
     record = {"benchmark": "infer", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "commit": commit or "unknown",
               "commands": commands, "config": {k: v for k, v in vars(args).items() if k != "worker"},
               "cuda_alloc_conf": os.environ["PYTORCH_CUDA_ALLOC_CONF"], "results": rows}
-    ok = {r["contender"].partition(":")[0]: r["generated_tokens_per_s"] for r in rows if "error" not in r}
+    ok = {}  # the best setting of each contender
+    for r in rows:
+        if "error" not in r:
+            name = r["contender"].partition(":")[0]
+            ok[name] = max(ok.get(name, 0.0), r["generated_tokens_per_s"])
     if "speedloader" in ok:
         record["speedup"] = {f"vs_{k}": ok["speedloader"] / v for k, v in ok.items() if k != "speedloader" and v > 0}
     os.makedirs(args.out_dir, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
     print(f"\n{args.model}, prompt {args.prompt_len}, generate {args.gen_len}, GPU budget {args.gpu_memory_gib:g} GiB "
           f"({record['device']})\n")
-    print("| contender | batch | generated tok/s | prefill tok/s | decode tok/s | peak HBM GiB | I/O GiB (weights / KV h2d+d2h / act) |")
+    print("| contender | batch | generated tok/s | prefill tok/s | decode tok/s | peak HBM GiB | I/O GiB (weights / KV h2d+d2h / act / KV read on CPU) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(_row(r))

@@ -109,6 +109,8 @@ class GenerateConfig:
     """'auto', 'device', 'split', 'host' or 'off' (recompute the prefix every step)."""
     kv_device_sub_batches: Optional[int] = None
     """With kv_cache 'split': sub-batches whose cache stays on the GPU (null: as many as fit)."""
+    cpu_attention_sub_batches: int = 0
+    """With kv_cache 'host' or 'split': host sub-batches whose decoding attention runs on the CPU."""
     activation_store: str = "auto"
     """Block-boundary activations between units: 'auto', 'device' or 'host'."""
     forward_prefetch: int = 1
@@ -143,6 +145,12 @@ class GenerateConfig:
             _check(self.kv_cache == "split", "kv_device_sub_batches", "applies to kv_cache=split only")
             _check(1 <= self.kv_device_sub_batches < self.num_sub_batches, "kv_device_sub_batches",
                    f"must be 1 .. num_sub_batches - 1 = {self.num_sub_batches - 1}")
+        _check_positive(self.cpu_attention_sub_batches, "cpu_attention_sub_batches", allow_zero=True)
+        if self.cpu_attention_sub_batches:
+            _check(self.kv_cache in ("host", "split"), "cpu_attention_sub_batches", "needs kv_cache=host or split")
+            host = self.num_sub_batches - (self.kv_device_sub_batches or 0)
+            _check(self.cpu_attention_sub_batches <= host, "cpu_attention_sub_batches",
+                   f"must be at most the {host} sub-batches whose cache is on the host")
         _check_choice(self.activation_store, "activation_store", ("auto", "device", "host"))
         _check_choice(self.device, "device", ("auto", "cuda", "cpu"))
         _check_choice(self.param_dtype, "param_dtype", ("auto", *_DTYPES))
@@ -276,7 +284,7 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     ids, mask = left_pad([tokens[k] for k in rows], pad_id)
     eos = eos_id if cfg.stop_at_eos and cfg.prompts.source == "file" else None
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, num_sub_batches=cfg.num_sub_batches, kv_cache=cfg.kv_cache,
-                  kv_device_sub_batches=cfg.kv_device_sub_batches,
+                  kv_device_sub_batches=cfg.kv_device_sub_batches, cpu_attention_sub_batches=cfg.cpu_attention_sub_batches,
                   do_sample=cfg.sampling.do_sample, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
                   top_p=cfg.sampling.top_p, eos_token_id=eos, pad_token_id=pad_id, seed=cfg.seed + rank,
                   host_memory_limit_bytes=None if cfg.host_memory_limit_gib is None
