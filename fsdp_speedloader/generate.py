@@ -49,7 +49,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers.masking_utils import create_causal_mask
 
 from .chain import Unit
-from .host_attention import HostAttentionWorker, attention_on_host
+from .host_attention import attention_on_host
 from .kv_cache import KV_CACHE_MODES, KVCache, build_kv_cache, choose_kv_mode, kv_layout_for
 from .models import BlockInputs, ModelAdapter
 
@@ -147,7 +147,6 @@ class _Run:
     host_memory_limit_bytes: Optional[int]
     resources: "_Resources"
     kv: Optional[KVCache] = None
-    host_worker: Optional[HostAttentionWorker] = None  # with cpu_attention_sub_batches
     block_kwargs: frozenset = frozenset()
     slots_planned: bool = False
 
@@ -167,27 +166,16 @@ def _unit_step(unit: Unit, state: StepState) -> None:
     KV cache's ``prefetch``/``update`` start H2D/D2H copies on the exchange streams; compute is on the
     current stream. While sub-batch i computes, sub-batch i + 1's input and KV (or, for the last one,
     the next unit's first KV) are copied in, and i - 1's outputs are copied out.
-
-    In a decoding step with attention on the host (``cpu_attention_sub_batches``), the first sub-batches
-    attend on the CPU: they go to the host-attention worker first, and this thread runs the others
-    while it computes; their outputs are stored last.
     """
     run = state.run
     store, kv, n_sub = run.store, run.kv, state.num_groups
     src, dst = (unit.index - 1) % 2, unit.index % 2
     layers = run.layers[unit.index - 1]
     next_layers = run.layers[unit.index] if unit.index < len(run.layers) else None
-    on_host = kv.num_host_attention if kv is not None else 0
-    if on_host:
-        for i in range(on_host):
-            store.prefetch(src, i)
-        run.host_worker.start(lambda i, x: unit.forward(run.adapter, x, state.block_inputs[i]),
-                              [store.get(src, i) for i in range(on_host)])
-    if on_host < n_sub:
-        store.prefetch(src, on_host)
-        if kv is not None:
-            kv.prefetch(on_host, layers)
-    for i in range(on_host, n_sub):
+    store.prefetch(src, 0)
+    if kv is not None:
+        kv.prefetch(0, layers)
+    for i in range(n_sub):
         x = store.get(src, i)
         if i + 1 < n_sub:
             store.prefetch(src, i + 1)
@@ -196,13 +184,10 @@ def _unit_step(unit: Unit, state: StepState) -> None:
         elif next_layers is not None:  # the last sub-batch: start the next unit's first inputs
             if kv is not None:
                 kv.prefetch(0, next_layers)
-            if n_sub > 1 and not on_host:
-                store.prefetch(dst, 0)  # stored one sub-batch ago; N = 1 (or the worker) stores it only below
+            if n_sub > 1:
+                store.prefetch(dst, 0)  # stored one sub-batch ago; N = 1 would store it only below
         y = unit.forward(run.adapter, x, state.block_inputs[i])
         store.put(dst, i, y)
-    if on_host:
-        for i, y in enumerate(run.host_worker.finish()):
-            store.put(dst, i, y)
 
 
 def _root_step(state: StepState) -> None:
@@ -512,8 +497,6 @@ def generate(
     was_training = model.training
     model.eval()
     routing = attention_on_host(adapter.config) if cpu_attention_sub_batches else contextlib.nullcontext()
-    if cpu_attention_sub_batches:
-        run.host_worker = HostAttentionWorker(device)
     # Timing needs the GPU to finish the prefill (and the last step); without stats nothing waits for it.
     sync = (torch.cuda.current_stream(device).synchronize if device.type == "cuda" and return_stats
             else (lambda: None))
@@ -561,8 +544,6 @@ def generate(
         sync()
         total_s = time.perf_counter() - start
     finally:
-        if run.host_worker is not None:
-            run.host_worker.close()
         if run.kv is not None:
             run.kv.close()
         model.train(was_training)

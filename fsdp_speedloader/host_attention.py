@@ -17,20 +17,16 @@ wrote this token's keys and values into the cache), calls the same function on t
 copies the output back. The mask function is the original's, registered under the new name too, so
 masks are built exactly as before.
 
-This one host wait per (sub-batch, layer) is deliberate: it is what lets the CPU read keys the GPU has
-just written. It waits only for the stream of the thread that computes those sub-batches:
-``HostAttentionWorker`` runs them in a thread of their own, on a CUDA stream of their own, while the
-generation thread runs the unit on the other sub-batches (whose caches are copied or on the GPU) and the
-next unit's weights stream in. Without it, the CPU's attention and the GPU's work on the other
-sub-batches would take turns.
+This one host wait per (sub-batch, layer) is deliberate: a decoding step's GPU work is small, the next
+unit's weights keep streaming on the copy stream while the CPU computes, and the wait is what lets the
+CPU read keys the GPU has just written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -97,53 +93,3 @@ def attention_on_host(config) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = name
-
-
-class HostAttentionWorker:
-    """Runs a unit on the host-attention sub-batches in a thread and CUDA stream of their own.
-
-    ``start(run_one, inputs)`` queues ``run_one(i, inputs[i])`` for every ``i`` after the caller's stream's
-    work so far (the unit's unsharded weights and the inputs); the caller then runs the other sub-batches;
-    ``finish()`` returns the outputs, ordered before the caller's stream's next work. The inputs stay
-    referenced until then, so no buffer they live in is reused before the worker's stream has read it.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-attention")
-        self._job: Optional[Future] = None
-        self._inputs: Sequence[torch.Tensor] = ()
-
-    def start(self, run_one: Callable[[int, torch.Tensor], torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
-        assert self._job is None, "finish() the previous unit first"
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._inputs = inputs
-        self._job = self._pool.submit(self._run, run_one, inputs)
-
-    def _run(self, run_one, inputs) -> list[torch.Tensor]:
-        # Grad mode and the current stream are per thread: set both here.
-        stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        with torch.no_grad(), stream:
-            return [run_one(i, x) for i, x in enumerate(inputs)]
-
-    def finish(self) -> list[torch.Tensor]:
-        job, self._job = self._job, None
-        try:
-            outputs = job.result()
-        finally:
-            if self.stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._inputs = ()
-        if self.stream is not None:
-            current = torch.cuda.current_stream(self.device)
-            for y in outputs:
-                y.record_stream(current)  # allocated on the worker's stream, read on the caller's
-        return outputs
-
-    def close(self) -> None:
-        if self._job is not None:  # an error left a unit unfinished: wait for it without raising again
-            self._job.exception()
-            self._job = None
-        self._pool.shutdown(wait=True)

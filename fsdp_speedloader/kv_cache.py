@@ -136,11 +136,6 @@ class KVCache(ABC):
     def prefetch(self, i: int, layers: Sequence[int]) -> None:
         """Hint: sub-batch ``i`` runs ``layers`` next."""
 
-    @property
-    def num_host_attention(self) -> int:
-        """This step's leading sub-batches whose attention runs on the host (decoding steps only)."""
-        return 0
-
     def end_step(self) -> None:
         pass
 
@@ -215,9 +210,7 @@ class HostKVCache(KVCache):
             raise ValueError(f"cpu_attention_sub_batches={cpu_attention}; the host cache holds "
                              f"{layout.num_sub_batches} sub-batches (0 .. {layout.num_sub_batches})")
         self.cpu_attention = cpu_attention  # sub-batches 0 .. cpu_attention - 1: attention on the host
-        # Counted by the host-attention worker thread only (the main thread counts the others).
         self.cpu_read_bytes = 0  # cache bytes those attentions read (instead of copying them)
-        self.cpu_d2h_bytes = 0
         if arena is None or self.SLOT not in arena or arena.capacity(self.SLOT) < layout.nbytes:
             if arena is not None:
                 arena.close()
@@ -241,10 +234,6 @@ class HostKVCache(KVCache):
         if self.exchange.is_cuda and past > 0:
             self.exchange.h2d.wait_stream(self.exchange.d2h)  # this step's fetches read the last stores
 
-    @property
-    def num_host_attention(self) -> int:
-        return self.cpu_attention if self.past > 0 else 0
-
     def prefetch(self, i: int, layers: Sequence[int]) -> None:
         if self.past == 0:
             return  # prefill: nothing cached yet
@@ -263,17 +252,16 @@ class HostKVCache(KVCache):
     def update(self, i, layer, key, value):
         self._check(i, layer, key)
         new_host = self.host[i, layer, self.past : self.past + self.query]
-        if self.past > 0 and i < self.cpu_attention:
-            # Written on the current stream: host attention waits for that stream before reading.
-            new_host.copy_(torch.stack((_as_positions(key), _as_positions(value)), dim=1), non_blocking=True)
-            self.cpu_d2h_bytes += self.query * self.layout.position_bytes
-            self.cpu_read_bytes += (self.past + self.query) * self.layout.position_bytes
-            return _as_attention(self.host[i, layer, : self.past + self.query])
         self.d2h_bytes += self.query * self.layout.position_bytes
         if self.past == 0:
             # (q, 2, n, H_kv, d): one contiguous tensor, one D2H copy.
             self.exchange.store(torch.stack((_as_positions(key), _as_positions(value)), dim=1), new_host)
             return key, value
+        if i < self.cpu_attention:
+            # Written on the compute stream: host attention waits for that stream before reading.
+            new_host.copy_(torch.stack((_as_positions(key), _as_positions(value)), dim=1), non_blocking=True)
+            self.cpu_read_bytes += (self.past + self.query) * self.layout.position_bytes
+            return _as_attention(self.host[i, layer, : self.past + self.query])
         self.prefetch(i, (layer,))  # no-op when the schedule prefetched it
         block = self.exchange.wait(self._pending.pop((i, layer)))  # (past + q, 2, n, H_kv, d) on the device
         new = block[self.past :]
@@ -287,8 +275,7 @@ class HostKVCache(KVCache):
         self.exchange.end_step()
 
     def stats(self) -> dict:
-        return {**super().stats(), "kv_d2h_bytes": self.d2h_bytes + self.cpu_d2h_bytes,
-                "kv_cpu_attention_sub_batches": self.cpu_attention,
+        return {**super().stats(), "kv_cpu_attention_sub_batches": self.cpu_attention,
                 "kv_cpu_attention_read_bytes": self.cpu_read_bytes}
 
     def close(self) -> None:
@@ -324,10 +311,6 @@ class SplitKVCache(KVCache):
     def prefetch(self, i: int, layers: Sequence[int]) -> None:
         part, j = self._part(i)
         part.prefetch(j, layers)
-
-    @property
-    def num_host_attention(self) -> int:
-        return self.on_host.num_host_attention  # host sub-batches come first
 
     def update(self, i, layer, key, value):
         part, j = self._part(i)
