@@ -10,8 +10,8 @@ host-to-device copy running (the weights' traffic). GB/s = cache bytes read / ti
     python tools/bench_host_attention.py --out bench/results/host_attention_cpu_h200.json
 
 The record (bench/results/host_attention_cpu_h200.json, one H200 machine, 16 Intel Xeon cores with
-AVX512-FP16/AMX): Hugging Face's SDPA path in fp16 on the strided cache reads 50.9 GB/s alone and 23.4 GB/s
-while the link copies at 55.1 GB/s; converting to fp32 first (FlexGen's way) 8.0 and 3.7 GB/s.
+AVX512-FP16/AMX): Hugging Face's SDPA path in fp16 on the strided cache reads 48.5 GB/s alone and 23.4 GB/s
+while the link copies at 55.5 GB/s; converting to fp32 first (FlexGen's way) 6.7 and 3.5 GB/s.
 """
 
 from __future__ import annotations
