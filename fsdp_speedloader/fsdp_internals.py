@@ -5,16 +5,19 @@ Each function names the FSDP2 attribute it relies on; all were read in torch 2.1
 ``FSDPParam.all_gather_inputs``, the world-size-1 branch of ``FSDPParamGroup.unshard`` /
 ``wait_for_unshard``, the gradient copy to the host in ``foreach_reduce``, and for the parameter
 transfer copies ``FSDPParam._sharded_param_data``, ``sharded_param``, ``sharded_state``,
-``offload_to_cpu``, ``param_dtype``, ``device`` and ``_sharded_local_tensor``). The state's group
-attribute is ``_fsdp_param_group`` in 2.11 and ``_fsdp_param_groups`` (a list) in 2.13.
+``offload_to_cpu``, ``param_dtype``, ``device`` and ``_sharded_local_tensor``, and for generation on
+the local shards ``mesh_info.shard_mesh_size``, ``_orig_size``, ``sharded_state`` and
+``_setattr_on_modules``). The state's group attribute is ``_fsdp_param_group`` in 2.11 and
+``_fsdp_param_groups`` (a list) in 2.13.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -81,6 +84,46 @@ def move_unoffloaded_shards(model: nn.Module, device: torch.device) -> int:
                 fsdp_param.reset_sharded_param()
                 moved += 1
     return moved
+
+
+# --- generation on the local shards ---------------------------------------------------------------
+#
+# When every parameter's shard group has one rank, its weights are on the compute device and need no
+# cast, FSDP2's unshard copies a tensor that is already whole into its all-gather buffer and out
+# again, once per unit per step, behind Python hooks. For generation, where no gradient needs FSDP2's
+# bookkeeping, the modules can run on the local shards themselves.
+
+
+def local_shard_params(model: nn.Module) -> Optional[list[FSDPParam]]:
+    """The model's FSDPParams if each local shard IS its whole parameter, on the compute device, in the
+    compute dtype (one rank per shard group, not offloaded, no mixed-precision cast); else None."""
+    groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in fsdp_param_groups_of(m)]
+    params = []
+    for group in groups:  # the group's policy: FSDPParam.param_dtype exists only after FSDP2's lazy init
+        for p in group.fsdp_params:
+            local = p.sharded_param.to_local()
+            if (p.offload_to_cpu or p.mesh_info.shard_mesh_size != 1 or tuple(local.shape) != tuple(p._orig_size)
+                    or group.mp_policy.param_dtype not in (None, local.dtype) or local.device != p.device):
+                return None
+            params.append(p)
+    return params or None
+
+
+@contextlib.contextmanager
+def run_on_local_shards(fsdp_params: Sequence[FSDPParam]) -> Iterator[None]:
+    """Within the block, the modules hold their local shards (``local_shard_params``) as plain parameters,
+    so they run without FSDP2's hooks and copies; FSDP2's sharded parameters are put back on exit.
+    Groups left unsharded (the root after a forward) already hold whole parameters and stay as they are."""
+    swapped = []
+    try:
+        for p in fsdp_params:
+            if p.sharded_state == ShardedState.SHARDED:
+                p._setattr_on_modules(nn.Parameter(p.sharded_param.to_local(), requires_grad=False))
+                swapped.append(p)
+        yield
+    finally:
+        for p in swapped:
+            p._setattr_on_modules(p.sharded_param)
 
 
 # --- host-to-device prefetch at world size 1 ------------------------------------------------------

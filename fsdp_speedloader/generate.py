@@ -49,6 +49,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers.masking_utils import create_causal_mask
 
 from .chain import Unit
+from .fsdp_internals import local_shard_params, run_on_local_shards
 from .host_attention import attention_on_host
 from .kv_cache import KV_CACHE_MODES, KVCache, build_kv_cache, choose_kv_mode, kv_layout_for
 from .models import BlockInputs, ModelAdapter
@@ -147,6 +148,7 @@ class _Run:
     host_memory_limit_bytes: Optional[int]
     resources: "_Resources"
     kv: Optional[KVCache] = None
+    on_local_shards: bool = False  # the modules run on their local shards: no FSDP2 hooks (one rank, resident)
     block_kwargs: frozenset = frozenset()
     slots_planned: bool = False
 
@@ -211,8 +213,11 @@ def _root_step(state: StepState) -> None:
     state.block_inputs = _step_inputs(run, act_dtype, state.mask, state.positions, state.past, n_sub)
     for i in range(n_sub):
         store.put(0, i, adapter.embed(state.input_ids[i], state.block_inputs[i].kwargs["position_ids"]))
-    for module, _ in run.units:
-        getattr(module, _UNIT_METHOD)(state)  # one FSDP-hooked call per unit: one unshard
+    for module, unit in run.units:
+        if run.on_local_shards:
+            _unit_step(unit, state)  # the weights are whole where they lie: nothing to unshard
+        else:
+            getattr(module, _UNIT_METHOD)(state)  # one FSDP-hooked call per unit: one unshard
     last = len(run.units) % 2
     logits = []
     store.prefetch(last, 0)
@@ -497,6 +502,11 @@ def generate(
     was_training = model.training
     model.eval()
     routing = attention_on_host(adapter.config) if cpu_attention_sub_batches else contextlib.nullcontext()
+    # One rank per shard group, weights resident in the compute dtype: FSDP2's unshard would only copy
+    # whole weights into its buffers and out, every unit and step; run on the local shards instead.
+    local = local_shard_params(model)
+    run.on_local_shards = local is not None
+    step_call = _root_step if run.on_local_shards else getattr(model, _ROOT_METHOD)  # the root's hooked call
     # Timing needs the GPU to finish the prefill (and the last step); without stats nothing waits for it.
     sync = (torch.cuda.current_stream(device).synchronize if device.type == "cuda" and return_stats
             else (lambda: None))
@@ -507,7 +517,7 @@ def generate(
     start = time.perf_counter()
     prefill_s = 0.0
     try:
-        with routing:  # attention on the host for the sub-batches the cache keeps there
+        with routing, run_on_local_shards(local or ()):
             for step in range(max_new_tokens):
                 recompute = kv_cache == "off" or run.kv_mode == "off"
                 if step == 0 or recompute:  # the whole sequence so far, from position 0
@@ -523,7 +533,7 @@ def generate(
                 whole_batch = past > 0 and run.kv is not None and run.kv.whole_batch_decode
                 state = StepState(run=run, input_ids=list(step_ids.split(batch if whole_batch else run.sub_batch_size)),
                                   mask=step_mask, positions=step_pos, past=past)
-                getattr(model, _ROOT_METHOD)(state)  # the root's hooked call: one layer-major step
+                step_call(state)  # one layer-major step
                 next_tokens = select_tokens(state.logits, do_sample=do_sample, temperature=temperature, top_k=top_k,
                                             top_p=top_p, generator=generator)
                 if eos_t is not None:

@@ -146,9 +146,15 @@ def test_sampling_is_reproducible_with_a_seed_and_independent_of_num_sub_batches
                                 temperature=3.0, top_k=1, seed=0), greedy)
 
 
-def test_one_unshard_per_unit_per_step_and_stats():
+@pytest.mark.parametrize("offload", [True, False])
+def test_one_unshard_per_unit_per_step_and_stats(offload):
+    """Offloaded weights: each unit is unsharded once per step, whatever N. Weights whole on the one rank
+    (resident, no cast): the modules run on the local shards, with no unshard at all, and FSDP2's sharded
+    parameters are back afterwards (training works, the tokens are HF's)."""
+    from torch.distributed.tensor import DTensor
+
     ids, mask = _prompts(4, seed=6)
-    model = _prepared("llama", 4, blocks_per_unit=1)
+    model = _prepared("llama", 4, blocks_per_unit=1, offload_params=offload)
     generate(model, ids, mask, max_new_tokens=2, num_sub_batches=4)  # lazy init; the root stays unsharded
     for kv_cache in ("host", "off"):
         counts, undo = count_collectives()
@@ -157,11 +163,15 @@ def test_one_unshard_per_unit_per_step_and_stats():
                                   return_stats=True)
         finally:
             undo()
-        assert counts["unshard"] == 3 * 5, counts  # 3 units x 5 steps, whatever N
+        assert counts["unshard"] == (3 * 5 if offload else 0), counts  # 3 units x 5 steps, whatever N
         assert isinstance(stats, GenerationStats) and stats.num_steps == 5 and stats.kv_cache == kv_cache
         assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+    assert torch.equal(out, _reference(_tiny("llama"), ids, mask, max_new_tokens=5))
     assert out.shape == (4, PROMPT_LEN + 5)
     assert model.training  # restored
+    assert all(isinstance(p, DTensor) for p in model.model.layers.parameters())
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.model.layers.parameters())
 
 
 def test_decoding_runs_each_layer_once_per_step_with_the_kv_cache_on_the_device(monkeypatch):

@@ -85,6 +85,26 @@ def test_fp32_greedy_parity_offloaded_weights_host_kv(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
+def test_fp32_greedy_parity_weights_resident_on_the_gpu(family):
+    """Weights on the GPU, one rank, no cast: generation runs the modules on FSDP2's local shards (no unshard
+    copies, no hooks); tokens equal Hugging Face's, and the model trains afterwards on FSDP2's parameters."""
+    base = _model(family)
+    ids, mask = _prompts(8, seed=7)
+    want = _hf_generate(_hf(base, torch.float32), ids, mask)
+    model = apply_speedloader(copy.deepcopy(base), num_sub_batches=2, activation_store="device")
+    counts, undo = count_collectives()
+    try:
+        for kv_cache in ("device", "host", "split"):
+            got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache)
+            assert torch.equal(got, want), (family, kv_cache, (got != want).nonzero()[:5].tolist())
+    finally:
+        undo()
+    assert counts["unshard"] == 0, counts
+    model(input_ids=ids.cuda(), labels=ids.cuda()).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
 def test_fp32_greedy_parity_with_attention_on_the_host(family):
     """cpu_attention_sub_batches: those sub-batches' decoding attention runs on the CPU over the host cache
     (query and padding mask copied to the host, output back): tokens equal Hugging Face's on the GPU."""
