@@ -15,6 +15,9 @@ KV copies, and such a step has one token per sequence and no copies, while its t
 per decoder-layer call (measured with ``tools/profile_decode.py``). The prefill, the host KV cache and
 ``kv_cache='off'`` keep N sub-batches.
 
+With one rank and the weights resident in the compute dtype, the same step runs without FSDP2's hooks, on
+the local shards themselves (``fsdp_internals.run_on_local_shards``): there is nothing to unshard.
+
 ``_unit_step`` is the schedule: which fetch, compute and store happen when. Activations go through the
 model's activation store (``apply_speedloader(activation_store=...)``), the KV cache through
 ``kv_cache.py``; both copy on a ``TensorExchange``'s streams when CUDA is present.
@@ -401,9 +404,9 @@ def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batc
                              f"kv_cache='host' or 'split' (got kv_cache={kv_cache!r})")
         host = num_sub_batches - (kv_device_sub_batches or 0) if kv_cache == "split" else num_sub_batches
         if c > host:
+            on_device = f" - kv_device_sub_batches={kv_device_sub_batches}" if kv_cache == "split" else ""
             raise ValueError(f"cpu_attention_sub_batches={c}, but the host holds the cache of {host} sub-batches "
-                             f"(num_sub_batches={num_sub_batches}" + (f" - kv_device_sub_batches={kv_device_sub_batches}"
-                                                                      if kv_cache == "split" else "") + ")")
+                             f"(num_sub_batches={num_sub_batches}{on_device})")
     if do_sample:
         if not temperature > 0:
             raise ValueError(f"temperature={temperature}; it must be > 0 (or do_sample=False for greedy)")

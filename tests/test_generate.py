@@ -373,8 +373,8 @@ def test_host_kv_arena_budget_error_names_the_settings():
 def _sharded_generation(rank: int, world_size: int) -> list:
     torch.set_num_threads(1)
     out = []
-    for family, (kv_cache, on_cpu), offload in itertools.product(("llama", "opt"), (("host", 0), ("host", 1), ("off", 0)),
-                                                                 (False, True)):
+    cases = itertools.product(("llama", "opt"), (("host", 0), ("host", 1), ("off", 0)), (False, True))
+    for family, (kv_cache, on_cpu), offload in cases:
         model = _tiny(family)
         ids, mask = _prompts(4, seed=10 + rank)  # each rank its own prompts
         want = _reference(model, ids, mask)
@@ -439,7 +439,8 @@ def test_cli_generates_prompts_from_a_file(tmp_path):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.generate", *CLI_TINY, "prompts.source=file",
-                           f"prompts.path={prompts}", "kv_cache=host", "cpu_attention_sub_batches=1", f"hydra.run.dir={tmp_path / 'run'}"],
+                           f"prompts.path={prompts}", "kv_cache=host", "cpu_attention_sub_batches=1",
+                           f"hydra.run.dir={tmp_path / 'run'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]

@@ -284,7 +284,8 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     ids, mask = left_pad([tokens[k] for k in rows], pad_id)
     eos = eos_id if cfg.stop_at_eos and cfg.prompts.source == "file" else None
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, num_sub_batches=cfg.num_sub_batches, kv_cache=cfg.kv_cache,
-                  kv_device_sub_batches=cfg.kv_device_sub_batches, cpu_attention_sub_batches=cfg.cpu_attention_sub_batches,
+                  kv_device_sub_batches=cfg.kv_device_sub_batches,
+                  cpu_attention_sub_batches=cfg.cpu_attention_sub_batches,
                   do_sample=cfg.sampling.do_sample, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
                   top_p=cfg.sampling.top_p, eos_token_id=eos, pad_token_id=pad_id, seed=cfg.seed + rank,
                   host_memory_limit_bytes=None if cfg.host_memory_limit_gib is None
