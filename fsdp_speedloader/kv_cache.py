@@ -224,6 +224,7 @@ class HostKVCache(KVCache):
         self.host = arena.slot(self.SLOT, layout.shape, layout.dtype)
         self.exchange = exchange if exchange is not None else TensorExchange(device)
         self._pending: dict[tuple[int, int], FetchHandle] = {}
+        self._prefill_stores_unread = False  # host attention's first reads must wait for the prefill's stores
 
     def begin_step(self, past: int, query: int) -> None:
         super().begin_step(past, query)
@@ -233,6 +234,15 @@ class HostKVCache(KVCache):
         self.exchange.clear_ring()
         if self.exchange.is_cuda and past > 0:
             self.exchange.h2d.wait_stream(self.exchange.d2h)  # this step's fetches read the last stores
+        if past == 0:
+            self._prefill_stores_unread = self.cpu_attention > 0
+        elif self._prefill_stores_unread:
+            # The CPU reads the cache directly from now on: the prefill's stores (queued on the exchange's
+            # D2H stream) must be in host memory first. One host wait per generation; later positions are
+            # written on the stream that host attention waits for.
+            if self.exchange.is_cuda:
+                self.exchange.d2h.synchronize()
+            self._prefill_stores_unread = False
 
     def prefetch(self, i: int, layers: Sequence[int]) -> None:
         if self.past == 0:
