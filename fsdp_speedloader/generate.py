@@ -520,7 +520,7 @@ def generate(
     start = time.perf_counter()
     prefill_s = 0.0
     try:
-        with routing, run_on_local_shards(local or ()):
+        with routing as host_times, run_on_local_shards(local or ()):
             for step in range(max_new_tokens):
                 recompute = kv_cache == "off" or run.kv_mode == "off"
                 if step == 0 or recompute:  # the whole sequence so far, from position 0
@@ -566,6 +566,8 @@ def generate(
     io = run.kv.stats() if run.kv is not None else {}
     if hasattr(engine.store, "step_stats"):
         io.update({f"activation_{k}": v for k, v in engine.store.step_stats().items()})
+    if host_times is not None:
+        io.update(host_times.as_dict())
     stats = GenerationStats(batch_size=batch, prompt_len=prompt_len, num_steps=len(new_tokens), prefill_s=prefill_s,
                             decode_s=total_s - prefill_s, kv_cache=run.kv_mode, io=io)
     return out, stats

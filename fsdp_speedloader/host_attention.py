@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -33,6 +35,22 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 _PREFIX = "speedloader_host+"
+
+
+@dataclass
+class HostAttentionTimes:
+    """Where the host's time went in the attentions routed to it (host clocks, seconds)."""
+
+    calls: int = 0
+    wait_s: float = 0.0  # waiting for the compute stream (the query, mask and new K/V)
+    compute_s: float = 0.0  # the attention function itself, on the CPU
+
+    def as_dict(self) -> dict:
+        return {"cpu_attention_calls": self.calls, "cpu_attention_wait_s": self.wait_s,
+                "cpu_attention_compute_s": self.compute_s}
+
+
+_times: list[HostAttentionTimes] = []  # the innermost active routing's record
 
 
 def _original_function(module: torch.nn.Module, name: Optional[str]) -> Callable:
@@ -61,8 +79,15 @@ def _wrap(name: Optional[str]) -> Callable:
         # Keys and values of this (sub-batch, layer) are in host memory: bring the query to them.
         query_host = _to_host(query)  # (n, H, q, d)
         mask_host = None if attention_mask is None else _to_host(attention_mask)
+        t0 = time.perf_counter()
         torch.cuda.current_stream(query.device).synchronize()  # the query, the mask and this token's K/V
+        t1 = time.perf_counter()
         out, weights = original(module, query_host, key, value, mask_host, *args, **kwargs)
+        if _times:
+            record = _times[-1]
+            record.calls += 1
+            record.wait_s += t1 - t0
+            record.compute_s += time.perf_counter() - t1
         return out.to(query.device, non_blocking=True), weights
 
     attention.__qualname__ = f"host_attention[{name}]"
@@ -81,15 +106,19 @@ def _register(name: Optional[str]) -> str:
 
 
 @contextlib.contextmanager
-def attention_on_host(config) -> Iterator[None]:
+def attention_on_host(config) -> Iterator[HostAttentionTimes]:
     """Within the block, the model of ``config`` computes attention on the host for layers whose cache
-    returns host keys; everything else is unchanged. Restores the model's attention implementation on exit."""
+    returns host keys; everything else is unchanged. Restores the model's attention implementation on exit.
+    Yields the block's ``HostAttentionTimes``."""
     name = config._attn_implementation
-    if name is not None and name.startswith(_PREFIX):  # nested: already routed
-        yield
-        return
-    config._attn_implementation = _register(name)
+    times = HostAttentionTimes()
+    _times.append(times)
+    nested = name is not None and name.startswith(_PREFIX)  # already routed: keep the outer routing
+    if not nested:
+        config._attn_implementation = _register(name)
     try:
-        yield
+        yield times
     finally:
-        config._attn_implementation = name
+        _times.remove(times)
+        if not nested:
+            config._attn_implementation = name

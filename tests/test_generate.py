@@ -291,6 +291,7 @@ def test_cpu_attention_sub_batches_attend_next_to_the_host_cache(family):
         assert read == on_cpu * layers * fetched * per_position
         assert stats.io["kv_h2d_bytes"] == copied * layers * fetched * per_position
         assert stats.io["kv_cpu_attention_sub_batches"] == on_cpu
+        assert stats.io["cpu_attention_calls"] == 0  # without CUDA the cache IS on the attention's device
 
 
 def test_auto_kv_cache_splits_when_only_some_sub_batches_fit(monkeypatch):

@@ -117,6 +117,9 @@ def test_fp32_greedy_parity_with_attention_on_the_host(family):
                               kv_device_sub_batches=on_device, cpu_attention_sub_batches=on_cpu, return_stats=True)
         assert torch.equal(got, want), (family, kv_cache, on_cpu, (got != want).nonzero()[:5].tolist())
         assert stats.io["kv_cpu_attention_read_bytes"] > 0
+        layers = base.config.num_hidden_layers
+        assert stats.io["cpu_attention_calls"] == (NEW - 1) * layers * on_cpu  # every decoding step, no prefill
+        assert stats.io["cpu_attention_compute_s"] > 0 and stats.io["cpu_attention_wait_s"] >= 0
 
 
 def test_fp32_parity_with_delayed_copies():

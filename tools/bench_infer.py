@@ -165,6 +165,8 @@ def run_speedloader(args, spec: str) -> dict:
         "kv_cpu_attention_read_bytes": stats.io.get("kv_cpu_attention_read_bytes", 0),
         # Block-boundary activations cross the link twice per unit (store + fetch) when the store is on the host.
         "activation_bytes": (2 * units * batch * h * 2 * (args.prompt_len + args.gen_len - 1)) if offload else 0,
+        # Host seconds of those attentions: waiting for the GPU's query, and computing (cpu_attention_*).
+        **{k: v for k, v in stats.io.items() if k.startswith("cpu_attention_")},
     }
     return {"batch_size": batch, "num_sub_batches": num_sub, "kv_cache": stats.kv_cache, "offload_weights": offload,
             "kv_device_sub_batches": stats.io.get("kv_device_sub_batches"),
