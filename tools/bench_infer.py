@@ -169,6 +169,7 @@ def run_speedloader(args, spec: str) -> dict:
         **{k: v for k, v in stats.io.items() if k.startswith("cpu_attention_")},
     }
     return {"batch_size": batch, "num_sub_batches": num_sub, "kv_cache": stats.kv_cache, "offload_weights": offload,
+            "forward_prefetch": args.prefetch,
             "kv_device_sub_batches": stats.io.get("kv_device_sub_batches"),
             "cpu_attention_sub_batches": stats.io.get("kv_cpu_attention_sub_batches", 0),
             "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "wall_s_generate": wall,
