@@ -31,6 +31,21 @@ def _parity_on_all_cases(rank: int, world_size: int) -> int:
     return len(CASES)
 
 
+def _compiled_parity(rank: int, world_size: int) -> int:
+    """The fastest single-GPU training setting, compiled blocks with the root's states not offloaded, at world
+    size 2 (what tools/bench_scale.py's ``speedloader:compile:root=device`` runs on several GPUs)."""
+    for family in ("llama", "opt"):
+        model = tiny_model(family)
+        _, ref_grads = reference_grads(model, [batch(2, seed=r) for r in range(world_size)])
+        apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=2, offload_params=True, activation_store="host",
+                          compile_blocks=True, offload_root=False)
+        ids, labels = batch(2, seed=rank)
+        model(input_ids=ids, labels=labels).loss.backward()
+        assert_grads_close(model, ref_grads)
+        assert model._speedloader.adapter.compiled_block_forward is not None
+    return 2
+
+
 def _collective_counts(rank: int, world_size: int) -> dict:
     out = {}
     for n_sub in (1, 4):
@@ -57,6 +72,11 @@ def _mesh_mismatch(rank: int, world_size: int) -> str:
 @pytest.mark.slow
 def test_gradient_parity_world_size_2():
     assert run_distributed(_parity_on_all_cases, 2, timeout_s=600) == [len(CASES)] * 2
+
+
+@pytest.mark.slow
+def test_gradient_parity_world_size_2_compiled_blocks_root_not_offloaded():
+    assert run_distributed(_compiled_parity, 2, timeout_s=600) == [2, 2]
 
 
 @pytest.mark.slow

@@ -201,6 +201,25 @@ def test_bench_scale_dry_run_launches(capsys, monkeypatch):
     assert "bench_train.py --worker deepspeed-offload:1x8" in by_key[("deepspeed-offload", "1gpu", "0")]
 
 
+def test_bench_scale_contender_options(capsys):
+    """bench_train's options ride after a contender's name; bad ones fail before any launch; the Ethernet
+    ratios compare each contender's fastest variant and name it."""
+    base = ["--dry-run", "--gpu-ids", "0,1,2,3", "--gpus", "", "--shape", "2x32", "--threads-per-rank", "16"]
+    assert bench_scale.main([*base, "--contenders", "speedloader:compile:root=device,fsdp2-offload:compile"]) == 0
+    out = capsys.readouterr().out
+    assert "--worker speedloader:2x32:compile:root=device " in out and "--worker fsdp2-offload:2x32:compile " in out
+    assert "speedloader_compile_root_device_2x2-ethernet" in out  # no ':' or '=' in the log directories
+    with pytest.raises(SystemExit):
+        bench_scale.main([*base, "--contenders", "deepspeed-offload:compile"])
+    assert "deepspeed-offload:2x32:compile" in capsys.readouterr().err
+    results = [{"contender": c, "case": "2x2-ethernet", "status": "ok", "tokens_per_s": t}
+               for c, t in (("speedloader", 100.0), ("speedloader:compile:root=device", 150.0),
+                            ("fsdp2-offload", 30.0), ("fsdp2-offload:compile", 25.0))]
+    got = bench_scale.targets(results)
+    assert got["ethernet_variants"] == {"speedloader": "speedloader:compile:root=device", "fsdp2-offload": "fsdp2-offload"}
+    assert got["ethernet_speedloader_over"] == {"fsdp2-offload": 5.0}
+
+
 @pytest.mark.slow
 def test_bench_scale_runs_cases_and_records_them_on_cpu(tmp_path):
     """The whole harness with a stand-in worker (the real ones need GPUs): launches, per-rank results,

@@ -12,7 +12,9 @@ per-GPU tokens/s stays flat under perfect weak scaling. Cases (each contender ru
 Contenders: tools/bench_train.py's workers, launched unchanged under torchrun (its ``--worker`` CLI;
 one RESULT line per rank, kept apart with torchrun's ``--log-dir``): ``speedloader``, ``fsdp2-offload``
 and ``deepspeed-offload`` (ZeRO-3, parameters and DeepSpeedCPUAdam on the host, micro-batch n, N
-accumulation steps; tools/bench_deepspeed.py), the last only when deepspeed is installed.
+accumulation steps; tools/bench_deepspeed.py), the last only when deepspeed is installed. A contender
+may carry bench_train's options after its name (``speedloader:compile:root=device``,
+``fsdp2-offload:compile``); the targets compare each contender's fastest variant.
 Every rank gets the same number of CPU threads (``--threads-per-rank``, default cores / largest
 case), also in the 1-GPU case, so that the offloaded optimizer step is not what scales.
 
@@ -50,11 +52,18 @@ TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
 import launch_two_nodes  # noqa: E402  (tools/ is not a package)
+from bench_train import parse_contender  # noqa: E402
 
 BENCH_TRAIN = TOOLS / "bench_train.py"
 CONTENDERS = ("speedloader", "fsdp2-offload", "deepspeed-offload")
 CASE_ORDER = ("1gpu", "4gpu", "2x2-ethernet", "2gpu")  # the priority within a contender
 MIN_RUN_S = 60.0  # a run is not started with less budget than this left
+
+
+def split_contender(spec: str) -> tuple[str, str]:
+    """'NAME[:option...]' -> (NAME, ':option...'): bench_train's options, which follow the shape there."""
+    name, _, options = spec.partition(":")
+    return name, f":{options}" if options else ""
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,8 @@ def run_order(contenders: Sequence[str], cases: Sequence[Case]) -> list[tuple[st
 
 def worker_args(args: argparse.Namespace, contender: str) -> list[str]:
     """One rank's command line: tools/bench_train.py's ``--worker`` CLI."""
-    return [str(args.worker_script or BENCH_TRAIN), "--worker", f"{contender}:{args.shape}", "--model", args.model,
+    name, options = split_contender(contender)
+    return [str(args.worker_script or BENCH_TRAIN), "--worker", f"{name}:{args.shape}{options}", "--model", args.model,
             "--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops), "--prefetch", str(args.prefetch),
             "--activation-store", args.activation_store]
@@ -149,9 +159,13 @@ def _tail(path: Path, n: int = 3) -> str:
     return " | ".join(dict.fromkeys(errors[:n]) if errors else lines[-n:])[-1500:]
 
 
+def run_dir_name(contender: str, case: Case) -> str:
+    return re.sub(r"[^\w.-]", "_", f"{contender}_{case.name}")  # options' ':' and '=' out of paths
+
+
 def run_case(contender: str, case: Case, args: argparse.Namespace, work_dir: Path, timeout_s: float) -> dict:
     """Launches one run and returns its record (status, every rank's figures, the aggregate)."""
-    log_dir = work_dir / f"{contender}_{case.name}"
+    log_dir = work_dir / run_dir_name(contender, case)
     script = worker_args(args, contender)
     commands, envs = case_launch(case, script, device=args.device, gpu_ids=args.gpu_ids, base_env=dict(os.environ),
                                  threads_per_rank=args.threads_per_rank, log_dir=log_dir)
@@ -189,19 +203,25 @@ def run_case(contender: str, case: Case, args: argparse.Namespace, work_dir: Pat
 
 
 def targets(results: Sequence[dict]) -> dict:
-    """The issue's targets from the measured runs (None where a run is missing)."""
+    """The issue's targets from the measured runs (None where a run is missing). Weak scaling per contender
+    as given (with its options); over Ethernet, each contender's fastest variant (``ethernet_variants``)."""
     ok = {(r["contender"], r["case"]): r for r in results if r.get("status") == "ok"}
-    out: dict = {"weak_scaling_per_gpu_4_over_1": {}, "ethernet_speedloader_over": {}}
-    for contender in CONTENDERS:
+    out: dict = {"weak_scaling_per_gpu_4_over_1": {}, "ethernet_speedloader_over": {}, "ethernet_variants": {}}
+    for contender in dict.fromkeys([*CONTENDERS, *(r["contender"] for r in results)]):
         one, four = ok.get((contender, "1gpu")), ok.get((contender, "4gpu"))
         out["weak_scaling_per_gpu_4_over_1"][contender] = (
             four["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"] if one and four else None)
-    eth = {c: r for (c, case), r in ok.items() if case.endswith("-ethernet")}
-    if "speedloader" in eth:
-        for contender in CONTENDERS[1:]:
-            if contender in eth:
-                out["ethernet_speedloader_over"][contender] = (eth["speedloader"]["tokens_per_s"]
-                                                               / eth[contender]["tokens_per_s"])
+    fastest: dict = {}
+    for (contender, case), r in ok.items():
+        name = split_contender(contender)[0]
+        if case.endswith("-ethernet") and (name not in fastest or r["tokens_per_s"] > fastest[name]["tokens_per_s"]):
+            fastest[name] = r
+    out["ethernet_variants"] = {name: r["contender"] for name, r in fastest.items()}
+    if "speedloader" in fastest:
+        for name in CONTENDERS[1:]:
+            if name in fastest:
+                out["ethernet_speedloader_over"][name] = (fastest["speedloader"]["tokens_per_s"]
+                                                          / fastest[name]["tokens_per_s"])
     out["goals"] = {"weak_scaling_per_gpu_4_over_1 (speedloader)": ">= 1.0",
                     "ethernet_speedloader_over fsdp2-offload": ">= 5", "ethernet_speedloader_over deepspeed-offload": ">= 3"}
     return out
@@ -231,8 +251,9 @@ def plot(record: dict, path: Path) -> Optional[Path]:
         print("bench_scale: matplotlib is not installed, no plot (pip install matplotlib)", file=sys.stderr)
         return None
     ok = [r for r in record["results"] if r.get("status") == "ok"]
+    specs = list(dict.fromkeys(r["contender"] for r in ok))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, contender in enumerate(CONTENDERS):
+    for i, contender in enumerate(specs):
         color = f"C{i}"
         points = sorted((r["world_size"], r["tokens_per_s_per_gpu"]) for r in ok
                         if r["contender"] == contender and not r["emulated_ethernet"])
@@ -250,12 +271,12 @@ def plot(record: dict, path: Path) -> Optional[Path]:
     left.set_ylim(bottom=0)
     left.legend()
     eth = [r for r in ok if r["emulated_ethernet"]]
-    base = next((r["tokens_per_s"] for r in eth if r["contender"] == "speedloader"), None)
-    bars = right.bar([r["contender"] for r in eth], [r["tokens_per_s_per_gpu"] for r in eth],
-                     color=[f"C{CONTENDERS.index(r['contender'])}" for r in eth])
+    base = max((r["tokens_per_s"] for r in eth if split_contender(r["contender"])[0] == "speedloader"), default=None)
+    bars = right.bar([r["contender"].replace(":", "\n", 1) for r in eth], [r["tokens_per_s_per_gpu"] for r in eth],
+                     color=[f"C{specs.index(r['contender'])}" for r in eth])
     for bar, r in zip(bars, eth):
         label = f"{r['tokens_per_s_per_gpu']:,.0f}"
-        if base and r["contender"] != "speedloader":
+        if base and split_contender(r["contender"])[0] != "speedloader":
             label += f"\nspeedloader {base / r['tokens_per_s']:.1f}x"
         right.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                        fontsize=8)
@@ -299,7 +320,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--shape", default="1x8", help="n x N per GPU: sub-batch (micro-batch) size x their number")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help="comma-separated; NAME[:option...] with bench_train's options, e.g. speedloader:compile:root=device")
     parser.add_argument("--gpus", default="1,2,4", help="weak-scaling cases: GPUs of one node")
     parser.add_argument("--ethernet", default="2x2", help="NODESxGPUS over emulated Ethernet ('' to leave out)")
     parser.add_argument("--steps", type=int, default=2)
@@ -338,9 +360,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
     contenders = [c for c in args.contenders.split(",") if c]
-    unknown = sorted(set(contenders) - set(CONTENDERS))
+    unknown = sorted({split_contender(c)[0] for c in contenders} - set(CONTENDERS))
     if unknown:
         parser.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
+    for contender in contenders:  # bench_train's own check of the options, before any launch
+        name, options = split_contender(contender)
+        try:
+            parse_contender(f"{name}:{args.shape}{options}", None)
+        except ValueError as err:
+            parser.error(str(err))
     cases = build_cases([int(g) for g in args.gpus.split(",") if g], args.ethernet or None)
     args.gpu_ids = _gpu_ids(args.device, args.gpu_ids)
     largest = max(c.world_size for c in cases)
@@ -368,13 +396,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 script = worker_args(args, contender)
                 commands, envs = case_launch(case, script, device=args.device, gpu_ids=args.gpu_ids,
                                              base_env=dict(os.environ), threads_per_rank=args.threads_per_rank,
-                                             log_dir=Path(tmp) / f"{contender}_{case.name}")
+                                             log_dir=Path(tmp) / run_dir_name(contender, case))
                 for node, (cmd, env) in enumerate(zip(commands, envs)):
                     changed = " ".join(f"{k}={v}" for k, v in sorted(env.items()) if os.environ.get(k) != v)
                     print(f"[{contender} {case.name} node{node}] {changed} {shlex.join(cmd)}")
                 continue
             left = args.budget_s - (time.monotonic() - start)
-            if contender == "deepspeed-offload" and not has_deepspeed and args.worker_script is None:
+            if split_contender(contender)[0] == "deepspeed-offload" and not has_deepspeed and args.worker_script is None:
                 result = {"contender": contender, "case": case.name, "world_size": case.world_size,
                           "status": "skipped", "error": "deepspeed is not installed"}
             elif left < MIN_RUN_S:
