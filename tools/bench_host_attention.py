@@ -1,17 +1,26 @@
-"""How fast the CPU computes one decoding step's attention over a host KV cache, alone and while the link copies.
+"""Can the CPU's attention over a host KV cache and the link's copies share host memory at full speed?
 
-The question behind ``cpu_attention_sub_batches``: can the CPU read a sub-batch's cache faster than the link
-can copy it, and what is left of that while the weights stream to the GPU? One OPT-30B sub-batch's layer
-(12 sequences, 56 heads of 128, 544 positions, fp16: 187 MB of keys and values) is laid out as the host
-cache lays it out (``kv[t, c, j, k, d]``, so a head's keys are strided), and attended with one query
-token per sequence in several ways. Then the same while another thread keeps a 4 GiB page-locked
-host-to-device copy running (the weights' traffic). GB/s = cache bytes read / time.
+The question behind ``cpu_attention_sub_batches``: a decoding step reads the weights (over the link) and
+the host KV cache (over the link, or by the CPU's attention) from host memory. If the two ran side by side
+at their own speeds, moving part of the cache to the CPU would shorten the step; the OPT-30B runs'
+``cpu_attention_wait_s`` suggest instead that the link's copies barely progress while the CPU reads.
 
-    python tools/bench_host_attention.py --out bench/results/host_attention_cpu_h200.json
+Two activities, each timed alone and then together, both from page-locked memory registered with CUDA
+as the KV cache and the weights are (``PinnedArena``):
 
-The record (bench/results/host_attention_cpu_h200.json, one H200 machine, 16 Intel Xeon cores with
-AVX512-FP16/AMX): Hugging Face's SDPA path in fp16 on the strided cache reads 48.5 GB/s alone and 23.4 GB/s
-while the link copies at 55.5 GB/s; converting to fp32 first (FlexGen's way) 6.7 and 3.5 GB/s.
+  link       host-to-device copies of 256 MiB chunks, queued on a side stream, timed with CUDA events;
+  attention  Hugging Face's SDPA path in fp16 over one OPT-30B sub-batch's layer (12 sequences, 56 heads of
+             128, 544 positions: 187 MB of keys and values) in the host cache's strided layout
+             (``kv[t, c, j, k, d]``), one query token per sequence, on the main thread.
+
+Together: the copies are queued first, then the attention runs until the copies' end event has completed
+(no helper thread: a Python thread spinning on a stream would take a core from the attention). Each
+thread count in ``--threads`` is measured on its own. GB/s = bytes read from host memory / seconds.
+
+    python tools/bench_host_attention.py --out bench/results/host_attention_overlap_h200.json
+
+(``bench/results/host_attention_cpu_h200.json``, commit 10bb1c2, came from the previous version of this
+tool, whose copies ran in a Python thread that spun on ``stream.synchronize()``.)
 """
 
 from __future__ import annotations
@@ -20,77 +29,101 @@ import argparse
 import json
 import os
 import subprocess
-import threading
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fsdp_speedloader.arena import ArenaPlan, HostMemoryBudget, PinnedArena  # noqa: E402
+
 N, H, T, D = 12, 56, 544, 128  # one OPT-30B sub-batch of 12 sequences, one layer, 512 + 32 positions
 SUB_BATCHES = 4
+CHUNK = 256 * 2**20
+KV_BYTES = 2 * N * H * T * D * 2
 
 
-def variants(arena: torch.Tensor, i: int) -> dict:
-    block = arena[i]  # (T, 2, n, H, d), the host cache's layout of one (sub-batch, layer)
-    k, v = block[:, 0].permute(1, 2, 0, 3), block[:, 1].permute(1, 2, 0, 3)  # (n, H, T, d) strided views
-    q = torch.randn(N, H, 1, D).half()
+def attention_calls(kv: torch.Tensor) -> list:
+    """One SDPA call per sub-batch, over the strided (n, H, t, d) views of the host cache's layout."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    return {
-        "sdpa_fp16_strided": lambda: sdpa(q, k, v, scale=1.0),
-        "sdpa_fp16_contig_copy": lambda: sdpa(q, k.contiguous(), v.contiguous(), scale=1.0),
-        "sdpa_fp32_convert": lambda: sdpa(q.float(), k.float(), v.float(), scale=1.0),
-        "bmm_fp32_flexgen": lambda: torch.matmul(torch.matmul(q.float(), k.float().transpose(-1, -2)).softmax(-1),
-                                                 v.float()),
-        "sdpa_bf16_strided": lambda: sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), scale=1.0),
-    }
+    calls = []
+    for i in range(kv.shape[0]):
+        k, v = kv[i, :, 0].permute(1, 2, 0, 3), kv[i, :, 1].permute(1, 2, 0, 3)
+        q = torch.randn(N, H, 1, D).half()
+        calls.append(lambda q=q, k=k, v=v: sdpa(q, k, v, scale=1.0))
+    return calls
 
 
-def bench(arena: torch.Tensor, tag: str, results: dict) -> None:
-    gb = 2 * N * H * T * D * 2 / 1e9
-    for name in variants(arena, 0):
-        calls = [variants(arena, i)[name] for i in range(SUB_BATCHES)]
-        calls[0]()
-        start, repeats = time.perf_counter(), 2
-        for _ in range(repeats):
-            for call in calls:
-                call()
-        seconds = (time.perf_counter() - start) / (repeats * SUB_BATCHES)
-        results[f"{tag}:{name}"] = gb / seconds
-        print(f"{tag:8s} {name:24s} {seconds * 1e3:7.1f} ms/sub-batch {gb / seconds:6.1f} GB/s", flush=True)
+def queue_copies(chunks: list, dst: torch.Tensor, stream: torch.cuda.Stream) -> tuple:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        for chunk in chunks:
+            dst.copy_(chunk, non_blocking=True)
+        end.record(stream)
+    return start, end
+
+
+def link_rate(chunks: list, start, end) -> float:
+    end.synchronize()
+    return len(chunks) * CHUNK / 1e9 / (start.elapsed_time(end) / 1e3)
+
+
+def attention_until(calls: list, done) -> float:
+    """Runs the attention calls round-robin until ``done()``; GB/s over that time."""
+    count, begin = 0, time.perf_counter()
+    while not done():
+        calls[count % len(calls)]()
+        count += 1
+    return count * KV_BYTES / 1e9 / (time.perf_counter() - begin)
+
+
+def measure(threads: int, chunks: list, dst: torch.Tensor, calls: list, stream) -> dict:
+    torch.set_num_threads(threads)
+    for call in calls:  # warm the kernels and this thread count's pool
+        call()
+    stop = time.perf_counter() + 0.5
+    out = {"attention_alone_GBps": attention_until(calls, lambda: time.perf_counter() > stop)}
+    out["link_alone_GBps"] = link_rate(chunks, *queue_copies(chunks, dst, stream))
+    start, end = queue_copies(chunks, dst, stream)
+    out["attention_during_link_GBps"] = attention_until(calls, end.query)
+    out["link_during_attention_GBps"] = link_rate(chunks, start, end)
+    out["together_GBps"] = out["attention_during_link_GBps"] + out["link_during_attention_GBps"]
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="bench/results/host_attention_cpu.json")
+    parser.add_argument("--out", default="bench/results/host_attention_overlap.json")
+    parser.add_argument("--threads", default=f"{torch.get_num_threads()},12,8",
+                        help="comma-separated intra-op thread counts of the attention")
+    parser.add_argument("--link-gib", type=float, default=8.0, help="bytes queued per link measurement")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_host_attention needs a CUDA device (the link is the host-to-device copy)")
     torch.manual_seed(0)
-    results: dict = {}
-    arena = torch.randn(SUB_BATCHES, T, 2, N, H, D).half().pin_memory()
-    bench(arena, "idle", results)
-    stop = False
-    buf = torch.empty(4 * 2**30, dtype=torch.uint8).pin_memory()
-    dev = torch.empty_like(buf, device="cuda")
-
-    def pump() -> None:  # the weights' traffic: page-locked host-to-device copies, back to back
-        stream, copies, start = torch.cuda.Stream(), 0, time.perf_counter()
-        with torch.cuda.stream(stream):
-            while not stop:
-                dev.copy_(buf, non_blocking=True)
-                stream.synchronize()
-                copies += 1
-        results["h2d_GBps_during"] = copies * buf.numel() / 1e9 / (time.perf_counter() - start)
-
-    thread = threading.Thread(target=pump)
-    thread.start()
-    time.sleep(0.5)
-    bench(arena, "h2d_busy", results)
-    stop = True
-    thread.join()
+    num_chunks = max(1, int(args.link_gib * 2**30 // CHUNK))
+    plan = (ArenaPlan().add("weights", "link", (num_chunks, CHUNK), torch.uint8)
+            .add("kv_cache", "kv_cache", (SUB_BATCHES, T, 2, N, H, D), torch.float16))
+    arena = PinnedArena(plan, budget=HostMemoryBudget.detect(), hint="lower --link-gib", pin=True)
+    kv = arena.slot("kv_cache")
+    kv.copy_(torch.randn(kv.shape, dtype=torch.float16))
+    chunks = list(arena.slot("weights"))
+    dst = torch.empty(CHUNK, dtype=torch.uint8, device="cuda")
+    stream, calls = torch.cuda.Stream(), attention_calls(kv)
+    results = {}
+    for threads in (int(t) for t in args.threads.split(",")):
+        results[f"threads_{threads}"] = row = measure(threads, chunks, dst, calls, stream)
+        print(f"{threads:3d} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     commit = os.environ.get("FSL_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                              text=True).stdout.strip()
-    record = {"benchmark": "host_attention", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "cpu_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "commit": commit or "unknown", "shape": {"n": N, "heads": H, "positions": T, "head_dim": D},
-              "GBps": results}
+    record = {"benchmark": "host_attention_overlap", "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "cpu_count": os.cpu_count(),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "commit": commit or "unknown",
+              "command": " ".join(["python", "tools/bench_host_attention.py", *sys.argv[1:]]),
+              "shape": {"n": N, "heads": H, "positions": T, "head_dim": D, "kv_bytes_per_call": KV_BYTES},
+              "link_bytes_per_measurement": num_chunks * CHUNK, "results": results}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
