@@ -80,9 +80,11 @@ def _wrap(name: Optional[str]) -> Callable:
         query_host = _to_host(query)  # (n, H, q, d)
         mask_host = None if attention_mask is None else _to_host(attention_mask)
         t0 = time.perf_counter()
-        torch.cuda.current_stream(query.device).synchronize()  # the query, the mask and this token's K/V
+        with torch.profiler.record_function("speedloader::host_attention_wait"):  # named for traces
+            torch.cuda.current_stream(query.device).synchronize()  # the query, the mask and this token's K/V
         t1 = time.perf_counter()
-        out, weights = original(module, query_host, key, value, mask_host, *args, **kwargs)
+        with torch.profiler.record_function("speedloader::host_attention"):
+            out, weights = original(module, query_host, key, value, mask_host, *args, **kwargs)
         if _times:
             record = _times[-1]
             record.calls += 1

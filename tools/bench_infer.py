@@ -23,6 +23,12 @@ Usage (the paper's setting, one GPU, 24 GiB budget)::
         --contender speedloader:104x8:split=2:cpu=4 --contender flexgen:32x2 --contender accelerate:16 \
         --name infer_opt30b_24g        # with FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB=125 on a 128 GiB host
 
+``--layers L`` runs every contender on the model's first L layers' shape (a quicker look at a decoding step's
+per-layer schedule); ``--profile`` traces one more speedloader generation of up to 4 tokens and records where
+its host-to-device copies ran relative to the CPU's attention (``summarize_decode_trace``)::
+
+    python tools/bench_infer.py --model opt_30b --layers 8 --profile --contender speedloader:104x8:split=2:cpu=4
+
 FlexGen's dependencies besides torch/transformers/numpy: tqdm, attrs (pulp only for its cost model,
 not imported here). Its wheel is unpacked into a temporary directory and imported from there; its
 tokenizer (downloaded from the Hub in its own driver) is not used: the prompts are token ids.
@@ -73,6 +79,8 @@ def _model_config(args):
 
     raw = yaml.safe_load((REPO / "conf" / "model" / f"{args.model}.yaml").read_text())
     raw["max_position_embeddings"] = max(raw["max_position_embeddings"], args.prompt_len + args.gen_len)
+    if args.layers:  # the same layers, fewer of them: a decoding step's per-layer schedule, quicker to load
+        raw["num_layers"] = args.layers
     return ModelConfig(**raw)
 
 
@@ -102,6 +110,50 @@ def _dummy_init(params) -> None:
             local = p.to_local() if hasattr(p, "to_local") else p
             if local.is_floating_point() and local.numel():
                 local.uniform_(-0.02, 0.02)
+
+
+def _spans(events: list, name: str) -> list:
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("name") == name)
+
+
+def summarize_decode_trace(path: str) -> dict:
+    """The decoding steps of one traced generation with attention on the host: does the link copy while the
+    CPU attends? From the first host attention to the last, the host-to-device copies' bytes inside and
+    outside the CPU's attention windows (``speedloader::host_attention``; a copy that straddles a window's
+    edge counts pro rata) and their rates, and the host's time waiting for the GPU's queries."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    attend = _spans(events, "speedloader::host_attention")  # one thread: the windows do not overlap
+    if not attend:
+        return {"error": "no host attention in the trace (cpu_attention_sub_batches=0?)"}
+    lo, hi = attend[0][0], attend[-1][1]
+    copies = [(e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("bytes", 0)) for e in events
+              if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")
+              and lo <= e["ts"] < hi]
+    inside = sum(n * sum(max(0.0, min(b, y) - max(a, x)) for x, y in attend) / (b - a) for a, b, n in copies if b > a)
+    total = sum(n for _, _, n in copies)
+    span_s, attend_s = (hi - lo) / 1e6, sum(y - x for x, y in attend) / 1e6
+    return {"span_s": span_s, "cpu_attention_s": attend_s,
+            "cpu_attention_wait_s": sum(y - x for x, y in _spans(events, "speedloader::host_attention_wait")
+                                        if lo <= x < hi) / 1e6,
+            "h2d_gb": total / 1e9, "h2d_gb_during_cpu_attention": inside / 1e9,
+            "h2d_GBps_during_cpu_attention": inside / 1e9 / attend_s if attend_s else None,
+            "h2d_GBps_otherwise": (total - inside) / 1e9 / (span_s - attend_s) if span_s > attend_s else None}
+
+
+def _profile_decode(run) -> dict:
+    """``run()`` under the profiler (host and CUDA activity), summarized by ``summarize_decode_trace``."""
+    import torch
+
+    trace = f"/tmp/fsl_infer_trace_{os.getpid()}.json"
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        run()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(trace)
+    try:
+        return summarize_decode_trace(trace)
+    finally:
+        os.remove(trace)
 
 
 def _kv_bytes(cfg, batch: int, positions: int) -> int:
@@ -168,8 +220,11 @@ def run_speedloader(args, spec: str) -> dict:
         # Host seconds of those attentions: waiting for the GPU's query, and computing (cpu_attention_*).
         **{k: v for k, v in stats.io.items() if k.startswith("cpu_attention_")},
     }
+    # One more, shorter generation traced (the timed one is not): where the link's copies happen.
+    profile = _profile_decode(lambda: generate(model, ids, max_new_tokens=min(args.gen_len, 4), **kwargs)) \
+        if args.profile else None
     return {"batch_size": batch, "num_sub_batches": num_sub, "kv_cache": stats.kv_cache, "offload_weights": offload,
-            "forward_prefetch": args.prefetch,
+            "forward_prefetch": args.prefetch, "num_layers": layers, "profile": profile,
             "kv_device_sub_batches": stats.io.get("kv_device_sub_batches"),
             "cpu_attention_sub_batches": stats.io.get("kv_cpu_attention_sub_batches", 0),
             "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "wall_s_generate": wall,
@@ -265,6 +320,8 @@ def run_flexgen(args, spec: str) -> dict:
                     pol["cpu_cache_compute"], 1.0, False, CompressionConfig(group_dim=0, **comp), False,
                     CompressionConfig(group_dim=2, **comp))
     opt_config = get_opt_config(FLEXGEN_NAMES[args.model])
+    if args.layers:
+        opt_config.num_hidden_layers = args.layers
     batch = pol["gpu_batch_size"] * pol["num_gpu_batches"]
     ids = _prompts(args, batch, opt_config.vocab_size).numpy().astype(np.int64)
     try:
@@ -313,6 +370,10 @@ def main() -> None:
     parser.add_argument("--contender", action="append", default=[], help="see the module docstring (repeatable)")
     parser.add_argument("--offload", choices=("auto", "yes", "no"), default="auto", help="speedloader weights")
     parser.add_argument("--prefetch", type=int, default=1, help="speedloader forward prefetch depth")
+    parser.add_argument("--layers", type=int, default=None, help="the model with this many layers (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="speedloader: trace one more generation of up to 4 tokens and summarize where the "
+                             "host-to-device copies ran relative to the CPU's attention (summarize_decode_trace)")
     parser.add_argument("--accelerate-margin-gib", type=float, default=4.0,
                         help="GPU memory kept free of accelerate's weights for activations and transfers")
     parser.add_argument("--flexgen-wheel", default=str(REPO / ".whl" / "flexgen-0.1.8-py3-none-any.whl"))
@@ -368,7 +429,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "stderr_tail"}), flush=True)
 
-    name = args.name or f"infer_{args.model}_p{args.prompt_len}_g{args.gen_len}_{args.gpu_memory_gib:g}g"
+    depth = f"_L{args.layers}" if args.layers else ""
+    name = args.name or f"infer_{args.model}{depth}_p{args.prompt_len}_g{args.gen_len}_{args.gpu_memory_gib:g}g"
     path = Path(args.out_dir, f"{name}.json")
     commands = [" ".join([Path(sys.argv[0]).name, *sys.argv[1:]])]
     if args.append and path.is_file():  # earlier contenders of the same comparison (same model, lengths, budget)

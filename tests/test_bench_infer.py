@@ -1,0 +1,45 @@
+"""tools/bench_infer.py's trace summary (the benchmark itself needs a GPU: it runs on the GPU machine)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_infer  # noqa: E402
+
+
+def _event(name, ts, dur, **extra):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, **extra}
+
+
+def test_summarize_decode_trace_splits_copies_by_cpu_attention_windows(tmp_path):
+    attend, wait = "speedloader::host_attention", "speedloader::host_attention_wait"
+    copy = "Memcpy HtoD (Pinned -> Device)"
+    events = [
+        _event(copy, 0, 100, cat="gpu_memcpy", args={"bytes": 10**9}),  # before the first window: not counted
+        _event(wait, 950, 50),
+        _event(attend, 1000, 1000),  # windows [1000, 2000] and [3000, 4000] (us)
+        _event(attend, 3000, 1000),
+        _event(copy, 1500, 1000, cat="gpu_memcpy", args={"bytes": 4 * 10**9}),  # half inside the first window
+        _event(copy, 2500, 500, cat="gpu_memcpy", args={"bytes": 2 * 10**9}),  # outside
+        _event("Memcpy DtoH (Device -> Pinned)", 3100, 100, cat="gpu_memcpy", args={"bytes": 10**9}),  # not H2D
+        _event(wait, 2950, 50),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = bench_infer.summarize_decode_trace(str(path))
+    assert got["span_s"] == pytest.approx(3e-3) and got["cpu_attention_s"] == pytest.approx(2e-3)
+    assert got["cpu_attention_wait_s"] == pytest.approx(50e-6)  # the wait before the first window is outside
+    assert got["h2d_gb"] == pytest.approx(6.0) and got["h2d_gb_during_cpu_attention"] == pytest.approx(2.0)
+    assert got["h2d_GBps_during_cpu_attention"] == pytest.approx(2.0 / 2e-3)
+    assert got["h2d_GBps_otherwise"] == pytest.approx(4.0 / 1e-3)
+
+
+def test_summarize_decode_trace_without_host_attention(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [_event("aten::mm", 0, 10, cat="cpu_op")]}))
+    assert "no host attention" in bench_infer.summarize_decode_trace(str(path))["error"]
