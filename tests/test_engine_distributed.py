@@ -19,15 +19,21 @@ from fsdp_speedloader import apply_speedloader
 CASES = list(itertools.product(("llama", "opt"), (1, 3), (1, 2), ("device", "host"), (False, True)))
 
 
+def _assert_rank_parity(rank: int, world_size: int, family: str, n_sub: int, **speedloader_kwargs):
+    """One layer-major step on this rank's batch: gradients equal the unmodified model's, averaged over ranks."""
+    model = tiny_model(family)
+    _, ref_grads = reference_grads(model, [batch(n_sub, seed=r) for r in range(world_size)])
+    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=n_sub, **speedloader_kwargs)
+    ids, labels = batch(n_sub, seed=rank)
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert_grads_close(model, ref_grads)
+    return model
+
+
 def _parity_on_all_cases(rank: int, world_size: int) -> int:
     for family, n_sub, per_unit, store, offload in CASES:
-        model = tiny_model(family)
-        _, ref_grads = reference_grads(model, [batch(n_sub, seed=r) for r in range(world_size)])
-        apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=n_sub, blocks_per_unit=per_unit,
-                          activation_store=store, offload_params=offload)
-        ids, labels = batch(n_sub, seed=rank)
-        model(input_ids=ids, labels=labels).loss.backward()
-        assert_grads_close(model, ref_grads)
+        _assert_rank_parity(rank, world_size, family, n_sub, blocks_per_unit=per_unit, activation_store=store,
+                            offload_params=offload)
     return len(CASES)
 
 
@@ -35,13 +41,8 @@ def _compiled_parity(rank: int, world_size: int) -> int:
     """The fastest single-GPU training setting, compiled blocks with the root's states not offloaded, at world
     size 2 (what tools/bench_scale.py's ``speedloader:compile:root=device`` runs on several GPUs)."""
     for family in ("llama", "opt"):
-        model = tiny_model(family)
-        _, ref_grads = reference_grads(model, [batch(2, seed=r) for r in range(world_size)])
-        apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=2, offload_params=True, activation_store="host",
-                          compile_blocks=True, offload_root=False)
-        ids, labels = batch(2, seed=rank)
-        model(input_ids=ids, labels=labels).loss.backward()
-        assert_grads_close(model, ref_grads)
+        model = _assert_rank_parity(rank, world_size, family, 2, offload_params=True, activation_store="host",
+                                    compile_blocks=True, offload_root=False)
         assert model._speedloader.adapter.compiled_block_forward is not None
     return 2
 
