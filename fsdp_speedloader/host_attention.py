@@ -37,7 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 _PREFIX = "speedloader_host+"
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: nested routings each remove their own record
 class HostAttentionTimes:
     """Where the host's time went in the attentions routed to it (host clocks, seconds)."""
 

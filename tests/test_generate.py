@@ -464,3 +464,19 @@ def test_prompt_files_and_left_padding(tmp_path):
         read_prompt_file(str(tmp_path / "missing.txt"))
     ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_nested_host_attention_routing_keeps_each_record():
+    """attention_on_host inside attention_on_host: the outer routing stays, each block gets its own timing
+    record (the innermost receives the calls), and the model's implementation comes back at the end."""
+    from fsdp_speedloader import host_attention
+
+    config = _tiny("opt").config
+    original = config._attn_implementation
+    with host_attention.attention_on_host(config) as outer:
+        routed = config._attn_implementation
+        assert routed.startswith("speedloader_host+")
+        with host_attention.attention_on_host(config) as inner:
+            assert config._attn_implementation == routed and host_attention._times[-1] is inner
+        assert host_attention._times == [outer] and host_attention._times[-1] is outer  # equal values, not equal records
+    assert host_attention._times == [] and config._attn_implementation == original
