@@ -5,13 +5,15 @@ the host KV cache (over the link, or by the CPU's attention) from host memory. I
 at their own speeds, moving part of the cache to the CPU would shorten the step; the OPT-30B runs'
 ``cpu_attention_wait_s`` suggest instead that the link's copies barely progress while the CPU reads.
 
-Two activities, each timed alone and then together, both from page-locked memory registered with CUDA
-as the KV cache and the weights are (``PinnedArena``):
+Three activities, each timed alone, and the CPU's two each together with the link, all from page-locked
+memory registered with CUDA as the KV cache and the weights are (``PinnedArena``):
 
   link       host-to-device copies of 256 MiB chunks, queued on a side stream, timed with CUDA events;
   attention  Hugging Face's SDPA path in fp16 over one OPT-30B sub-batch's layer (12 sequences, 56 heads of
              128, 544 positions: 187 MB of keys and values) in the host cache's strided layout
-             (``kv[t, c, j, k, d]``), one query token per sequence, on the main thread.
+             (``kv[t, c, j, k, d]``), one query token per sequence, on the main thread;
+  read       a plain fp32-accumulated sum over the same bytes: what the CPU's cores can read from host
+             memory at all, so that attention's rate can be told apart from the memory's.
 
 Together: the copies are queued first, then the attention runs until the copies' end event has completed
 (no helper thread: a Python thread spinning on a stream would take a core from the attention). Each
@@ -55,6 +57,11 @@ def attention_calls(kv: torch.Tensor) -> list:
     return calls
 
 
+def read_calls(kv: torch.Tensor) -> list:
+    """One full read of each sub-batch's cache block, the same bytes an attention call reads."""
+    return [lambda block=block: block.sum(dtype=torch.float32) for block in kv]
+
+
 def queue_copies(chunks: list, dst: torch.Tensor, stream: torch.cuda.Stream) -> tuple:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
@@ -70,8 +77,8 @@ def link_rate(chunks: list, start, end) -> float:
     return len(chunks) * CHUNK / 1e9 / (start.elapsed_time(end) / 1e3)
 
 
-def attention_until(calls: list, done) -> float:
-    """Runs the attention calls round-robin until ``done()``; GB/s over that time."""
+def cpu_until(calls: list, done) -> float:
+    """Runs the CPU's calls round-robin until ``done()``; GB/s over that time."""
     count, begin = 0, time.perf_counter()
     while not done():
         calls[count % len(calls)]()
@@ -79,17 +86,18 @@ def attention_until(calls: list, done) -> float:
     return count * KV_BYTES / 1e9 / (time.perf_counter() - begin)
 
 
-def measure(threads: int, chunks: list, dst: torch.Tensor, calls: list, stream) -> dict:
+def measure(threads: int, chunks: list, dst: torch.Tensor, activities: dict, stream) -> dict:
     torch.set_num_threads(threads)
-    for call in calls:  # warm the kernels and this thread count's pool
-        call()
-    stop = time.perf_counter() + 0.5
-    out = {"attention_alone_GBps": attention_until(calls, lambda: time.perf_counter() > stop)}
-    out["link_alone_GBps"] = link_rate(chunks, *queue_copies(chunks, dst, stream))
-    start, end = queue_copies(chunks, dst, stream)
-    out["attention_during_link_GBps"] = attention_until(calls, end.query)
-    out["link_during_attention_GBps"] = link_rate(chunks, start, end)
-    out["together_GBps"] = out["attention_during_link_GBps"] + out["link_during_attention_GBps"]
+    out = {"link_alone_GBps": link_rate(chunks, *queue_copies(chunks, dst, stream))}
+    for name, calls in activities.items():
+        for call in calls:  # warm the kernels and this thread count's pool
+            call()
+        stop = time.perf_counter() + 0.5
+        out[f"{name}_alone_GBps"] = cpu_until(calls, lambda: time.perf_counter() > stop)
+        start, end = queue_copies(chunks, dst, stream)
+        out[f"{name}_during_link_GBps"] = cpu_until(calls, end.query)
+        out[f"link_during_{name}_GBps"] = link_rate(chunks, start, end)
+        out[f"{name}_together_GBps"] = out[f"{name}_during_link_GBps"] + out[f"link_during_{name}_GBps"]
     return out
 
 
@@ -98,7 +106,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/host_attention_overlap.json")
     parser.add_argument("--threads", default=f"{torch.get_num_threads()},12,8",
                         help="comma-separated intra-op thread counts of the attention")
-    parser.add_argument("--link-gib", type=float, default=8.0, help="bytes queued per link measurement")
+    parser.add_argument("--link-gib", type=float, default=16.0, help="bytes queued per link measurement")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_host_attention needs a CUDA device (the link is the host-to-device copy)")
@@ -111,10 +119,11 @@ def main() -> None:
     kv.copy_(torch.randn(kv.shape, dtype=torch.float16))
     chunks = list(arena.slot("weights"))
     dst = torch.empty(CHUNK, dtype=torch.uint8, device="cuda")
-    stream, calls = torch.cuda.Stream(), attention_calls(kv)
+    stream = torch.cuda.Stream()
+    activities = {"attention": attention_calls(kv), "read": read_calls(kv)}
     results = {}
     for threads in (int(t) for t in args.threads.split(",")):
-        results[f"threads_{threads}"] = row = measure(threads, chunks, dst, calls, stream)
+        results[f"threads_{threads}"] = row = measure(threads, chunks, dst, activities, stream)
         print(f"{threads:3d} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     commit = os.environ.get("FSL_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                              text=True).stdout.strip()
