@@ -65,7 +65,10 @@ def _original_function(module: torch.nn.Module, name: Optional[str]) -> Callable
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """Starts a copy of a device tensor into page-locked host memory (complete after a stream wait)."""
+    """A copy of ``tensor`` in page-locked host memory: from the device, complete after a stream wait; from
+    the host, at once. The attention output goes back to the device from page-locked memory because a copy
+    from pageable memory waits behind the weights' copies queued on the link (``return_copy_ms`` in
+    ``tools/bench_host_attention.py``), and the next sub-batch's query waits for it."""
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     return host
@@ -90,7 +93,7 @@ def _wrap(name: Optional[str]) -> Callable:
             record.calls += 1
             record.wait_s += t1 - t0
             record.compute_s += time.perf_counter() - t1
-        return out.to(query.device, non_blocking=True), weights
+        return _to_host(out).to(query.device, non_blocking=True), weights
 
     attention.__qualname__ = f"host_attention[{name}]"
     return attention

@@ -5,15 +5,18 @@ the host KV cache (over the link, or by the CPU's attention) from host memory. I
 at their own speeds, moving part of the cache to the CPU would shorten the step; the OPT-30B runs'
 ``cpu_attention_wait_s`` suggest instead that the link's copies barely progress while the CPU reads.
 
-Three activities, each timed alone, and the CPU's two each together with the link, all from page-locked
-memory registered with CUDA as the KV cache and the weights are (``PinnedArena``):
+Two activities, each timed alone and then together, both from page-locked memory registered with CUDA
+as the KV cache and the weights are (``PinnedArena``):
 
   link       host-to-device copies of 256 MiB chunks, queued on a side stream, timed with CUDA events;
   attention  Hugging Face's SDPA path in fp16 over one OPT-30B sub-batch's layer (12 sequences, 56 heads of
              128, 544 positions: 187 MB of keys and values) in the host cache's strided layout
-             (``kv[t, c, j, k, d]``), one query token per sequence, on the main thread;
-  read       a plain fp32-accumulated sum over the same bytes: what the CPU's cores can read from host
-             memory at all, so that attention's rate can be told apart from the memory's.
+             (``kv[t, c, j, k, d]``), one query token per sequence, on the main thread.
+
+And the attention output's way back (``return_copy_ms``): host milliseconds from queuing one output's
+host-to-device copy (172 KB, on the current stream) until it has landed, while one unit's weights (1.25 GiB)
+are being copied on another stream, from pageable or page-locked memory, the weights in 256 or 16 MiB
+copies; ``idle`` without the weights' copy. The next CPU sub-batch's query waits for that copy.
 
 Together: the copies are queued first, then the attention runs until the copies' end event has completed
 (no helper thread: a Python thread spinning on a stream would take a core from the attention). Each
@@ -31,6 +34,7 @@ import argparse
 import json
 import os
 import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,11 +59,6 @@ def attention_calls(kv: torch.Tensor) -> list:
         q = torch.randn(N, H, 1, D).half()
         calls.append(lambda q=q, k=k, v=v: sdpa(q, k, v, scale=1.0))
     return calls
-
-
-def read_calls(kv: torch.Tensor) -> list:
-    """One full read of each sub-batch's cache block, the same bytes an attention call reads."""
-    return [lambda block=block: block.sum(dtype=torch.float32) for block in kv]
 
 
 def queue_copies(chunks: list, dst: torch.Tensor, stream: torch.cuda.Stream) -> tuple:
@@ -101,6 +100,38 @@ def measure(threads: int, chunks: list, dst: torch.Tensor, activities: dict, str
     return out
 
 
+def return_copy_ms(weights: list, piece_mib: int, src: torch.Tensor, dst: torch.Tensor,
+                   stream: torch.cuda.Stream, repeats: int = 5) -> float:
+    """Median host ms until a small copy of ``src`` lands while ``weights`` stream in ``piece_mib`` copies."""
+    out = torch.empty(src.shape, dtype=src.dtype, device="cuda")
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        if piece_mib:
+            with torch.cuda.stream(stream):
+                for chunk in weights:
+                    for piece in chunk.split(piece_mib * 2**20):
+                        dst[: piece.numel()].copy_(piece, non_blocking=True)
+            time.sleep(0.002)  # the weights' copy is under way, as when an attention output returns
+        begin = time.perf_counter()
+        out.copy_(src, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        times.append((time.perf_counter() - begin) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def return_copies(chunks: list, dst: torch.Tensor, stream: torch.cuda.Stream) -> dict:
+    weights = chunks[:5]  # 1.25 GiB: about one OPT-30B decoder layer
+    output = torch.randn(N, 1, H, D).half()
+    sources = {"pageable": output, "pinned": output.pin_memory()}
+    out = {f"{name}_idle": return_copy_ms(weights, 0, src, dst, stream) for name, src in sources.items()}
+    for piece_mib in (256, 16):
+        out.update({f"{name}_during_{piece_mib}MiB_copies": return_copy_ms(weights, piece_mib, src, dst, stream)
+                    for name, src in sources.items()})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results/host_attention_overlap.json")
@@ -120,8 +151,9 @@ def main() -> None:
     chunks = list(arena.slot("weights"))
     dst = torch.empty(CHUNK, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
-    activities = {"attention": attention_calls(kv), "read": read_calls(kv)}
-    results = {}
+    activities = {"attention": attention_calls(kv)}
+    results = {"return_copy_ms": return_copies(chunks, dst, stream)}
+    print("return copy ms: " + ", ".join(f"{k} {v:.2f}" for k, v in results["return_copy_ms"].items()), flush=True)
     for threads in (int(t) for t in args.threads.split(",")):
         results[f"threads_{threads}"] = row = measure(threads, chunks, dst, activities, stream)
         print(f"{threads:3d} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
