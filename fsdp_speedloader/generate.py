@@ -51,6 +51,7 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers.masking_utils import create_causal_mask
 
+from .activation_store import ActivationStore, DeviceActivationStore
 from .chain import Unit
 from .fsdp_internals import local_shard_params, run_on_local_shards
 from .host_attention import attention_on_host
@@ -126,6 +127,7 @@ class StepState:
         self.positions = positions  # (B, q) on the host
         self.past = past
         self.block_inputs: list[BlockInputs] = []  # one per group, built by the root step
+        self.store = run.store  # where this step's block-boundary activations wait (set by the root step)
         self.logits: Optional[torch.Tensor] = None  # (B, V) fp32, set by the root step
 
     @property
@@ -154,6 +156,8 @@ class _Run:
     on_local_shards: bool = False  # the modules run on their local shards: no FSDP2 hooks (one rank, resident)
     block_kwargs: frozenset = frozenset()
     slots_planned: bool = False
+    # Decoding steps with a KV cache: one token per sequence, whose activations stay on the device.
+    decode_store: ActivationStore = field(default_factory=DeviceActivationStore)
 
 
 @dataclass
@@ -173,7 +177,7 @@ def _unit_step(unit: Unit, state: StepState) -> None:
     the next unit's first KV) are copied in, and i - 1's outputs are copied out.
     """
     run = state.run
-    store, kv, n_sub = run.store, run.kv, state.num_groups
+    store, kv, n_sub = state.store, run.kv, state.num_groups
     src, dst = (unit.index - 1) % 2, unit.index % 2
     layers = run.layers[unit.index - 1]
     next_layers = run.layers[unit.index] if unit.index < len(run.layers) else None
@@ -198,16 +202,19 @@ def _unit_step(unit: Unit, state: StepState) -> None:
 def _root_step(state: StepState) -> None:
     """One layer-major step inside the root's hooked call: embed, all units, head."""
     run = state.run
-    adapter, store, device, n_sub = run.adapter, run.store, run.device, state.num_groups
+    adapter, device, n_sub = run.adapter, run.device, state.num_groups
     act_dtype = adapter.embedding.weight.dtype  # the unsharded (compute) dtype, inside the root's call
     n, q = state.input_ids[0].shape
     h = adapter.config.hidden_size
     if run.kv is None and run.kv_mode != "off":  # first step: the compute dtype is known here
         _setup_kv(run, act_dtype)
-    if not run.slots_planned:
+    # A decoding step with a KV cache moves one token per sequence between units (B x h): it stays on the
+    # device. Through the host, each sub-batch's input would wait behind the next unit's weights, queued
+    # earlier on the same link (copies run in queue order; see host_attention.py).
+    store = state.store = run.decode_store if run.kv is not None and state.past > 0 else run.store
+    if store is run.store and not run.slots_planned:
         # Plan the activation slots for the longest step once (a re-plan would move the parameter
-        # shards that the store's arena may hold), then carve each step's geometry out of them (a
-        # whole-batch decoding step's (1, B, 1, h) fits in the prefill's (N, n, s, h)).
+        # shards that the store's arena may hold), then carve each step's geometry out of them.
         store.begin_step(2, n_sub, (n, run.capacity if run.kv is None else q, h), act_dtype, device)
         run.slots_planned = True
     store.begin_step(2, n_sub, (n, q, h), act_dtype, device)

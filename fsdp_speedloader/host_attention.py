@@ -14,19 +14,30 @@ to it for the duration of a generation. The wrapper calls the original function 
 device, unless the cache handed the layer keys in host memory while its query is on the GPU: then it
 copies the query (and the mask) to page-locked host memory, waits for the compute stream (which also
 wrote this token's keys and values into the cache), calls the same function on the host tensors, and
-copies the output back. The mask function is the original's, registered under the new name too, so
+hands the output back. The mask function is the original's, registered under the new name too, so
 masks are built exactly as before.
 
 This one host wait per (sub-batch, layer) is deliberate: a decoding step's GPU work is small, the next
 unit's weights keep streaming on the copy stream while the CPU computes, and the wait is what lets the
 CPU read keys the GPU has just written.
+
+The way back does not use a copy engine. Host-to-device copies run in the order they were queued, across
+streams: a 172 KB copy queued while one unit's weights (1.25 GiB) are on the link lands 22 ms later, after
+the weights, pageable or page-locked, whether the weights go as 256 or 16 MiB copies
+(``return_copy_ms`` in ``tools/bench_host_attention.py``, H200). The next sub-batch's query waits for the
+previous output, so the CPU would idle until the next unit's weights had arrived and the link would idle
+while the CPU computes: a step would last the link's time plus the CPU's. Instead the output is written to
+page-locked memory and an elementwise kernel reads it there (unified addressing: the host pointer is valid
+on the device). Where that is not possible the output is copied, with a warning.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -44,13 +55,16 @@ class HostAttentionTimes:
     calls: int = 0
     wait_s: float = 0.0  # waiting for the compute stream (the query, mask and new K/V)
     compute_s: float = 0.0  # the attention function itself, on the CPU
+    read_in_place: int = 0  # outputs the device read from page-locked memory (the others were copied)
 
     def as_dict(self) -> dict:
         return {"cpu_attention_calls": self.calls, "cpu_attention_wait_s": self.wait_s,
-                "cpu_attention_compute_s": self.compute_s}
+                "cpu_attention_compute_s": self.compute_s, "cpu_attention_outputs_read_in_place": self.read_in_place}
 
 
 _times: list[HostAttentionTimes] = []  # the innermost active routing's record
+_unread: collections.deque = collections.deque()  # (event, page-locked output): kept until the device read it
+_in_place_works: dict[int, bool] = {}  # per CUDA device: can its kernels read page-locked memory in place?
 
 
 def _original_function(module: torch.nn.Module, name: Optional[str]) -> Callable:
@@ -65,13 +79,50 @@ def _original_function(module: torch.nn.Module, name: Optional[str]) -> Callable
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` in page-locked host memory: from the device, complete after a stream wait; from
-    the host, at once. The attention output goes back to the device from page-locked memory because a copy
-    from pageable memory waits behind the weights' copies queued on the link (``return_copy_ms`` in
-    ``tools/bench_host_attention.py``), and the next sub-batch's query waits for it."""
+    """A copy of ``tensor`` in page-locked host memory (from the device: complete after a stream wait)."""
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     return host
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on ``device`` over the bytes of the page-locked ``host`` (unified addressing: kernels
+    read them in place, over the link)."""
+    interface = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1", "data": (host.data_ptr(), False),
+                 "version": 2}
+    holder = type("PageLockedBytes", (), {"__cuda_array_interface__": interface})()
+    return torch.as_tensor(holder, device=device).view(host.dtype).view(host.shape)
+
+
+def _reads_in_place(device: torch.device) -> bool:
+    """Whether kernels on ``device`` read page-locked memory in place (checked once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _in_place_works:
+        probe = torch.arange(8, dtype=torch.float32).pin_memory()
+        try:
+            _in_place_works[index] = torch.equal(torch.mul(device_view(probe, device), 1).cpu(), probe)
+        except (RuntimeError, TypeError, ValueError):
+            _in_place_works[index] = False
+        if not _in_place_works[index]:
+            warnings.warn(f"{device}: kernels cannot read page-locked host memory in place; host attention "
+                          "copies its outputs back, and they wait behind the weights' copies on the link")
+    return _in_place_works[index]
+
+
+def _to_device(out: torch.Tensor, device: torch.device, record: Optional[HostAttentionTimes]) -> torch.Tensor:
+    """The host attention output on ``device``, read by a kernel where possible (not queued on the link)."""
+    host = _to_host(out)
+    if not _reads_in_place(device):
+        return host.to(device, non_blocking=True)
+    while _unread and _unread[0][0].query():  # outputs the device has read may be reused by the allocator
+        _unread.popleft()
+    result = torch.mul(device_view(host, device), 1)  # an elementwise kernel, not a copy engine's memcpy
+    event = torch.cuda.Event()
+    event.record()
+    _unread.append((event, host))
+    if record is not None:
+        record.read_in_place += 1
+    return result
 
 
 def _wrap(name: Optional[str]) -> Callable:
@@ -88,12 +139,12 @@ def _wrap(name: Optional[str]) -> Callable:
         t1 = time.perf_counter()
         with torch.profiler.record_function("speedloader::host_attention"):
             out, weights = original(module, query_host, key, value, mask_host, *args, **kwargs)
-        if _times:
-            record = _times[-1]
+        record = _times[-1] if _times else None
+        if record is not None:
             record.calls += 1
             record.wait_s += t1 - t0
             record.compute_s += time.perf_counter() - t1
-        return _to_host(out).to(query.device, non_blocking=True), weights
+        return _to_device(out, query.device, record), weights
 
     attention.__qualname__ = f"host_attention[{name}]"
     return attention
@@ -127,3 +178,6 @@ def attention_on_host(config) -> Iterator[HostAttentionTimes]:
         _times.remove(times)
         if not nested:
             config._attn_implementation = name
+        if not _times:  # the outermost routing: let the allocator have the last outputs back once read
+            while _unread:
+                _unread.popleft()[0].synchronize()

@@ -294,6 +294,26 @@ def test_cpu_attention_sub_batches_attend_next_to_the_host_cache(family):
         assert stats.io["cpu_attention_calls"] == 0  # without CUDA the cache IS on the attention's device
 
 
+@pytest.mark.parametrize("kv_cache", ["host", "split", "device", "off"])
+def test_decoding_steps_keep_activations_on_the_device(kv_cache):
+    """With a KV cache, a decoding step's one-token activations never go through the model's (host)
+    activation store, so no input waits behind weights queued on the link; the prefill's do, and so does
+    every step of kv_cache='off' (whole sequences). Tokens equal HF's either way."""
+    ids, mask = _prompts(4, seed=17)
+    want = _reference(_tiny("llama"), ids, mask)
+    model = _prepared("llama", 2, activation_store="host")
+    store, lengths = model._speedloader.store, []
+    put = store.put
+    store.put = lambda slot, i, x: (lengths.append(x.shape[1]), put(slot, i, x))[1]
+    out = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache,
+                   kv_device_sub_batches=1 if kv_cache == "split" else None)
+    assert torch.equal(out, want)
+    steps = 1 if kv_cache != "off" else NEW  # steps that run whole sequences through the store
+    units = len(model._speedloader.units)
+    want_lengths = [PROMPT_LEN + step for step in range(steps) for _ in range((units + 1) * 2)]
+    assert lengths == want_lengths
+
+
 def test_auto_kv_cache_splits_when_only_some_sub_batches_fit(monkeypatch):
     from fsdp_speedloader import kv_cache as kv_module
     from fsdp_speedloader.kv_cache import choose_kv_mode, kv_layout_for

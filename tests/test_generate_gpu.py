@@ -107,7 +107,8 @@ def test_fp32_greedy_parity_weights_resident_on_the_gpu(family):
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_fp32_greedy_parity_with_attention_on_the_host(family):
     """cpu_attention_sub_batches: those sub-batches' decoding attention runs on the CPU over the host cache
-    (query and padding mask copied to the host, output back): tokens equal Hugging Face's on the GPU."""
+    (query and padding mask copied to the host, output read by the GPU where it lies): tokens equal Hugging
+    Face's on the GPU."""
     base = _model(family)
     ids, mask = _prompts(8, seed=6)
     want = _hf_generate(_hf(base, torch.float32), ids, mask)
@@ -120,6 +121,7 @@ def test_fp32_greedy_parity_with_attention_on_the_host(family):
         layers = base.config.num_hidden_layers
         assert stats.io["cpu_attention_calls"] == (NEW - 1) * layers * on_cpu  # every decoding step, no prefill
         assert stats.io["cpu_attention_compute_s"] > 0 and stats.io["cpu_attention_wait_s"] >= 0
+        assert stats.io["cpu_attention_outputs_read_in_place"] == stats.io["cpu_attention_calls"]  # no copy engine
 
 
 def test_fp32_parity_with_delayed_copies():

@@ -17,6 +17,7 @@ And the attention output's way back (``return_copy_ms``): host milliseconds from
 host-to-device copy (172 KB, on the current stream) until it has landed, while one unit's weights (1.25 GiB)
 are being copied on another stream, from pageable or page-locked memory, the weights in 256 or 16 MiB
 copies; ``idle`` without the weights' copy. The next CPU sub-batch's query waits for that copy.
+``read_in_place``: host attention's way back, an elementwise kernel reading the page-locked output.
 
 Together: the copies are queued first, then the attention runs until the copies' end event has completed
 (no helper thread: a Python thread spinning on a stream would take a core from the attention). Each
@@ -43,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdp_speedloader.arena import ArenaPlan, HostMemoryBudget, PinnedArena  # noqa: E402
+from fsdp_speedloader.host_attention import device_view  # noqa: E402
 
 N, H, T, D = 12, 56, 544, 128  # one OPT-30B sub-batch of 12 sequences, one layer, 512 + 32 positions
 SUB_BATCHES = 4
@@ -100,10 +102,10 @@ def measure(threads: int, chunks: list, dst: torch.Tensor, activities: dict, str
     return out
 
 
-def return_copy_ms(weights: list, piece_mib: int, src: torch.Tensor, dst: torch.Tensor,
-                   stream: torch.cuda.Stream, repeats: int = 5) -> float:
-    """Median host ms until a small copy of ``src`` lands while ``weights`` stream in ``piece_mib`` copies."""
-    out = torch.empty(src.shape, dtype=src.dtype, device="cuda")
+def return_copy_ms(weights: list, piece_mib: int, land, dst: torch.Tensor, stream: torch.cuda.Stream,
+                   repeats: int = 5) -> float:
+    """Median host ms until ``land()`` (queued on the current stream) is done while ``weights`` stream in
+    ``piece_mib`` copies on ``stream`` (0: the link idle)."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -114,7 +116,7 @@ def return_copy_ms(weights: list, piece_mib: int, src: torch.Tensor, dst: torch.
                         dst[: piece.numel()].copy_(piece, non_blocking=True)
             time.sleep(0.002)  # the weights' copy is under way, as when an attention output returns
         begin = time.perf_counter()
-        out.copy_(src, non_blocking=True)
+        land()
         torch.cuda.current_stream().synchronize()
         times.append((time.perf_counter() - begin) * 1e3)
     torch.cuda.synchronize()
@@ -124,11 +126,17 @@ def return_copy_ms(weights: list, piece_mib: int, src: torch.Tensor, dst: torch.
 def return_copies(chunks: list, dst: torch.Tensor, stream: torch.cuda.Stream) -> dict:
     weights = chunks[:5]  # 1.25 GiB: about one OPT-30B decoder layer
     output = torch.randn(N, 1, H, D).half()
-    sources = {"pageable": output, "pinned": output.pin_memory()}
-    out = {f"{name}_idle": return_copy_ms(weights, 0, src, dst, stream) for name, src in sources.items()}
-    for piece_mib in (256, 16):
-        out.update({f"{name}_during_{piece_mib}MiB_copies": return_copy_ms(weights, piece_mib, src, dst, stream)
-                    for name, src in sources.items()})
+    pinned = output.pin_memory()
+    landed = torch.empty(output.shape, dtype=output.dtype, device="cuda")
+    ways = {"pageable": lambda: landed.copy_(output, non_blocking=True),
+            "pinned": lambda: landed.copy_(pinned, non_blocking=True),
+            # host attention's way: an elementwise kernel reads the page-locked bytes in place
+            "read_in_place": lambda: torch.mul(device_view(pinned, landed.device), 1, out=landed)}
+    out = {}
+    for piece_mib, label in ((0, "idle"), (256, "during_256MiB_copies"), (16, "during_16MiB_copies")):
+        out.update({f"{name}_{label}": return_copy_ms(weights, piece_mib, land, dst, stream)
+                    for name, land in ways.items()})
+    assert torch.equal(landed.cpu(), output)
     return out
 
 
