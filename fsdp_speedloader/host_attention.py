@@ -118,7 +118,7 @@ def _to_device(out: torch.Tensor, device: torch.device, record: Optional[HostAtt
         _unread.popleft()
     result = torch.mul(device_view(host, device), 1)  # an elementwise kernel, not a copy engine's memcpy
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     _unread.append((event, host))
     if record is not None:
         record.read_in_place += 1

@@ -20,14 +20,14 @@ Usage (the paper's setting, one GPU, 24 GiB budget)::
 
     pip download flexgen==0.1.8 --no-deps -d .whl          # once, where the package index is reachable
     python tools/bench_infer.py --model opt_30b --gpu-memory-gib 24 --prompt-len 512 --gen-len 32 \\
-        --contender speedloader:104x8:split=2:cpu=4 --contender flexgen:32x2 --contender accelerate:16 \
+        --contender speedloader:104x8:split=2:cpu=6 --contender flexgen:32x2 --contender accelerate:16 \
         --name infer_opt30b_24g        # with FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB=125 on a 128 GiB host
 
 ``--layers L`` runs every contender on the model's first L layers' shape (a quicker look at a decoding step's
 per-layer schedule); ``--profile`` traces one more speedloader generation of up to 4 tokens and records where
 its host-to-device copies ran relative to the CPU's attention (``summarize_decode_trace``)::
 
-    python tools/bench_infer.py --model opt_30b --layers 8 --profile --contender speedloader:104x8:split=2:cpu=4
+    python tools/bench_infer.py --model opt_30b --layers 8 --offload yes --profile --contender speedloader:104x8:split=2:cpu=6
 
 FlexGen's dependencies besides torch/transformers/numpy: tqdm, attrs (pulp only for its cost model,
 not imported here). Its wheel is unpacked into a temporary directory and imported from there; its
