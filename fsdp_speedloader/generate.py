@@ -19,7 +19,8 @@ With one rank and the weights resident in the compute dtype, the same step runs 
 the local shards themselves (``fsdp_internals.run_on_local_shards``): there is nothing to unshard.
 
 ``_unit_step`` is the schedule: which fetch, compute and store happen when. Activations go through the
-model's activation store (``apply_speedloader(activation_store=...)``), the KV cache through
+model's activation store (``apply_speedloader(activation_store=...)``; a decoding step with a KV cache keeps
+its one-token activations on the device), the KV cache through
 ``kv_cache.py``; both copy on a ``TensorExchange``'s streams when CUDA is present.
 
 Parity with Hugging Face ``generate`` (greedy, fp32): positions are ``cumsum(mask) - 1`` as
