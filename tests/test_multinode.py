@@ -218,6 +218,21 @@ def test_bench_scale_contender_options(capsys):
     got = bench_scale.targets(results)
     assert got["ethernet_variants"] == {"speedloader": "speedloader:compile:root=device", "fsdp2-offload": "fsdp2-offload"}
     assert got["ethernet_speedloader_over"] == {"fsdp2-offload": 5.0}
+    assert got["ethernet_speedloader_over_each"] == {"fsdp2-offload": 5.0, "fsdp2-offload:compile": 6.0}
+
+
+def test_bench_scale_contender_micro_batch(capsys):
+    """A contender may split the same effective batch its own way (its micro-batch); another total is refused
+    before any launch, naming the total to keep."""
+    base = ["--dry-run", "--gpu-ids", "0,1,2,3", "--gpus", "", "--shape", "2x32", "--threads-per-rank", "16"]
+    assert bench_scale.main([*base, "--contenders", "speedloader,fsdp2-offload:8x8:compile,deepspeed-offload:16x4"]) == 0
+    out = capsys.readouterr().out
+    assert "--worker speedloader:2x32 " in out and "--worker fsdp2-offload:8x8:compile " in out
+    assert "--worker deepspeed-offload:16x4 " in out and "fsdp2-offload_8x8_compile_2x2-ethernet" in out
+    with pytest.raises(SystemExit):
+        bench_scale.main([*base, "--contenders", "fsdp2-offload:8x4"])
+    err = capsys.readouterr().err
+    assert "8x4 is 32 sequences per GPU per step, --shape 2x32 is 64" in err and "n x N = 64" in err
 
 
 @pytest.mark.slow

@@ -66,6 +66,23 @@ def split_contender(spec: str) -> tuple[str, str]:
     return name, f":{options}" if options else ""
 
 
+def contender_shape(spec: str, shape: str) -> tuple[str, str]:
+    """(the contender's n x N, its other options). A contender may name its own micro-batch as its first
+    option (``fsdp2-offload:8x8:compile``) with the same n * N sequences per GPU as ``--shape``: the same
+    effective batch, split its own way."""
+    options = split_contender(spec)[1].split(":")[1:]
+    if options and re.fullmatch(r"\d+x\d+", options[0]):
+        own, options = options[0], options[1:]
+        n, count = (int(v) for v in own.split("x"))
+        base_n, base_count = (int(v) for v in shape.split("x"))
+        if n < 1 or count < 1 or n * count != base_n * base_count:
+            raise ValueError(f"contender {spec!r}: {own} is {n * count} sequences per GPU per step, --shape {shape} "
+                             f"is {base_n * base_count}; give a split of the same effective batch (n x N = "
+                             f"{base_n * base_count})")
+        shape = own
+    return shape, "".join(f":{o}" for o in options)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -99,8 +116,9 @@ def run_order(contenders: Sequence[str], cases: Sequence[Case]) -> list[tuple[st
 
 def worker_args(args: argparse.Namespace, contender: str) -> list[str]:
     """One rank's command line: tools/bench_train.py's ``--worker`` CLI."""
-    name, options = split_contender(contender)
-    return [str(args.worker_script or BENCH_TRAIN), "--worker", f"{name}:{args.shape}{options}", "--model", args.model,
+    shape, options = contender_shape(contender, args.shape)
+    return [str(args.worker_script or BENCH_TRAIN), "--worker", f"{split_contender(contender)[0]}:{shape}{options}",
+            "--model", args.model,
             "--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops), "--prefetch", str(args.prefetch),
             "--activation-store", args.activation_store]
@@ -218,10 +236,14 @@ def targets(results: Sequence[dict]) -> dict:
             fastest[name] = r
     out["ethernet_variants"] = {name: r["contender"] for name, r in fastest.items()}
     if "speedloader" in fastest:
+        best = fastest["speedloader"]["tokens_per_s"]
         for name in CONTENDERS[1:]:
             if name in fastest:
-                out["ethernet_speedloader_over"][name] = (fastest["speedloader"]["tokens_per_s"]
-                                                          / fastest[name]["tokens_per_s"])
+                out["ethernet_speedloader_over"][name] = best / fastest[name]["tokens_per_s"]
+        # Against every variant too (e.g. each micro-batch of the same effective batch), not only the fastest.
+        out["ethernet_speedloader_over_each"] = {
+            contender: best / r["tokens_per_s"] for (contender, case), r in ok.items()
+            if case.endswith("-ethernet") and split_contender(contender)[0] != "speedloader"}
     out["goals"] = {"weak_scaling_per_gpu_4_over_1 (speedloader)": ">= 1.0",
                     "ethernet_speedloader_over fsdp2-offload": ">= 5", "ethernet_speedloader_over deepspeed-offload": ">= 3"}
     return out
@@ -363,10 +385,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = sorted({split_contender(c)[0] for c in contenders} - set(CONTENDERS))
     if unknown:
         parser.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
-    for contender in contenders:  # bench_train's own check of the options, before any launch
-        name, options = split_contender(contender)
+    for contender in contenders:  # the shape's and bench_train's own checks of the options, before any launch
         try:
-            parse_contender(f"{name}:{args.shape}{options}", None)
+            shape, options = contender_shape(contender, args.shape)
+            parse_contender(f"{split_contender(contender)[0]}:{shape}{options}", None)
         except ValueError as err:
             parser.error(str(err))
     cases = build_cases([int(g) for g in args.gpus.split(",") if g], args.ethernet or None)
