@@ -222,11 +222,13 @@ def test_bench_scale_contender_options(capsys):
 
 
 def test_bench_scale_contender_micro_batch(capsys):
-    """A contender may split the same effective batch its own way (its micro-batch); another total is refused
-    before any launch, naming the total to keep."""
+    """A contender may split the same effective batch its own way (its micro-batch) under the cap every contender
+    shares; another total is refused before any launch, naming the total to keep."""
     base = ["--dry-run", "--gpu-ids", "0,1,2,3", "--gpus", "", "--shape", "2x32", "--threads-per-rank", "16"]
-    assert bench_scale.main([*base, "--contenders", "speedloader,fsdp2-offload:8x8:compile,deepspeed-offload:16x4"]) == 0
+    assert bench_scale.main([*base, "--contenders", "speedloader,fsdp2-offload:8x8:compile,deepspeed-offload:16x4",
+                             "--max-gpu-memory-gib", "12"]) == 0
     out = capsys.readouterr().out
+    assert out.count("--max-gpu-memory-gib 12.0") == 6  # the same cap for every rank's agent, 3 runs x 2 nodes
     assert "--worker speedloader:2x32 " in out and "--worker fsdp2-offload:8x8:compile " in out
     assert "--worker deepspeed-offload:16x4 " in out and "fsdp2-offload_8x8_compile_2x2-ethernet" in out
     with pytest.raises(SystemExit):

@@ -121,7 +121,8 @@ def worker_args(args: argparse.Namespace, contender: str) -> list[str]:
             "--model", args.model,
             "--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops), "--prefetch", str(args.prefetch),
-            "--activation-store", args.activation_store]
+            "--activation-store", args.activation_store,
+            *(["--max-gpu-memory-gib", str(args.max_gpu_memory_gib)] if args.max_gpu_memory_gib else [])]
 
 
 def case_launch(case: Case, script: Sequence[str], *, device: str, gpu_ids: Sequence[str], base_env: dict,
@@ -351,6 +352,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--activation-store", default="host")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--max-gpu-memory-gib", type=float, default=None,
+                        help="every rank's GPU memory cap (the same for every contender: a larger micro-batch "
+                             "that does not fit is recorded as oom)")
     parser.add_argument("--threads-per-rank", type=int, default=None,
                         help="OMP_NUM_THREADS of every rank (default: CPU cores / the largest case's ranks)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole invocation")
