@@ -209,8 +209,9 @@ def run_case(contender: str, case: Case, args: argparse.Namespace, work_dir: Pat
     else:
         output = console.read_text(errors="replace")
         oom = "out of memory" in output or "OutOfMemoryError" in output
-        status = "timeout" if None in codes else ("oom" if oom else "failed")
-        stopped = f" (stopped after {timeout_s:.0f} s)" if status == "timeout" else ""
+        # A rank out of memory can leave the other node's ranks waiting in a collective until stopped: still oom.
+        status = "oom" if oom else ("timeout" if None in codes else "failed")
+        stopped = f" (stopped after {timeout_s:.0f} s)" if None in codes else ""
         record.update(status=status, ranks=ranks,
                       error=f"{len(ranks)} of {case.world_size} ranks reported{stopped}; {_tail(console)}")
     return record
