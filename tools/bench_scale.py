@@ -265,6 +265,15 @@ def markdown(results: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _micro_batch(run: dict) -> str:
+    """'n x N, peak HBM' of a run, from its ranks' own records (its contender may name its own micro-batch)."""
+    ranks = run.get("ranks") or []
+    if not ranks or "sub_batch_size" not in ranks[0]:
+        return ""
+    shape = f"{ranks[0]['sub_batch_size']} x {ranks[0]['num_sub_batches']}"
+    return f"{shape}, {run['peak_hbm_gib']:.1f} GiB" if "peak_hbm_gib" in run else shape
+
+
 def plot(record: dict, path: Path) -> Optional[Path]:
     try:
         import matplotlib
@@ -275,41 +284,49 @@ def plot(record: dict, path: Path) -> Optional[Path]:
         print("bench_scale: matplotlib is not installed, no plot (pip install matplotlib)", file=sys.stderr)
         return None
     ok = [r for r in record["results"] if r.get("status") == "ok"]
-    specs = list(dict.fromkeys(r["contender"] for r in ok))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, contender in enumerate(specs):
-        color = f"C{i}"
-        points = sorted((r["world_size"], r["tokens_per_s_per_gpu"]) for r in ok
-                        if r["contender"] == contender and not r["emulated_ethernet"])
-        if points:
-            left.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=color, label=contender)
-            left.axhline(points[0][1], color=color, linestyle=":", linewidth=0.8)
-        for r in ok:
-            if r["contender"] == contender and r["emulated_ethernet"]:
-                left.plot([r["world_size"]], [r["tokens_per_s_per_gpu"]], marker="s", fillstyle="none", color=color,
-                          markersize=9, linestyle="none", label=f"{contender}, {r['case']}")
-    left.set_xlabel("GPUs (squares: two nodes over emulated Ethernet)")
-    left.set_ylabel("tokens/s per GPU")
-    left.set_title("weak scaling, parameters offloaded (dotted: 1-GPU level)")
-    left.set_xticks(sorted({r["world_size"] for r in ok}) or [1])
-    left.set_ylim(bottom=0)
-    left.legend()
-    eth = [r for r in ok if r["emulated_ethernet"]]
-    base = max((r["tokens_per_s"] for r in eth if split_contender(r["contender"])[0] == "speedloader"), default=None)
-    bars = right.bar([r["contender"].replace(":", "\n", 1) for r in eth], [r["tokens_per_s_per_gpu"] for r in eth],
-                     color=[f"C{specs.index(r['contender'])}" for r in eth])
-    for bar, r in zip(bars, eth):
-        label = f"{r['tokens_per_s_per_gpu']:,.0f}"
-        if base and split_contender(r["contender"])[0] != "speedloader":
-            label += f"\nspeedloader {base / r['tokens_per_s']:.1f}x"
-        right.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                       fontsize=8)
-    right.set_ylabel("tokens/s per GPU")
-    right.set_title(f"{eth[0]['nodes']} nodes x {eth[0]['gpus_per_node']} GPUs, NCCL over TCP sockets" if eth
-                    else "emulated Ethernet: no run")
+    weak = [r for r in ok if not r["emulated_ethernet"]]
+    eth = [r for r in record["results"] if r.get("emulated_ethernet") or str(r.get("case", "")).endswith("-ethernet")]
+    panels = int(bool(weak)) + int(bool(eth)) or 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, max(4.0, 1.2 + 0.45 * len(eth))), squeeze=False)
+    axes = list(axes[0])
+    if weak:
+        left = axes.pop(0)
+        for i, contender in enumerate(dict.fromkeys(r["contender"] for r in weak)):
+            points = sorted((r["world_size"], r["tokens_per_s_per_gpu"]) for r in weak if r["contender"] == contender)
+            left.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=f"C{i}", label=contender)
+            left.axhline(points[0][1], color=f"C{i}", linestyle=":", linewidth=0.8)
+        left.set_xlabel("GPUs of one node")
+        left.set_ylabel("tokens/s per GPU")
+        left.set_title("weak scaling, parameters offloaded (dotted: 1-GPU level)")
+        left.set_xticks(sorted({r["world_size"] for r in weak}))
+        left.set_ylim(bottom=0)
+        left.legend(fontsize=8)
+    if eth:  # one horizontal bar per run: any number of variants stays readable; failed runs named, not drawn
+        right = axes.pop(0)
+        base = max((r["tokens_per_s"] for r in eth if r.get("status") == "ok"
+                    and split_contender(r["contender"])[0] == "speedloader"), default=None)
+        names = list(dict.fromkeys(split_contender(r["contender"])[0] for r in eth))
+        rows = eth[::-1]  # the first run on top
+        values = [r["tokens_per_s_per_gpu"] if r.get("status") == "ok" else 0.0 for r in rows]
+        labels = [f"{r['contender']}\n{_micro_batch(r)}" for r in rows]
+        right.barh(range(len(rows)), values, color=[f"C{names.index(split_contender(r['contender'])[0])}" for r in rows])
+        right.set_yticks(range(len(rows)), labels, fontsize=7)
+        for y, (r, value) in enumerate(zip(rows, values)):
+            if r.get("status") != "ok":
+                text = f" {r.get('status')}"
+            else:
+                text = f" {value:,.0f}"
+                if base and split_contender(r["contender"])[0] != "speedloader":
+                    text += f"  (speedloader {base / r['tokens_per_s']:.2f}x)"
+            right.annotate(text, (value, y), va="center", fontsize=7)
+        right.set_xlim(0, 1.45 * max(values + [1.0]))
+        right.set_xlabel("tokens/s per GPU")
+        right.set_title(f"{eth[0]['nodes']} nodes x {eth[0]['gpus_per_node']} GPUs, NCCL over TCP sockets"
+                        if "nodes" in eth[0] else "emulated Ethernet")
     cfg = record["config"]
-    fig.suptitle(f"{cfg['model']} x {cfg['layers']} layers, seq {cfg['seq_len']}, n x N = {cfg['shape']} per GPU, "
-                 f"{record['device']}", fontsize=10)
+    cap = f", GPU memory capped at {cfg['max_gpu_memory_gib']:g} GiB" if cfg.get("max_gpu_memory_gib") else ""
+    fig.suptitle(f"{cfg['model']} x {cfg['layers']} layers, seq {cfg['seq_len']}, n x N = {cfg['shape']} per GPU "
+                 f"unless named,\n{record['device']}{cap}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
