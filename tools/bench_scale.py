@@ -83,6 +83,12 @@ def contender_shape(spec: str, shape: str) -> tuple[str, str]:
     return shape, "".join(f":{o}" for o in options)
 
 
+def worker_spec(contender: str, shape: str) -> str:
+    """bench_train's ``--worker`` value: 'NAME:nxN[:option...]'."""
+    own_shape, options = contender_shape(contender, shape)
+    return f"{split_contender(contender)[0]}:{own_shape}{options}"
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -116,9 +122,7 @@ def run_order(contenders: Sequence[str], cases: Sequence[Case]) -> list[tuple[st
 
 def worker_args(args: argparse.Namespace, contender: str) -> list[str]:
     """One rank's command line: tools/bench_train.py's ``--worker`` CLI."""
-    shape, options = contender_shape(contender, args.shape)
-    return [str(args.worker_script or BENCH_TRAIN), "--worker", f"{split_contender(contender)[0]}:{shape}{options}",
-            "--model", args.model,
+    return [str(args.worker_script or BENCH_TRAIN), "--worker", worker_spec(contender, args.shape), "--model", args.model,
             "--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops), "--prefetch", str(args.prefetch),
             "--activation-store", args.activation_store,
@@ -409,8 +413,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
     for contender in contenders:  # the shape's and bench_train's own checks of the options, before any launch
         try:
-            shape, options = contender_shape(contender, args.shape)
-            parse_contender(f"{split_contender(contender)[0]}:{shape}{options}", None)
+            parse_contender(worker_spec(contender, args.shape), None)
         except ValueError as err:
             parser.error(str(err))
     cases = build_cases([int(g) for g in args.gpus.split(",") if g], args.ethernet or None)
