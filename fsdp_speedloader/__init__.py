@@ -1,8 +1,14 @@
-"""fsdp_speedloader: layer-major (SpeedLoader) training and inference on PyTorch FSDP2."""
+"""fsdp_speedloader: layer-major (SpeedLoader) training and inference on PyTorch FSDP2.
 
-from .generate import generate
-from .speedloader import apply_speedloader
-from .tuner import TunePlan, tune
+The library: ``apply_speedloader`` (with ``SpeedLoaderOptions``) makes an unmodified Hugging Face causal LM
+layer-major, ``speedloader_engine`` is its engine, ``generate`` runs layer-major generation on it, and
+``tune`` plans sub-batches from two trial steps. The Hydra applications live in ``fsdp_speedloader.app``.
+"""
 
-__all__ = ["TunePlan", "apply_speedloader", "generate", "tune"]
+from fsdp_speedloader.engine.speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.generation.generate import generate
+from fsdp_speedloader.options import SpeedLoaderOptions
+from fsdp_speedloader.tuning.tuner import TunePlan, tune
+
+__all__ = ["SpeedLoaderOptions", "TunePlan", "apply_speedloader", "generate", "speedloader_engine", "tune"]
 __version__ = "0.1.0"

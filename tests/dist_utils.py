@@ -85,6 +85,6 @@ def tiny_config(output_dir: str | os.PathLike, **overrides: Any):
 
     Keyword overrides are merged section by section: ``tiny_config(d, schedule={"name": "canonical"})``.
     """
-    from fsdp_speedloader.config import TrainConfig
+    from fsdp_speedloader.app.config import TrainConfig
 
     return TrainConfig.from_dict(_merge(TINY, {"output_dir": str(output_dir), **overrides}))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_speedloader.config import ModelConfig
+from fsdp_speedloader.app.config import ModelConfig
 from fsdp_speedloader.models import build_model
 from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 

@@ -16,15 +16,15 @@ import torch
 
 from dist_utils import run_distributed
 from engine_cases import assert_grads_close, batch, reference_grads, tiny_model
-from fsdp_speedloader import apply_speedloader
-from fsdp_speedloader import arena as arena_mod
-from fsdp_speedloader import fsdp_internals
-from fsdp_speedloader.activation_store import ExchangeActivationStore, HostActivationStore, build_activation_store
-from fsdp_speedloader.arena import ALIGNMENT, ArenaPlan, HostMemoryBudget, PinnedArena, check_plan, \
+from fsdp_speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.memory import arena as arena_mod
+from fsdp_speedloader import fsdp2
+from fsdp_speedloader.engine.activation_store import ExchangeActivationStore, HostActivationStore, build_activation_store
+from fsdp_speedloader.memory.arena import ALIGNMENT, ArenaPlan, HostMemoryBudget, PinnedArena, check_plan, \
     offloaded_fsdp_params, plan_fsdp_grads, plan_fsdp_shards
-from fsdp_speedloader.config import ModelConfig
-from fsdp_speedloader.exchange import TensorExchange
-from fsdp_speedloader.fsdp_internals import grad_slot_of
+from fsdp_speedloader.app.config import ModelConfig
+from fsdp_speedloader.memory.exchange import TensorExchange
+from fsdp_speedloader.fsdp2 import grad_slot_of
 from fsdp_speedloader.models import build_model
 
 MIB = 1 << 20
@@ -298,7 +298,7 @@ def test_gradients_reuse_activation_slots(blocks_per_unit):
     _, ref_grads = reference_grads(model, [(ids, labels)])
     apply_speedloader(model, num_sub_batches=n_sub, blocks_per_unit=blocks_per_unit, activation_store="host")
     store = RecordingStore()
-    model._speedloader.store = store
+    speedloader_engine(model).store = store
     loss = model(input_ids=ids, labels=labels).loss
     forward_log, host_bytes = list(store.log), store.host_bytes
     loss.backward()
@@ -340,7 +340,7 @@ def test_gradient_parity_with_exchange_store(family, num_sub_batches, blocks_per
     ref_loss, ref_grads = reference_grads(model, [(ids, labels)], scale=scale)
     apply_speedloader(model, num_sub_batches=num_sub_batches, blocks_per_unit=blocks_per_unit,
                       activation_store="host", offload_params=offload)
-    assert isinstance(model._speedloader.store, ExchangeActivationStore)
+    assert isinstance(speedloader_engine(model).store, ExchangeActivationStore)
     loss = model(input_ids=ids, labels=labels).loss
     (scale * loss).backward()
     torch.testing.assert_close(loss.detach(), ref_loss[0], rtol=1e-6, atol=0)
@@ -368,7 +368,7 @@ def test_offloaded_shards_live_in_the_arena_and_train_like_the_sync_store():
     for (name, a), (_, b) in zip(models["host"].named_parameters(), models["host_sync"].named_parameters()):
         assert torch.equal(a.to_local(), b.to_local()), name
 
-    store = models["host"]._speedloader.store
+    store = speedloader_engine(models["host"]).store
     fsdp_params = offloaded_fsdp_params(models["host"])
     assert len(fsdp_params) == len(list(base.parameters()))
     lo = store.arena.slot("activations").data_ptr() - store.arena._offsets["activations"]
@@ -393,9 +393,9 @@ def test_exchange_traffic_per_step():
     model = apply_speedloader(tiny_model("llama", layers=layers), num_sub_batches=n_sub, activation_store="host")
     ids, labels = batch(n_sub)
     model(input_ids=ids, labels=labels).loss.backward()
-    first = model._speedloader.store.step_stats()
+    first = speedloader_engine(model).store.step_stats()
     model(input_ids=ids, labels=labels).loss.backward()
-    stats = model._speedloader.store.step_stats()
+    stats = speedloader_engine(model).store.step_stats()
     a = 2 * 16 * 64 * 4  # n x s x h fp32 bytes
     # Per unit 5 N A (forward: fetch + store; backward: 2 fetches + store), plus the embedding
     # (store; backward fetch) and the head (forward fetch; backward fetch + store).
@@ -409,7 +409,7 @@ def test_exchange_traffic_per_step():
 
 def test_over_large_activation_plan_names_the_setting():
     model = apply_speedloader(tiny_model("llama"), num_sub_batches=4, activation_store="host")
-    model._speedloader.store.host_memory_limit_bytes = 1  # nothing is available
+    speedloader_engine(model).store.host_memory_limit_bytes = 1  # nothing is available
     ids, labels = batch(4)
     with pytest.raises(ValueError, match=r"lower schedule.num_sub_batches \(N=4\), schedule.sub_batch_size "
                                          r"\(n=2\) or data.seq_len \(s=16\), or raise schedule.blocks_per_unit"):
@@ -433,7 +433,7 @@ def test_gradient_slots_are_planned_before_the_first_backward_at_their_exact_siz
     model = _offloaded()
     ids, labels = batch(2)
     loss = model(input_ids=ids, labels=labels).loss  # the first forward plans the arena; no gradient yet
-    store = model._speedloader.store
+    store = speedloader_engine(model).store
     fsdp_params = offloaded_fsdp_params(model)
     grad_slots = list(store.arena.slots("grad_shards"))
     assert len(grad_slots) == len(fsdp_params) == len(list(model.parameters()))
@@ -471,7 +471,7 @@ def test_gradient_slots_come_with_the_first_step_that_can_produce_gradients():
     ids, labels = batch(2)
     _, ref_grads = reference_grads(model, [(ids, labels)])
     _offloaded(model=model)
-    store = model._speedloader.store
+    store = speedloader_engine(model).store
     with torch.no_grad():  # an evaluation (or generation) first: it pays for no gradient slots
         model(input_ids=ids, labels=labels)
     first = store.arena
@@ -516,7 +516,7 @@ def test_offloaded_gradients_land_in_the_arena_with_exact_zero_grad_and_accumula
     models = {"host": _offloaded(model=copy.deepcopy(base)), "host_sync": _offloaded(model=copy.deepcopy(base),
                                                                                         store="host_sync")}
     fsdp_params = offloaded_fsdp_params(models["host"])
-    arena = models["host"]._speedloader.store
+    arena = speedloader_engine(models["host"]).store
 
     def backward(seed):
         ids, labels = batch(2, seed=seed)
@@ -548,17 +548,17 @@ def test_offloaded_gradients_land_in_the_arena_with_exact_zero_grad_and_accumula
 
 
 def test_a_gradient_still_referenced_after_zero_grad_is_not_overwritten(caplog, monkeypatch):
-    monkeypatch.setattr(fsdp_internals, "_warned", set())  # warnings are once per process
+    monkeypatch.setattr(fsdp2, "_warned", set())  # warnings are once per process
     model = _offloaded()
     fsdp_params = offloaded_fsdp_params(model)
     ids, labels = batch(2)
     model(input_ids=ids, labels=labels).loss.backward()
-    store = model._speedloader.store
+    store = speedloader_engine(model).store
     held = {name: p.grad for name, p in model.named_parameters()}  # e.g. kept for logging
     kept = {name: g.to_local().clone() for name, g in held.items()}
     model.zero_grad(set_to_none=True)
     ids2, labels2 = batch(2, seed=1)
-    with caplog.at_level("WARNING", logger="fsdp_speedloader.fsdp_internals"):
+    with caplog.at_level("WARNING", logger="fsdp_speedloader.fsdp2"):
         model(input_ids=ids2, labels=labels2).loss.backward()
     assert all(torch.equal(held[name].to_local(), kept[name]) for name in held)  # left as they were
     assert not any(store.arena.contains(_local_grad(p)) for p in fsdp_params)  # FSDP2's own memory instead
@@ -579,7 +579,7 @@ def _uneven_shards(rank: int, world_size: int) -> dict:
     ids, labels = batch(2, seed=rank)
     model(input_ids=ids, labels=labels).loss.backward()
     assert_grads_close(model, ref_grads)
-    store = model._speedloader.store
+    store = speedloader_engine(model).store
     fsdp_params = offloaded_fsdp_params(model)
     assert all(store.arena.contains(_local_grad(p)) for p in fsdp_params)
     return {"grad_bytes": store.step_stats()["arena_grad_shards_requested_bytes"],

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import fsdp_speedloader.checkpoint as checkpoint_mod
+import fsdp_speedloader.app.checkpoint as checkpoint_mod
 from dist_utils import run_distributed, tiny_config
-from fsdp_speedloader.checkpoint import find_latest_checkpoint, list_checkpoints, resolve_resume_path
-from fsdp_speedloader.config import CheckpointConfig
-from fsdp_speedloader.trainer import Trainer
+from fsdp_speedloader.app.checkpoint import find_latest_checkpoint, list_checkpoints, resolve_resume_path
+from fsdp_speedloader.app.config import CheckpointConfig
+from fsdp_speedloader.app.trainer import Trainer
 
 SCHEDULES = ["canonical", "speedloader"]
 

@@ -27,7 +27,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from fsdp_speedloader.config import TrainConfig
+from fsdp_speedloader.app.config import TrainConfig
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 OUTPUT_DIR = "/tmp/fsdp_speedloader_test_run"  # replaces ${hydra:runtime.output_dir}, set only in a real run
@@ -230,7 +230,7 @@ APP = textwrap.dedent("""
     import json
     import hydra
     from omegaconf import OmegaConf
-    from fsdp_speedloader.config import TrainConfig
+    from fsdp_speedloader.app.config import TrainConfig
 
     @hydra.main(version_base="1.3", config_path="pkg://fsdp_speedloader.conf", config_name="config")
     def main(cfg):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fsdp_speedloader.config import DataConfig
-from fsdp_speedloader.data import (
+from fsdp_speedloader.app.config import DataConfig
+from fsdp_speedloader.app.data import (
     ByteTokenizer,
     SyntheticLoader,
     TokenLoader,

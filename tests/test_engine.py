@@ -13,7 +13,7 @@ import torch
 
 from engine_cases import (assert_grads_close, batch, count_collectives, cpu_mesh, full_grad, is_fsdp, reference_grads,
                           tiny_model)
-from fsdp_speedloader import apply_speedloader
+from fsdp_speedloader import apply_speedloader, speedloader_engine
 from fsdp_speedloader.parallel import apply_fsdp
 
 CASES = list(itertools.product(("llama", "opt"), (1, 2, 3, 8), (1, 2), ("device", "host"), (False, True)))
@@ -52,8 +52,8 @@ def test_gradient_parity_with_the_root_kept_on_the_device(family):
 def test_materialize_moves_only_the_groups_that_do_not_offload():
     """materialize_model's to_empty puts every shard on param_device (the host); the root of offload_root=False
     then gets shards on the compute device, keeping its parameter objects (here 'meta' stands in for the GPU)."""
-    from fsdp_speedloader.config import ModelConfig
-    from fsdp_speedloader.fsdp_internals import move_unoffloaded_shards
+    from fsdp_speedloader.app.config import ModelConfig
+    from fsdp_speedloader.fsdp2 import move_unoffloaded_shards
     from fsdp_speedloader.models import build_model
 
     cfg = ModelConfig(family="opt", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, vocab_size=320,
@@ -84,7 +84,7 @@ def test_gradient_parity_with_compiled_blocks(family):
 
     torch._dynamo.reset()
     model = _assert_parity(family, 2, blocks_per_unit=2, compile_blocks=True)
-    assert model._speedloader.adapter.compiled_block_forward is not None
+    assert speedloader_engine(model).adapter.compiled_block_forward is not None
 
 
 @pytest.mark.parametrize("blocks_per_unit", [1, 2])
@@ -160,7 +160,7 @@ def test_no_grad_forward_gives_the_loss():
     with torch.no_grad():
         got = model(input_ids=ids, labels=labels).loss
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    assert model._speedloader.store.device_bytes == 0
+    assert speedloader_engine(model).store.device_bytes == 0
 
 
 def test_bad_input_says_what_to_change():
@@ -215,7 +215,7 @@ def test_bf16_sub_batch_gradients_accumulate_in_fp32():
 def test_step_state_reaches_every_unit_uncopied(monkeypatch):
     """FSDP rebuilds dataclasses and containers in forward arguments (and casts their tensors under
     mixed precision); the step state must reach every unit's hooked call as the same object."""
-    from fsdp_speedloader import speedloader
+    from fsdp_speedloader.engine import speedloader
 
     seen, unit_call = [], speedloader._unit_call
     monkeypatch.setattr(speedloader, "_unit_call", lambda unit, p, state: (seen.append(state), unit_call(unit, p, state))[1])

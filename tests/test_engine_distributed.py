@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dist_utils import run_distributed
 from engine_cases import assert_grads_close, batch, count_collectives, cpu_mesh, reference_grads, tiny_model
-from fsdp_speedloader import apply_speedloader
+from fsdp_speedloader import apply_speedloader, speedloader_engine
 
 CASES = list(itertools.product(("llama", "opt"), (1, 3), (1, 2), ("device", "host"), (False, True)))
 
@@ -43,7 +43,7 @@ def _compiled_parity(rank: int, world_size: int) -> int:
     for family in ("llama", "opt"):
         model = _assert_rank_parity(rank, world_size, family, 2, offload_params=True, activation_store="host",
                                     compile_blocks=True, offload_root=False)
-        assert model._speedloader.adapter.compiled_block_forward is not None
+        assert speedloader_engine(model).adapter.compiled_block_forward is not None
     return 2
 
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from engine_cases import assert_grads_close, batch, tiny_model
-from fsdp_speedloader import apply_speedloader, fsdp_internals
-from fsdp_speedloader.activation_store import ExchangeActivationStore
-from fsdp_speedloader.arena import ArenaPlan, PinnedArena, _align, offloaded_fsdp_params
-from fsdp_speedloader.exchange import TensorExchange
-from fsdp_speedloader.optimizer_overlap import OverlappedOptimizer
+from fsdp_speedloader import apply_speedloader, speedloader_engine, fsdp2
+from fsdp_speedloader.engine.activation_store import ExchangeActivationStore
+from fsdp_speedloader.memory.arena import ArenaPlan, PinnedArena, _align, offloaded_fsdp_params
+from fsdp_speedloader.memory.exchange import TensorExchange
+from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -211,7 +211,7 @@ def test_parity_with_the_synchronous_store(param_dtype, rtol, offload, blocks_pe
     losses = {store: _step(m, ids, labels) for store, m in models.items()}
     assert abs(losses["host"] - losses["host_sync"]) <= rtol * abs(losses["host_sync"])
     assert_grads_close(models["host"], _grads(models["host_sync"]), rtol=rtol)
-    assert isinstance(models["host"]._speedloader.store, ExchangeActivationStore)
+    assert isinstance(speedloader_engine(models["host"]).store, ExchangeActivationStore)
 
 
 @pytest.mark.parametrize("lag", ["copy", "compute"])
@@ -224,7 +224,7 @@ def test_engine_is_correct_when_one_side_lags(lag, offload):
     loss1 = _step(model, ids, labels)
     want = _grads(model)
     model.zero_grad(set_to_none=True)
-    store = model._speedloader.store
+    store = speedloader_engine(model).store
     torch.cuda.synchronize()
     store._host.fill_(float("nan"))  # anything read before it was written shows up as NaN
     for buf in store.exchange._ring.all():
@@ -252,13 +252,13 @@ def test_no_page_locked_growth_after_the_first_step(offload):
 
     train_step()
     first = torch.cuda.host_memory_stats()
-    ring = model._speedloader.store.step_stats()["exchange_ring_buffers"]
+    ring = speedloader_engine(model).store.step_stats()["exchange_ring_buffers"]
     for _ in range(3):
         train_step()
     later = torch.cuda.host_memory_stats()
     for key in ("num_host_alloc", "allocated_bytes.current", "allocations.current"):
         assert later.get(key, 0) == first.get(key, 0), key
-    store = model._speedloader.store
+    store = speedloader_engine(model).store
     stats = store.step_stats()
     assert stats["exchange_ring_buffers"] == ring <= 5
     assert stats["arena_page_locked_bytes"] == stats["arena_bytes"]
@@ -277,7 +277,7 @@ def test_exchange_traffic_per_step():
     model = apply_speedloader(tiny_model("llama", layers=layers), num_sub_batches=n_sub, activation_store="host")
     ids, labels = batch(n_sub)
     _step(model, ids, labels)
-    stats = model._speedloader.store.step_stats()
+    stats = speedloader_engine(model).store.step_stats()
     a = 2 * 16 * 64 * 4  # n x s x h fp32 bytes
     # Per unit 5 N A (forward: fetch + store; backward: 2 fetches + store), plus the embedding
     # (store, backward fetch) and the head (forward fetch; backward fetch + store).
@@ -285,7 +285,7 @@ def test_exchange_traffic_per_step():
     assert stats["exchange_d2h_bytes"] == (2 * layers + 2) * n_sub * a
     assert stats["exchange_wait_s"] >= 0.0
     _step(model, ids, labels)
-    assert model._speedloader.store.step_stats()["exchange_unpipelined_fetches"] == 0
+    assert speedloader_engine(model).store.step_stats()["exchange_unpipelined_fetches"] == 0
 
 
 # --- FSDP2's offloaded gradients in the arena ------------------------------------------------------
@@ -320,7 +320,7 @@ def test_offloaded_gradients_land_in_the_arena_without_page_locked_blocks(set_to
     # (Adam's g / sqrt(v) can turn it into a full step where a gradient is ~0).
     optims = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
     fsdp_params = offloaded_fsdp_params(models["host"])
-    store = models["host"]._speedloader.store
+    store = speedloader_engine(models["host"]).store
     handed_out = {k: [] for k in models}
     for step in range(4):
         ids, labels = batch(n_sub, seed=step)
@@ -372,14 +372,14 @@ def test_overlapped_optimizer_reads_each_gradient_only_after_its_copy(monkeypatc
             _step(models[0], ids, labels)
             plain.step()
             plain.zero_grad()
-            monkeypatch.setattr(fsdp_internals, "grad_copy_delay_cycles", ENGINE_LAG)
+            monkeypatch.setattr(fsdp2, "grad_copy_delay_cycles", ENGINE_LAG)
             _step(models[1], ids, labels)  # units U .. 2 are stepped on the CPU while backward runs
-            monkeypatch.setattr(fsdp_internals, "grad_copy_delay_cycles", 0)
+            monkeypatch.setattr(fsdp2, "grad_copy_delay_cycles", 0)
             overlapped.step()
             overlapped.zero_grad()
     finally:
         overlapped.close()
-    store = models[1]._speedloader.store
+    store = speedloader_engine(models[1]).store
     assert all(store.arena.contains(p.sharded_param._local_tensor) for p in offloaded_fsdp_params(models[1]))
     for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
         torch.testing.assert_close(b.to_local(), a.to_local(), rtol=1e-5, atol=1e-6, msg=name)

@@ -21,17 +21,17 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from dist_utils import run_distributed, tiny_config
-from fsdp_speedloader.checkpoint import list_checkpoints
-from fsdp_speedloader.data import build_loader
-from fsdp_speedloader.faults import Fault, fault_from_env, parse_fault
-from fsdp_speedloader.trainer import Trainer
+from fsdp_speedloader.app.checkpoint import list_checkpoints
+from fsdp_speedloader.app.data import build_loader
+from fsdp_speedloader.app.faults import Fault, fault_from_env, parse_fault
+from fsdp_speedloader.app.trainer import Trainer
 from launch_utils import TINY_OVERRIDES, clean_env, read_metrics, tail, torchrun
 
 FAULT = "exit:rank=1,step=5,attempt=0"
 
 
 def _train_cmd(run_dir: Path, ckpt_dir: Path, *torchrun_args: str) -> list[str]:
-    return torchrun("--standalone", "--nproc-per-node", "2", *torchrun_args, "-m", "fsdp_speedloader.train",
+    return torchrun("--standalone", "--nproc-per-node", "2", *torchrun_args, "-m", "fsdp_speedloader.app.train",
                     *TINY_OVERRIDES, "schedule=speedloader", "model.dropout=0.1", "steps=6", "checkpoint.every=2",
                     "checkpoint.keep_last=2", "checkpoint.resume=auto", f"checkpoint.dir={ckpt_dir}",
                     f"hydra.run.dir={run_dir}")

@@ -21,9 +21,9 @@ import torch
 
 from dist_utils import run_distributed
 from engine_cases import count_collectives, cpu_mesh
-from fsdp_speedloader import apply_speedloader
-from fsdp_speedloader.config import ModelConfig
-from fsdp_speedloader.generate import GenerationStats, generate
+from fsdp_speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.app.config import ModelConfig
+from fsdp_speedloader.generation.generate import GenerationStats, generate
 from fsdp_speedloader.models import build_model
 
 VOCAB, PROMPT_LEN, NEW = 96, 7, 10
@@ -214,7 +214,7 @@ def test_no_syncing_tensor_call_in_steady_state_decoding(kv_cache, monkeypatch):
 
     from torch.overrides import TorchFunctionMode
 
-    from fsdp_speedloader import kv_cache as kv_module
+    from fsdp_speedloader.generation import kv_cache as kv_module
 
     calls: list[str] = []
 
@@ -302,21 +302,21 @@ def test_decoding_steps_keep_activations_on_the_device(kv_cache):
     ids, mask = _prompts(4, seed=17)
     want = _reference(_tiny("llama"), ids, mask)
     model = _prepared("llama", 2, activation_store="host")
-    store, lengths = model._speedloader.store, []
+    store, lengths = speedloader_engine(model).store, []
     put = store.put
     store.put = lambda slot, i, x: (lengths.append(x.shape[1]), put(slot, i, x))[1]
     out = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache,
                    kv_device_sub_batches=1 if kv_cache == "split" else None)
     assert torch.equal(out, want)
     steps = 1 if kv_cache != "off" else NEW  # steps that run whole sequences through the store
-    units = len(model._speedloader.units)
+    units = len(speedloader_engine(model).units)
     want_lengths = [PROMPT_LEN + step for step in range(steps) for _ in range((units + 1) * 2)]
     assert lengths == want_lengths
 
 
 def test_auto_kv_cache_splits_when_only_some_sub_batches_fit(monkeypatch):
-    from fsdp_speedloader import kv_cache as kv_module
-    from fsdp_speedloader.kv_cache import choose_kv_mode, kv_layout_for
+    from fsdp_speedloader.generation import kv_cache as kv_module
+    from fsdp_speedloader.generation.kv_cache import choose_kv_mode, kv_layout_for
 
     layout = kv_layout_for(_tiny("opt").config, num_sub_batches=4, sub_batch_size=2, capacity=16, dtype=torch.float32)
     cuda = torch.device("cuda", 0)
@@ -431,7 +431,7 @@ CLI_TINY = ["logger=none", "device=cpu", "model.hidden_size=64", "model.num_laye
 def test_generate_yaml_composes_into_a_valid_config():
     from hydra import compose, initialize_config_dir
 
-    from fsdp_speedloader.inference.cli import GenerateConfig
+    from fsdp_speedloader.app.generate import GenerateConfig
     from omegaconf import OmegaConf
 
     conf = Path(__file__).resolve().parents[1] / "conf"
@@ -459,7 +459,7 @@ def test_cli_generates_prompts_from_a_file(tmp_path):
            "CUDA_VISIBLE_DEVICES": ""}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.generate", *CLI_TINY, "prompts.source=file",
+    proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.app.generate", *CLI_TINY, "prompts.source=file",
                            f"prompts.path={prompts}", "kv_cache=host", "cpu_attention_sub_batches=1",
                            f"hydra.run.dir={tmp_path / 'run'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -473,7 +473,7 @@ def test_cli_generates_prompts_from_a_file(tmp_path):
 
 
 def test_prompt_files_and_left_padding(tmp_path):
-    from fsdp_speedloader.inference.cli import left_pad, read_prompt_file
+    from fsdp_speedloader.app.generate import left_pad, read_prompt_file
 
     (tmp_path / "p.txt").write_text("first prompt\n\nsecond\n")
     assert read_prompt_file(str(tmp_path / "p.txt")) == ["first prompt", "second"]
@@ -489,7 +489,7 @@ def test_prompt_files_and_left_padding(tmp_path):
 def test_nested_host_attention_routing_keeps_each_record():
     """attention_on_host inside attention_on_host: the outer routing stays, each block gets its own timing
     record (the innermost receives the calls), and the model's implementation comes back at the end."""
-    from fsdp_speedloader import host_attention
+    from fsdp_speedloader.generation import host_attention
 
     config = _tiny("opt").config
     original = config._attn_implementation

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from engine_cases import count_collectives
-from fsdp_speedloader import apply_speedloader
-from fsdp_speedloader.config import ModelConfig
-from fsdp_speedloader.generate import generate
+from fsdp_speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.app.config import ModelConfig
+from fsdp_speedloader.generation.generate import generate
 from fsdp_speedloader.models import build_model
 from fsdp_speedloader.parallel import maybe_init_process_group
 
@@ -132,7 +132,7 @@ def test_fp32_parity_with_delayed_copies():
     model = apply_speedloader(copy.deepcopy(base), num_sub_batches=4, offload_params=True, activation_store="host")
     generate(model, ids, mask, max_new_tokens=2, num_sub_batches=4, kv_cache="host")  # builds the exchanges
     model._speedloader_generation.kv_exchange.copy_delay_cycles = COPY_LAG
-    model._speedloader.store.exchange.copy_delay_cycles = COPY_LAG
+    speedloader_engine(model).store.exchange.copy_delay_cycles = COPY_LAG
     got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=4, kv_cache="host")
     assert torch.equal(got, want)
 
@@ -201,7 +201,7 @@ def test_no_host_sync_in_steady_state_decoding(kv_cache, offload, monkeypatch):
     decoding step may do one-time set-up: lazy init, the step geometry's first carving) and off before the
     cache closes (its final drain waits by design). No EOS ids and no stats: the EOS vote and the stats'
     timing synchronise on purpose."""
-    from fsdp_speedloader import kv_cache as kv_module
+    from fsdp_speedloader.generation import kv_cache as kv_module
 
     cls = kv_module.DeviceKVCache if kv_cache == "device" else kv_module.HostKVCache
     begin_step, close = cls.begin_step, cls.close

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from fsdp_speedloader import apply_speedloader
-from fsdp_speedloader.config import ModelConfig
+from fsdp_speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.app.config import ModelConfig
 from fsdp_speedloader.models import build_model
 from fsdp_speedloader.parallel import apply_fsdp, build_mesh, maybe_init_process_group
 
@@ -83,7 +83,7 @@ def test_bf16_within_noise_of_canonical(store, offload, compiled, offload_root):
 def test_overlapped_optimizer_with_the_root_on_the_gpu():
     """offload_root=False: the root's states on the GPU, the units' on the host; fused AdamW over both (one
     optimizer, or one per unit and the root overlapped with backward) gives the same weights."""
-    from fsdp_speedloader.optimizer_overlap import OverlappedOptimizer
+    from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
     maybe_init_process_group("cuda")
     base = _model()
@@ -141,7 +141,7 @@ def _peak_step_memory(num_sub_batches: int, *, store: str, offload: bool, seq_le
         model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     return {"num_sub_batches": num_sub_batches, "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "host_activation_gib": model._speedloader.store.host_bytes / 2**30}
+            "host_activation_gib": speedloader_engine(model).store.host_bytes / 2**30}
 
 
 def test_peak_gpu_memory_flat_in_num_sub_batches():
@@ -164,24 +164,24 @@ def test_peak_gpu_memory_flat_in_num_sub_batches():
 def test_offloaded_parameter_loads_run_off_the_compute_stream(monkeypatch):
     """One rank, offloaded: every unit's host-to-device parameter load is staged on FSDP's copy-in
     stream at prefetch time, never run on the compute stream when the unit is needed."""
-    from fsdp_speedloader import fsdp_internals
+    from fsdp_speedloader import fsdp2
 
     maybe_init_process_group("cuda")
     model = apply_speedloader(_model(), num_sub_batches=2, param_dtype=BF16, offload_params=True)
     ids, labels = _batch(4, 128)
     model(input_ids=ids, labels=labels).loss.backward()  # lazy init
-    unit_params = {id(p) for module, _ in model._speedloader.units for p in fsdp_internals.fsdp_params_of(module)}
+    unit_params = {id(p) for module, _ in speedloader_engine(model).units for p in fsdp2.fsdp_params_of(module)}
     streams = []
-    original = fsdp_internals._original_inputs
+    original = fsdp2._original_inputs
 
     def recording(fsdp_param):
         if id(fsdp_param) in unit_params:
             streams.append(torch.cuda.current_stream() == torch.cuda.default_stream())
         return original.fget(fsdp_param)
 
-    monkeypatch.setattr(fsdp_internals, "_original_inputs", property(recording))
+    monkeypatch.setattr(fsdp2, "_original_inputs", property(recording))
     model.zero_grad(set_to_none=True)
     model(input_ids=ids, labels=labels).loss.backward()
-    num_units, params_per_block = len(model._speedloader.units), len(list(model.model.layers[0].parameters()))
+    num_units, params_per_block = len(speedloader_engine(model).units), len(list(model.model.layers[0].parameters()))
     assert len(streams) == 2 * num_units * params_per_block  # forward and backward loads of every unit
     assert not any(streams), f"{sum(streams)} loads ran on the compute stream"

@@ -61,7 +61,7 @@ def _wandb_history(run_file: Path) -> list[dict]:
 
 def test_torchrun_two_ranks_hydra_wandb_offline(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "fsdp_speedloader.train", *TINY_OVERRIDES, "logger=wandb", "logger.mode=offline"]
+           "-m", "fsdp_speedloader.app.train", *TINY_OVERRIDES, "logger=wandb", "logger.mode=offline"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -85,7 +85,7 @@ def test_torchrun_two_ranks_hydra_wandb_offline(tmp_path):
 
 
 def test_user_error_is_one_line_and_nonzero_exit(tmp_path):
-    cmd = [sys.executable, "-m", "fsdp_speedloader.train", *TINY_OVERRIDES, "logger=none", "data=text",
+    cmd = [sys.executable, "-m", "fsdp_speedloader.app.train", *TINY_OVERRIDES, "logger=none", "data=text",
            f"data.path={tmp_path / 'missing.txt'}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
@@ -97,7 +97,7 @@ def test_user_error_is_one_line_and_nonzero_exit(tmp_path):
 def _stamp_with_skewed_clock(rank: int, world_size: int) -> str:
     import datetime as real_datetime
 
-    import fsdp_speedloader.train as train_mod
+    import fsdp_speedloader.app.launch as train_mod
 
     class SkewedClock(real_datetime.datetime):  # rank 1's clock is years off: its own stamp must lose
         @classmethod
@@ -118,7 +118,7 @@ def test_ranks_agree_on_rank0_run_stamp():
 
 
 def test_only_rank0_writes_hydra_files(monkeypatch):
-    from fsdp_speedloader.train import _rank_overrides
+    from fsdp_speedloader.app.launch import rank_overrides as _rank_overrides
 
     monkeypatch.setenv("RANK", "0")
     assert _rank_overrides([]) == []

@@ -1,7 +1,7 @@
 """Multi-node launches: two torchrun "nodes" on one host, the SLURM launcher config, submitit's environment.
 
 - CPU (CI): ``tools/launch_two_nodes.py`` starts two torchrun agents (``--nnodes 2 --nproc-per-node 1``,
-  c10d rendezvous on 127.0.0.1) running ``python -m fsdp_speedloader.train ... dp_replicate=2``: an
+  c10d rendezvous on 127.0.0.1) running ``python -m fsdp_speedloader.app.train ... dp_replicate=2``: an
   HSDP mesh of 2 replicas ("nodes") x 1 shard. Both exit 0, into ONE run directory.
 - GPU (marked ``gpu``; needs 4 GPUs): 2 nodes x 2 GPUs with NCCL restricted to its network transport
   (``--emulate-ethernet``); NCCL's own log shows every connection going through NET/Socket.
@@ -47,7 +47,7 @@ def _one_run_dir(root: Path) -> Path:
 @pytest.mark.slow
 def test_two_nodes_on_one_host_cpu(tmp_path):
     cmd = [sys.executable, str(TOOLS / "launch_two_nodes.py"), "--device", "cpu", "--nproc-per-node", "1",
-           "--timeout", "240", "--", "-m", "fsdp_speedloader.train", *TINY_OVERRIDES, "steps=3", "dp_replicate=2",
+           "--timeout", "240", "--", "-m", "fsdp_speedloader.app.train", *TINY_OVERRIDES, "steps=3", "dp_replicate=2",
            "checkpoint.save_final=true"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
@@ -77,11 +77,11 @@ def test_two_node_commands_and_environments():
     with pytest.raises(ValueError, match="needs 6 GPUs, 4 visible"):
         launch_two_nodes.agent_envs(base, device="cuda", nproc_per_node=3)
 
-    cmd = launch_two_nodes.agent_command(["-m", "fsdp_speedloader.train", "dp_replicate=2"], node_rank=1,
+    cmd = launch_two_nodes.agent_command(["-m", "fsdp_speedloader.app.train", "dp_replicate=2"], node_rank=1,
                                          nproc_per_node=2, port=29400, rdzv_id="job", max_restarts=1, python="py")
     assert cmd == ["py", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "1",
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "job",
-                   "--max-restarts", "1", "-m", "fsdp_speedloader.train", "dp_replicate=2"]
+                   "--max-restarts", "1", "-m", "fsdp_speedloader.app.train", "dp_replicate=2"]
     assert launch_two_nodes.exit_status([0, 0]) == 0
     assert launch_two_nodes.exit_status([0, None]) == 1 and launch_two_nodes.exit_status([0, 3]) == 3
 
@@ -92,7 +92,7 @@ def test_two_nodes_of_two_gpus_over_emulated_ethernet(tmp_path):
     env = clean_env(tmp_path, NCCL_DEBUG="INFO")
     env.pop("CUDA_VISIBLE_DEVICES")  # clean_env hides GPUs: this test wants them
     cmd = [sys.executable, str(TOOLS / "launch_two_nodes.py"), "--device", "cuda", "--nproc-per-node", "2",
-           "--emulate-ethernet", "--timeout", "420", "--", "-m", "fsdp_speedloader.train", *TINY_OVERRIDES,
+           "--emulate-ethernet", "--timeout", "420", "--", "-m", "fsdp_speedloader.app.train", *TINY_OVERRIDES,
            "device=cuda", "steps=3", "dp_replicate=2", "schedule.num_sub_batches=4", "checkpoint.save_final=true"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
     out = proc.stdout + proc.stderr
@@ -129,7 +129,7 @@ def test_slurm_launcher_config():
 
 
 def test_submitit_environment_becomes_torch_environment(monkeypatch):
-    from fsdp_speedloader.train import maybe_export_submitit_env
+    from fsdp_speedloader.app.launch import maybe_export_submitit_env
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "SUBMITIT_EXECUTOR"):
@@ -154,7 +154,7 @@ def test_submitit_environment_becomes_torch_environment(monkeypatch):
 @pytest.mark.skipif(not HAS_SUBMITIT, reason="hydra-submitit-launcher is not installed (optional)")
 def test_submitit_local_launcher_two_tasks(tmp_path):
     """The SLURM path without SLURM: submitit's local executor starts 2 tasks, as srun would."""
-    cmd = [sys.executable, "-m", "fsdp_speedloader.train", "-m", "hydra/launcher=submitit_local",
+    cmd = [sys.executable, "-m", "fsdp_speedloader.app.train", "-m", "hydra/launcher=submitit_local",
            "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={tmp_path / 'multirun'}",
            *TINY_OVERRIDES, "steps=3", "dp_replicate=2"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=300)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine_cases import batch, cpu_mesh, tiny_model
-from fsdp_speedloader import apply_speedloader
-from fsdp_speedloader.optimizer_overlap import OverlappedOptimizer
+from fsdp_speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
 
 def _adamw(params):
@@ -25,8 +25,8 @@ def test_overlapped_steps_equal_a_plain_step(offload, offload_root, blocks_per_u
     plain = _adamw(models[0].parameters())
     overlapped = OverlappedOptimizer(models[1], _adamw)
     ready = []
-    hook = models[1]._speedloader.grad_ready_hook
-    models[1]._speedloader.grad_ready_hook = lambda index: (ready.append(index), hook(index))
+    hook = speedloader_engine(models[1]).grad_ready_hook
+    speedloader_engine(models[1]).grad_ready_hook = lambda index: (ready.append(index), hook(index))
     try:
         for step in range(3):
             ids, labels = batch(3, seed=step)

@@ -21,14 +21,14 @@ from torch.distributed.fsdp import FSDPModule
 
 from dist_utils import run_distributed
 from engine_cases import batch, tiny_model
-from fsdp_speedloader import apply_speedloader
-from fsdp_speedloader import arena as arena_mod
-from fsdp_speedloader import fsdp_internals
-from fsdp_speedloader.arena import HostMemoryBudget, offloaded_fsdp_params
-from fsdp_speedloader.config import ModelConfig
-from fsdp_speedloader.fsdp_internals import param_transfer_of
+from fsdp_speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.memory import arena as arena_mod
+from fsdp_speedloader import fsdp2
+from fsdp_speedloader.memory.arena import HostMemoryBudget, offloaded_fsdp_params
+from fsdp_speedloader.app.config import ModelConfig
+from fsdp_speedloader.fsdp2 import param_transfer_of
 from fsdp_speedloader.models import build_model
-from fsdp_speedloader.optimizer_overlap import OverlappedOptimizer
+from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
 BF16 = torch.bfloat16
 N_SUB = 2
@@ -84,7 +84,7 @@ def test_host_cast_rounds_to_nearest_even(numel):
 def test_plain_adamw_gives_identical_losses_gradients_and_weights(adamw, refresh):
     models = _pair()
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, **adamw) for m in models]
-    stale_before = fsdp_internals.num_stale_transfer_casts
+    stale_before = fsdp2.num_stale_transfer_casts
     for step in range(3):
         ids, labels = batch(N_SUB, seed=step)
         losses = []
@@ -99,12 +99,12 @@ def test_plain_adamw_gives_identical_losses_gradients_and_weights(adamw, refresh
             opt.step()
             opt.zero_grad()
         if refresh:
-            assert models[1]._speedloader.refresh_param_transfer() == len(offloaded_fsdp_params(models[1]))
+            assert speedloader_engine(models[1]).refresh_param_transfer() == len(offloaded_fsdp_params(models[1]))
         _assert_same_weights(*models)
-    stale = fsdp_internals.num_stale_transfer_casts - stale_before
+    stale = fsdp2.num_stale_transfer_casts - stale_before
     # Without refresh, every parameter is cast on its unshard after each of the two steps that follow one.
     assert stale == (0 if refresh else 2 * len(offloaded_fsdp_params(models[1])))
-    assert models[0]._speedloader.refresh_param_transfer() == 0  # the option off: nothing to refresh
+    assert speedloader_engine(models[0]).refresh_param_transfer() == 0  # the option off: nothing to refresh
 
 
 @pytest.mark.parametrize("blocks_per_unit", [1, 2])
@@ -112,7 +112,7 @@ def test_overlapped_optimizer_casts_in_its_worker_and_gives_identical_weights(bl
     models = _pair(blocks_per_unit=blocks_per_unit)
     build = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
     optims = [OverlappedOptimizer(m, build) for m in models]
-    stale_before = fsdp_internals.num_stale_transfer_casts
+    stale_before = fsdp2.num_stale_transfer_casts
     try:
         for step in range(3):
             ids, labels = batch(N_SUB, seed=step)
@@ -122,7 +122,7 @@ def test_overlapped_optimizer_casts_in_its_worker_and_gives_identical_weights(bl
     finally:
         for opt in optims:
             opt.close()
-    assert fsdp_internals.num_stale_transfer_casts == stale_before  # every copy was fresh when FSDP2 read it
+    assert fsdp2.num_stale_transfer_casts == stale_before  # every copy was fresh when FSDP2 read it
 
 
 def _train_steps(models, optims, ids, labels) -> list[float]:
@@ -163,8 +163,8 @@ def test_fsdp_reads_the_copy_and_never_a_stale_one():
     param_transfer_of(fsdp_params[3]).mul_(2)
     spoiled = losses()
     assert spoiled[1] != spoiled[0] == first[0]
-    assert models[1]._speedloader.refresh_param_transfer() == 0  # nothing the checks can see...
-    assert models[1]._speedloader.refresh_param_transfer(force=True) == len(fsdp_params)  # ...force recasts
+    assert speedloader_engine(models[1]).refresh_param_transfer() == 0  # nothing the checks can see...
+    assert speedloader_engine(models[1]).refresh_param_transfer(force=True) == len(fsdp_params)  # ...force recasts
     assert losses() == first
 
     # Every way of writing the fp32 shards is seen: the next load recasts (no refresh is called).
@@ -203,7 +203,7 @@ def test_checkpoint_loads_either_are_seen_or_need_a_forced_refresh(tmp_path):
     # invisible to the checks, so the caller forces the recast (the trainer does after every resume).
     for m in models:
         dcp.load(m.state_dict(), checkpoint_id=str(tmp_path / "b"))
-    assert models[1]._speedloader.refresh_param_transfer(force=True) == len(offloaded_fsdp_params(models[1]))
+    assert speedloader_engine(models[1]).refresh_param_transfer(force=True) == len(offloaded_fsdp_params(models[1]))
     quartered = losses()
     assert quartered[0] == quartered[1] != halved[0]
 
@@ -214,8 +214,8 @@ def test_checkpoint_loads_either_are_seen_or_need_a_forced_refresh(tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     ({"offload_params": False}, "needs offload_params=True, pin_memory=True and activation_store='host'"),
     ({"pin_memory": False}, "pin_memory=False"),
-    ({"activation_store": "device"}, "DeviceActivationStore"),
-    ({"activation_store": "host_sync"}, "HostActivationStore"),
+    ({"activation_store": "device"}, "activation_store='device'"),
+    ({"activation_store": "host_sync"}, "activation_store='host_sync'"),
     ({"param_dtype": None}, "differs from param_dtype=None: FSDP2 casts"),
     ({"param_dtype": torch.float16}, "differs from param_dtype=torch.float16"),
     ({"param_transfer_dtype": "bf16"}, "pass a floating-point torch.dtype"),
@@ -234,7 +234,7 @@ def test_arena_plans_one_exact_bf16_slot_per_shard_and_accounts_for_them():
     ids, labels = batch(N_SUB)
     for m in (plain, model):
         m(input_ids=ids, labels=labels).loss.backward()
-    store = model._speedloader.store
+    store = speedloader_engine(model).store
     fsdp_params = offloaded_fsdp_params(model)
     slots = list(store.arena.slots("param_transfer"))
     assert len(slots) == len(fsdp_params) == len(list(model.parameters()))
@@ -242,7 +242,7 @@ def test_arena_plans_one_exact_bf16_slot_per_shard_and_accounts_for_them():
         assert spec.shape == (p._sharded_param_data.numel(),) and spec.dtype == BF16
         assert store.arena.contains(param_transfer_of(p)) and store.arena.contains(p._sharded_param_data)
     want = sum(p.numel() * 2 for p in model.parameters())  # world size 1: no padding
-    stats, plain_stats = store.step_stats(), plain._speedloader.store.step_stats()
+    stats, plain_stats = store.step_stats(), speedloader_engine(plain).store.step_stats()
     assert stats["arena_param_transfer_requested_bytes"] == store.param_transfer_bytes == want
     assert stats["arena_param_shards_requested_bytes"] == 2 * want
     assert stats["arena_requested_bytes"] == sum(
@@ -250,7 +250,7 @@ def test_arena_plans_one_exact_bf16_slot_per_shard_and_accounts_for_them():
                                                             "param_transfer"))
     assert stats["arena_requested_bytes"] == plain_stats["arena_requested_bytes"] + want
     assert "arena_param_transfer_requested_bytes" not in plain_stats
-    assert plain._speedloader.store.param_transfer_bytes == 0
+    assert speedloader_engine(plain).store.param_transfer_bytes == 0
     assert all(param_transfer_of(p) is None for p in offloaded_fsdp_params(plain))
 
 
@@ -298,17 +298,17 @@ def test_config_field_and_its_errors(tmp_path):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_trainer_with_bf16_transfer_reproduces_the_fp32_transfer_run(tmp_path, overlap):
     from dist_utils import tiny_config
-    from fsdp_speedloader.trainer import Trainer
+    from fsdp_speedloader.app.trainer import Trainer
 
     runs = []
     for k, transfer in enumerate((None, "bf16")):
         cfg = tiny_config(tmp_path / str(k), steps=3, param_dtype="bfloat16",
                           offload={"params": True, "param_transfer_dtype": transfer},
                           optim={"overlap_with_backward": overlap, "grad_clip": 0.0})
-        stale_before = fsdp_internals.num_stale_transfer_casts
+        stale_before = fsdp2.num_stale_transfer_casts
         trainer = Trainer(cfg)
         history = trainer.train()
-        assert fsdp_internals.num_stale_transfer_casts == stale_before  # the trainer refreshes after each step
+        assert fsdp2.num_stale_transfer_casts == stale_before  # the trainer refreshes after each step
         runs.append(([m["loss"] for m in history], history[-1], trainer.model))
     assert runs[0][0] == runs[1][0]
     assert runs[1][1]["arena_param_transfer_requested_bytes"] * 2 == runs[1][1]["arena_param_shards_requested_bytes"]
@@ -328,7 +328,7 @@ def _parity_world_size_2(rank: int, world_size: int) -> int:
         losses = _train_steps(models, optims, ids, labels)
         assert losses[0] == losses[1], (rank, step)
         if step == 1:
-            models[1]._speedloader.refresh_param_transfer()  # one step each way
+            speedloader_engine(models[1]).refresh_param_transfer()  # one step each way
     for (name, p), (_, q) in zip(models[0].named_parameters(), models[1].named_parameters()):
         assert torch.equal(p.full_tensor(), q.full_tensor()), name
     fsdp_params = offloaded_fsdp_params(models[1])
@@ -388,7 +388,7 @@ def test_gpu_overlapped_training_is_bitwise_equal_and_halves_parameter_h2d_bytes
     optims = [OverlappedOptimizer(m, build) for m in models]
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 2048, (N_SUB * 2, 512), generator=gen)
-    stale_before = fsdp_internals.num_stale_transfer_casts
+    stale_before = fsdp2.num_stale_transfer_casts
     losses, param_h2d = [], []
     try:
         for step in range(4):
@@ -404,7 +404,7 @@ def test_gpu_overlapped_training_is_bitwise_equal_and_halves_parameter_h2d_bytes
                 if step == 3 and k < 2:  # measured, after three compared steps
                     box = []
                     total = _trace_h2d_of(lambda: box.append(run()))
-                    param_h2d.append(total - model._speedloader.store.step_stats()["exchange_h2d_bytes"])
+                    param_h2d.append(total - speedloader_engine(model).store.step_stats()["exchange_h2d_bytes"])
                     row.append(box[0].item())
                 else:
                     row.append(run().item())
@@ -414,10 +414,10 @@ def test_gpu_overlapped_training_is_bitwise_equal_and_halves_parameter_h2d_bytes
                                     for p, q in zip(fp32.parameters(), control.parameters()))
                 if deterministic:
                     _assert_same_weights(fp32, bf16)
-        assert fsdp_internals.num_stale_transfer_casts == stale_before  # the worker kept every copy fresh
+        assert fsdp2.num_stale_transfer_casts == stale_before  # the worker kept every copy fresh
         # What crosses to the GPU is exactly FSDP2's own cast of the current fp32 shard.
         for p in offloaded_fsdp_params(bf16):
-            mine, fsdps = fsdp_internals._unstaged_inputs(p)[0], fsdp_internals._original_inputs.fget(p)[0]
+            mine, fsdps = fsdp2._unstaged_inputs(p)[0], fsdp2._original_inputs.fget(p)[0]
             assert mine.dtype == BF16 and torch.equal(mine, fsdps), p._param_fqn
     finally:
         for opt in optims:

@@ -15,10 +15,10 @@ import sys
 import pytest
 import yaml
 
-from fsdp_speedloader.sweep import main as sweep_main
-from fsdp_speedloader.sweep import (expand_points, launcher_prefix, point_command, point_label, split_overrides,
+from fsdp_speedloader.app.sweep import main as sweep_main
+from fsdp_speedloader.app.sweep import (expand_points, launcher_prefix, point_command, point_label, split_overrides,
                                     sweep_axes)
-from fsdp_speedloader.sweep_report import (classify, heatmap_layout, markdown_table, plot_heatmap,
+from fsdp_speedloader.app.sweep_report import (classify, heatmap_layout, markdown_table, plot_heatmap,
                                            summarize_metrics, summary_from_hydra_multirun)
 from launch_utils import TINY_OVERRIDES, clean_env, read_metrics, tail
 
@@ -36,7 +36,7 @@ def _has_matplotlib() -> bool:
 @pytest.mark.slow
 def test_sweep_runs_every_point_records_the_failed_one_and_summarises(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "fsdp_speedloader.sweep", *TINY_OVERRIDES, "steps=3", *SWEEP,
+    cmd = [sys.executable, "-m", "fsdp_speedloader.app.sweep", *TINY_OVERRIDES, "steps=3", *SWEEP,
            f"hydra.sweep.dir={sweep_dir}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path, FSDP_SPEEDLOADER_INJECT_FAULT="oom:min_batch_size=8"),
                           capture_output=True, text=True, timeout=300)
@@ -94,12 +94,12 @@ def test_each_point_is_one_run_launched_by_python_or_torchrun(tmp_path):
     point = {"schedule.sub_batch_size": "2", "schedule.num_sub_batches": "4"}
     one = point_command(launcher_prefix(1, python="py"), ["sweep=sub_batches"], point, run_dir=tmp_path / "0",
                         group="g", name="g-n2-N4")
-    assert one == ["py", "-m", "fsdp_speedloader.train", "sweep=sub_batches", "schedule.sub_batch_size=2",
+    assert one == ["py", "-m", "fsdp_speedloader.app.train", "sweep=sub_batches", "schedule.sub_batch_size=2",
                    "schedule.num_sub_batches=4", f"hydra.run.dir={tmp_path / '0'}", "hydra.mode=RUN", "logger.group=g",
                    "logger.name=g-n2-N4"]
     four = launcher_prefix(4, python="py")
     assert four == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
-                    "fsdp_speedloader.train"]
+                    "fsdp_speedloader.app.train"]
     nodes = launcher_prefix(8, ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29500"], python="py")
     assert "--standalone" not in nodes and nodes[3:9] == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                                                          "h:29500"]

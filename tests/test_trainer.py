@@ -1,6 +1,6 @@
 """The training loop on the CPU: both schedules train, runs are deterministic, user errors fail early.
 
-The speedloader tests need ``fsdp_speedloader.speedloader.apply_speedloader``: without it they FAIL
+The speedloader tests need ``fsdp_speedloader.engine.speedloader.apply_speedloader``: without it they FAIL
 (an import error), they never skip.
 """
 
@@ -12,13 +12,14 @@ import math
 import pytest
 import torch
 
-import fsdp_speedloader.trainer as trainer_mod
+import fsdp_speedloader.app.trainer as trainer_mod
 from dist_utils import tiny_config
-from fsdp_speedloader.config import OptimConfig
-from fsdp_speedloader.logger import MetricLogger, build_logger
-from fsdp_speedloader.metrics import StepMetrics, host_rss_gib
-from fsdp_speedloader.trainer import (Trainer, build_lr_scheduler, build_optimizer, gpu_memory_fraction,
-                                      lr_factor, num_label_tokens)
+from fsdp_speedloader.app.config import OptimConfig
+from fsdp_speedloader.app.logger import MetricLogger, build_logger
+from fsdp_speedloader.app.metrics import StepMetrics, host_rss_gib
+from fsdp_speedloader.app.optim import build_lr_scheduler, build_optimizer, lr_factor
+from fsdp_speedloader.app.runtime import gpu_memory_fraction
+from fsdp_speedloader.app.trainer import Trainer, num_label_tokens
 
 SCHEDULES = ["canonical", "speedloader"]
 
@@ -252,7 +253,7 @@ def test_speedloader_logs_exchange_and_arena_figures(tmp_path):
     """With the host activation store, each step's metrics carry the exchange's copy bytes and the
     arena's page-locked bytes: 2 units x N sub-batches x (n, s, h) activations go out and come back."""
     from dist_utils import tiny_config
-    from fsdp_speedloader.trainer import Trainer
+    from fsdp_speedloader.app.trainer import Trainer
 
     cfg = tiny_config(tmp_path, steps=2, schedule={"name": "speedloader", "activation_store": "host"})
     history = Trainer(cfg).train()

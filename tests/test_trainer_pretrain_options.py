@@ -17,10 +17,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import fsdp_speedloader.trainer as trainer_mod
+import fsdp_speedloader.app.trainer as trainer_mod
 from dist_utils import run_distributed, tiny_config
-from fsdp_speedloader.checkpoint import list_checkpoints
-from fsdp_speedloader.trainer import Trainer
+from fsdp_speedloader.app.checkpoint import list_checkpoints
+from fsdp_speedloader.app.trainer import Trainer
 
 
 def _losses(history: list[dict]) -> list[float]:

@@ -1,6 +1,6 @@
 """The tuner on the CPU: fits and plans from recorded (synthetic) measurements, budget edge cases, the
 trial steps end to end on a tiny model (the CPU stands in for the GPU), ``schedule.name=auto`` in the
-trainer, the errors that name a wrong budget, and the ``python -m fsdp_speedloader.tune`` entry point.
+trainer, the errors that name a wrong budget, and the ``python -m fsdp_speedloader.app.tune`` entry point.
 
 The GPU figures (predicted peak within 5% of the measured one, 7B width) are in ``test_tuner_gpu.py``.
 """
@@ -20,14 +20,16 @@ import torch
 
 import fsdp_speedloader
 from dist_utils import tiny_config
-from fsdp_speedloader.arena import ArenaPlan, HostMemoryBudget, check_plan
-from fsdp_speedloader.config import ModelConfig, OptimConfig, TrainConfig
+from fsdp_speedloader.memory.arena import ArenaPlan, HostMemoryBudget, check_plan
+from fsdp_speedloader.app.config import ModelConfig, OptimConfig, TrainConfig
 from fsdp_speedloader.models import build_model
 from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
-from fsdp_speedloader.trainer import Trainer, build_optimizer
-from fsdp_speedloader.trial import Measurement, TrialModel, slot_host_bytes
-from fsdp_speedloader.tuner import (HOST_METHOD, GpuPlanMemoryError, HostPlanMemoryError, TunePlan, fit_host,
-                                    fit_linear, plan_from_measurements, tune_train_config)
+from fsdp_speedloader.app.optim import build_optimizer
+from fsdp_speedloader.app.planning import planned_schedule, tune_train_config
+from fsdp_speedloader.app.trainer import Trainer
+from fsdp_speedloader.tuning.trial import Measurement, TrialModel, slot_host_bytes
+from fsdp_speedloader.tuning.tuner import (HOST_METHOD, GpuPlanMemoryError, HostPlanMemoryError, TunePlan, fit_host,
+                                           fit_linear, plan_from_measurements)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -90,7 +92,7 @@ def test_plan_fills_gpu_then_host():
     assert plan.predicted_gpu_bytes <= plan.gpu_target_bytes < plan.predict_gpu_bytes(23)
     assert plan.predicted_host_bytes <= 120 * GIB < plan.predict_host_bytes(22, 15)
     assert plan.batch_size == 22 * 14
-    assert plan.schedule_config(TrainConfig().schedule).name == "speedloader"
+    assert planned_schedule(plan, TrainConfig().schedule).name == "speedloader"
     assert plan.overrides()[1:3] == ["schedule.sub_batch_size=22", "schedule.num_sub_batches=14"]
     text = plan.summary()
     assert "R^2 = 1 by construction" in text and "limited by gpu budget" in text
@@ -452,7 +454,7 @@ def test_tune_config_composes():
 
 def test_tune_cli(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.tune", "experiment=tiny_cpu", "logger=none",
+    proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.app.tune", "experiment=tiny_cpu", "logger=none",
                            "model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2",
                            "data.seq_len=32",
                            "offload=params", "schedule.activation_store=host", "schedule.target_batch_size=8",
@@ -489,11 +491,11 @@ def test_train_config_passes_the_run_s_placement_to_the_trials(tmp_path, monkeyp
     the run's states where the run will (a root on the GPU, bf16 transfer copies in the arena)."""
     from dist_utils import tiny_config
 
-    from fsdp_speedloader import tuner
+    from fsdp_speedloader.app import planning
 
     seen = {}
-    monkeypatch.setattr(tuner, "tune", lambda *args, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(planning, "tune", lambda *args, **kwargs: seen.update(kwargs))
     cfg = tiny_config(tmp_path, schedule={"name": "auto"}, param_dtype="bfloat16",
                       offload={"params": True, "root": False, "param_transfer_dtype": "bf16"})
-    tuner.tune_train_config(cfg, mesh=None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    planning.tune_train_config(cfg, mesh=None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     assert seen["offload_root"] is False and seen["param_transfer_dtype"] == torch.bfloat16

@@ -24,11 +24,11 @@ import pytest
 import torch
 
 import fsdp_speedloader
-from fsdp_speedloader.arena import LIMIT_ENV, HostMemoryBudget
-from fsdp_speedloader.config import ModelConfig, OptimConfig
+from fsdp_speedloader.memory.arena import LIMIT_ENV, HostMemoryBudget
+from fsdp_speedloader.app.config import ModelConfig, OptimConfig
 from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
-from fsdp_speedloader.trainer import build_optimizer, maybe_cap_gpu_memory
-from fsdp_speedloader.trial import TrialModel, cuda_allocator_settings
+from fsdp_speedloader.app.trainer import build_optimizer, maybe_cap_gpu_memory
+from fsdp_speedloader.tuning.trial import TrialModel, cuda_allocator_settings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from fsdp_speedloader.arena import ALIGNMENT  # noqa: E402
+from fsdp_speedloader.memory.arena import ALIGNMENT  # noqa: E402
 
 GIB = float(1 << 30)
 
@@ -51,7 +51,7 @@ def align(n: int) -> int:
 def model_config(name: str, layers: int | None):
     import yaml
 
-    from fsdp_speedloader.config import ModelConfig
+    from fsdp_speedloader.app.config import ModelConfig
 
     with open(REPO / "conf" / "model" / f"{name}.yaml") as f:
         fields = yaml.safe_load(f)
@@ -113,7 +113,7 @@ def measure(args: argparse.Namespace) -> dict:
 import json, torch, sys
 sys.path.insert(0, {str(REPO)!r})
 sys.argv = ['x']
-from fsdp_speedloader import apply_speedloader
+from fsdp_speedloader import apply_speedloader, speedloader_engine
 from fsdp_speedloader.models import build_model, materialize_model
 from tools.arena_report import model_config
 cfg = model_config({args.model!r}, {args.layers!r})
@@ -125,10 +125,10 @@ ids = torch.randint(0, cfg.vocab_size, ({args.num_sub_batches * args.sub_batch_s
 model(input_ids=ids, labels=ids).loss.backward()
 torch.cuda.synchronize()
 s = torch.cuda.host_memory_stats()
-st = model._speedloader.store.step_stats()
+st = speedloader_engine(model).store.step_stats()
 print(json.dumps({{'caching_host_allocator_bytes': s.get('allocated_bytes.current', 0),
                   'arena_page_locked_bytes': st.get('arena_page_locked_bytes', 0),
-                  'host_store_bytes': model._speedloader.store.host_bytes,
+                  'host_store_bytes': speedloader_engine(model).store.host_bytes,
                   'arena': {{k: v for k, v in st.items() if k.startswith('arena_')}},
                   'exchange': {{k: v for k, v in st.items() if k.startswith('exchange')}}}}))
 """

@@ -186,7 +186,7 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
     from transformers.integrations import HfDeepSpeedConfig
 
     import bench_train as bt
-    from fsdp_speedloader.config import ModelConfig
+    from fsdp_speedloader.app.config import ModelConfig
     from fsdp_speedloader.models import build_hf_config, build_model, get_adapter
 
     cuda = torch.cuda.is_available()

@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fsdp_speedloader.arena import ArenaPlan, HostMemoryBudget, PinnedArena  # noqa: E402
-from fsdp_speedloader.host_attention import device_view  # noqa: E402
+from fsdp_speedloader.memory.arena import ArenaPlan, HostMemoryBudget, PinnedArena  # noqa: E402
+from fsdp_speedloader.generation.host_attention import device_view  # noqa: E402
 
 N, H, T, D = 12, 56, 544, 128  # one OPT-30B sub-batch of 12 sequences, one layer, 512 + 32 positions
 SUB_BATCHES = 4

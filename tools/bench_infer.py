@@ -75,7 +75,7 @@ def _host_peak_rss_gib() -> float:
 def _model_config(args):
     import yaml
 
-    from fsdp_speedloader.config import ModelConfig
+    from fsdp_speedloader.app.config import ModelConfig
 
     raw = yaml.safe_load((REPO / "conf" / "model" / f"{args.model}.yaml").read_text())
     raw["max_position_embeddings"] = max(raw["max_position_embeddings"], args.prompt_len + args.gen_len)
@@ -169,7 +169,7 @@ def run_speedloader(args, spec: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     from fsdp_speedloader import apply_speedloader
-    from fsdp_speedloader.generate import generate
+    from fsdp_speedloader.generation.generate import generate
     from fsdp_speedloader.models import build_model, get_adapter
     from fsdp_speedloader.models.build import _rebuild_buffers
     from fsdp_speedloader.parallel import maybe_init_process_group

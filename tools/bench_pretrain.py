@@ -4,7 +4,7 @@ The paper's Table 2 at our scale. Both contenders train the same model from the 
 initialisation, on the same real text in the same order (the embedded English corpus with the byte
 tokenizer unless --data-path names a .txt/.jsonl file or directory), with the same effective batch
 and the same AdamW settings, each for --minutes of training loop, through the real trainer
-(``python -m fsdp_speedloader.train``), one process per contender so each starts with clean GPU and
+(``python -m fsdp_speedloader.app.train``), one process per contender so each starts with clean GPU and
 host memory:
 
   speedloader    layer-major (schedule=speedloader), parameters, gradients and optimizer state in host
@@ -156,12 +156,12 @@ def contender_overrides(args: argparse.Namespace, contender: str, run_dir: Path)
 def run_contender(args: argparse.Namespace, contender: str, run_dir: Path) -> dict:
     """Trains one contender in its own process; returns its record (``status`` ok or failed)."""
     overrides = contender_overrides(args, contender, run_dir)
-    cmd = [sys.executable, "-m", "fsdp_speedloader.train", *overrides]
+    cmd = [sys.executable, "-m", "fsdp_speedloader.app.train", *overrides]
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     run_dir.mkdir(parents=True, exist_ok=True)
     timeout = args.minutes * 60 + args.setup_timeout_s
-    print(f"[{contender}] {shlex.join(['python', '-m', 'fsdp_speedloader.train', *overrides])}", flush=True)
+    print(f"[{contender}] {shlex.join(['python', '-m', 'fsdp_speedloader.app.train', *overrides])}", flush=True)
     start = time.perf_counter()
     with open(run_dir / "console.log", "w") as console:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -243,8 +243,8 @@ def compare(results: dict) -> Optional[dict]:
 
 def data_figures(args: argparse.Namespace) -> dict:
     """Size of the corpus the contenders read (the same for both)."""
-    from fsdp_speedloader.config import DataConfig
-    from fsdp_speedloader.data import load_tokens
+    from fsdp_speedloader.app.config import DataConfig
+    from fsdp_speedloader.app.data import load_tokens
 
     cfg = (DataConfig(seq_len=args.seq_len) if args.data_path is None
            else DataConfig(source="text", path=args.data_path, seq_len=args.seq_len))

@@ -179,8 +179,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     """One contender, one process: build, warm up, time ``--steps`` steps, return the figures."""
     import torch
 
-    from fsdp_speedloader import apply_speedloader
-    from fsdp_speedloader.config import ModelConfig
+    from fsdp_speedloader import apply_speedloader, speedloader_engine
+    from fsdp_speedloader.app.config import ModelConfig
     from fsdp_speedloader.models import build_model, get_adapter, materialize_model
     from fsdp_speedloader.parallel import apply_fsdp, build_mesh, maybe_init_process_group, set_forward_prefetch
 
@@ -221,7 +221,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         return torch.optim.AdamW(params, lr=1e-5, fused=True)
 
     if name == "speedloader-overlap":
-        from fsdp_speedloader.optimizer_overlap import OverlappedOptimizer
+        from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
         optim = OverlappedOptimizer(model, build_adamw)
     else:
@@ -248,7 +248,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     def optimizer_step() -> None:
         optim.step()
         if layer_major and name != "speedloader-overlap":  # the overlapped optimizer casts in its worker
-            model._speedloader.refresh_param_transfer()  # a no-op without transfer copies
+            speedloader_engine(model).refresh_param_transfer()  # a no-op without transfer copies
         optim.zero_grad(set_to_none=True)
 
     fb_times, opt_times, losses, profile = time_steps(fwd_bwd, optimizer_step, args, sync=torch.cuda.synchronize,
@@ -274,12 +274,12 @@ def run_worker(args: argparse.Namespace) -> dict:
     if profile is not None:
         result["profile"] = profile
     if layer_major:
-        store = model._speedloader.store
+        store = speedloader_engine(model).store
         result["host_activation_gib"] = store.host_bytes / 2**30
         result["exchange"] = store.step_stats()  # the last measured step: copy bytes, compute-stream waits
-        from fsdp_speedloader import fsdp_internals
+        from fsdp_speedloader import fsdp2
 
-        result["stale_transfer_casts"] = fsdp_internals.num_stale_transfer_casts  # casts on the unshard path
+        result["stale_transfer_casts"] = fsdp2.num_stale_transfer_casts  # casts on the unshard path
     return result
 
 

@@ -7,13 +7,13 @@ its GPUs split between them. Everything after ``--`` is the torchrun target.
 CPU (gloo; what CI runs, one rank per "node"):
 
     python tools/launch_two_nodes.py --device cpu --nproc-per-node 1 -- \\
-        -m fsdp_speedloader.train experiment=tiny_cpu dp_replicate=2
+        -m fsdp_speedloader.app.train experiment=tiny_cpu dp_replicate=2
 
 4 GPUs as 2 nodes x 2 GPUs, NCCL restricted to its network transport (no NVLink/PCIe peer
 copies, no shared memory, no InfiniBand: TCP sockets, as over Ethernet between machines):
 
     python tools/launch_two_nodes.py --device cuda --nproc-per-node 2 --emulate-ethernet -- \\
-        -m fsdp_speedloader.train experiment=llama2_7b_offload dp_replicate=2 steps=20
+        -m fsdp_speedloader.app.train experiment=llama2_7b_offload dp_replicate=2 steps=20
 
 ``--emulate-ethernet`` sets NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1 and NCCL_IB_DISABLE=1 in both
 agents; every other variable (NCCL_NVLS_ENABLE=0 included) is passed on unchanged, except
@@ -40,7 +40,7 @@ NUM_NODES = 2
 ETHERNET_NCCL_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 """NCCL between the emulated nodes: network transport only, over TCP sockets."""
 HOST_MEMORY_ENV = "FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB"
-"""The host-memory budget of a run (fsdp_speedloader.arena); split between the emulated nodes."""
+"""The host-memory budget of a run (fsdp_speedloader.memory.arena); split between the emulated nodes."""
 
 
 def free_port() -> int:
@@ -153,7 +153,7 @@ def exit_status(codes: Sequence[Optional[int]]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        raise SystemExit("usage: launch_two_nodes.py [options] -- <torchrun target, e.g. -m fsdp_speedloader.train ...>")
+        raise SystemExit("usage: launch_two_nodes.py [options] -- <torchrun target, e.g. -m fsdp_speedloader.app.train ...>")
     split = argv.index("--")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")

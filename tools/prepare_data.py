@@ -17,7 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
-from fsdp_speedloader.data import build_tokenizer, iter_documents, text_files, write_token_file
+from fsdp_speedloader.app.data import build_tokenizer, iter_documents, text_files, write_token_file
 
 
 def main(argv: list[str] | None = None) -> None:

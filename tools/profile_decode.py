@@ -29,8 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fsdp_speedloader import apply_speedloader  # noqa: E402
-from fsdp_speedloader.config import ModelConfig  # noqa: E402
-from fsdp_speedloader.generate import generate  # noqa: E402
+from fsdp_speedloader.app.config import ModelConfig  # noqa: E402
+from fsdp_speedloader.generation.generate import generate  # noqa: E402
 from fsdp_speedloader.models import build_model  # noqa: E402
 from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group  # noqa: E402
 

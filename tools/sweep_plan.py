@@ -56,7 +56,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _model_config(args):
-    from fsdp_speedloader.config import ModelConfig
+    from fsdp_speedloader.app.config import ModelConfig
 
     hidden, inter, heads, kv, vocab = SHAPES[args.model]
     return ModelConfig(name=args.model, hidden_size=hidden, intermediate_size=inter, num_layers=args.layers,
@@ -64,7 +64,7 @@ def _model_config(args):
 
 
 def _align(nbytes: int) -> int:
-    from fsdp_speedloader.arena import ALIGNMENT
+    from fsdp_speedloader.memory.arena import ALIGNMENT
 
     return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 

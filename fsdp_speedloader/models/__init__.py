@@ -2,10 +2,11 @@
 
 from torch import nn
 
-from .adapter import BlockInputs, ModelAdapter
-from .build import build_hf_config, build_model, init_weights, load_safetensors, materialize_model
-from .llama import LlamaAdapter
-from .opt import OPTAdapter
+from fsdp_speedloader.models.adapter import BlockInputs, ModelAdapter
+from fsdp_speedloader.models.config import ModelConfig
+from fsdp_speedloader.models.build import build_hf_config, build_model, init_weights, load_safetensors, materialize_model
+from fsdp_speedloader.models.llama import LlamaAdapter
+from fsdp_speedloader.models.opt import OPTAdapter
 
 ADAPTERS: tuple[type[ModelAdapter], ...] = (LlamaAdapter, OPTAdapter)
 
@@ -20,5 +21,5 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
                      "A model of the LLaMA layout needs only its class added to LlamaAdapter.model_classes.")
 
 
-__all__ = ["ADAPTERS", "BlockInputs", "LlamaAdapter", "ModelAdapter", "OPTAdapter", "build_hf_config",
+__all__ = ["ADAPTERS", "BlockInputs", "LlamaAdapter", "ModelAdapter", "ModelConfig", "OPTAdapter", "build_hf_config",
            "build_model", "get_adapter", "init_weights", "load_safetensors", "materialize_model"]

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, OPTConfig, PretrainedConfig
 
-from ..config import ModelConfig
+from fsdp_speedloader.models.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "opt": "opt"}
 
@@ -77,7 +77,7 @@ def materialize_model(model: nn.Module, cfg: ModelConfig, *, device: torch.devic
     """
     model.to_empty(device=param_device or device)
     if param_device is not None and param_device != device:  # groups that keep their states on the device
-        from ..fsdp_internals import move_unoffloaded_shards
+        from fsdp_speedloader.fsdp2 import move_unoffloaded_shards
 
         move_unoffloaded_shards(model, device)
     _rebuild_buffers(model, device)

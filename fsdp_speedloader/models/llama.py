@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .adapter import BlockInputs, ModelAdapter
+from fsdp_speedloader.models.adapter import BlockInputs, ModelAdapter
 
 
 def _llama_layout_classes() -> tuple[type, ...]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import OPTForCausalLM
 
-from .adapter import ModelAdapter
+from fsdp_speedloader.models.adapter import ModelAdapter
 
 
 class OPTAdapter(ModelAdapter):

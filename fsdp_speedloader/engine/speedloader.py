@@ -19,11 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .activation_store import ActivationStore, ExchangeActivationStore, build_activation_store
-from .chain import EmbedFunction, HeadLossFunction, StepState, Unit, UnitFunction, num_label_tokens, shift_labels
-from .fsdp_internals import enable_single_rank_prefetch, fsdp_params_of, refresh_param_transfer
-from .models import ModelAdapter, get_adapter
-from .parallel import apply_fsdp, build_mesh, check_mesh, compute_device, maybe_init_process_group, \
+from fsdp_speedloader.engine.activation_store import ActivationStore, ExchangeActivationStore, build_activation_store
+from fsdp_speedloader.engine.chain import EmbedFunction, HeadLossFunction, StepState, Unit, UnitFunction, num_label_tokens, shift_labels
+from fsdp_speedloader.fsdp2 import enable_single_rank_prefetch, fsdp_params_of, refresh_param_transfer
+from fsdp_speedloader.models import ModelAdapter, get_adapter
+from fsdp_speedloader.options import SpeedLoaderOptions
+from fsdp_speedloader.parallel import apply_fsdp, build_mesh, check_mesh, compute_device, maybe_init_process_group, \
     set_forward_prefetch
 
 _UNIT_METHOD = "speedloader_forward"
@@ -35,16 +36,16 @@ class SpeedLoader:
     """The per-model engine: holds the units and the store, runs one layer-major forward."""
 
     def __init__(self, adapter: ModelAdapter, units: list[tuple[nn.Module, Unit]], store: ActivationStore,
-                 *, num_sub_batches: int, device: torch.device, loss_chunk_tokens: int,
-                 root: Optional[nn.Module] = None, param_transfer_dtype: Optional[torch.dtype] = None) -> None:
+                 options: SpeedLoaderOptions, *, device: torch.device, root: Optional[nn.Module] = None) -> None:
         self.adapter = adapter
+        self.options = options
         self.root = root  # the FSDP root (the model), whose state holds the embeddings, norm and head
-        self.param_transfer_dtype = param_transfer_dtype
+        self.param_transfer_dtype = options.param_transfer_dtype
         self.units = units  # (FSDP module holding the unit's state, Unit)
         self.store = store
-        self.num_sub_batches = num_sub_batches
+        self.num_sub_batches = options.num_sub_batches
         self.device = device
-        self.loss_chunk_tokens = loss_chunk_tokens
+        self.loss_chunk_tokens = options.loss_chunk_tokens
         # Called with l once unit l's gradients are final in backward (OverlappedOptimizer sets it).
         self.grad_ready_hook = None
 
@@ -77,7 +78,7 @@ class SpeedLoader:
                              "positions; shorten the sequences (data.seq_len)")
         if labels is None:
             raise ValueError("labels are required: the layer-major forward computes the loss without keeping "
-                             "logits; pass labels=input_ids, or use fsdp_speedloader.generate for inference")
+                             "logits; pass labels=input_ids, or use fsdp_speedloader.generation.generate for inference")
         for name, t in (("labels", labels), ("attention_mask", attention_mask)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}; it must match input_ids {tuple(input_ids.shape)}")
@@ -123,6 +124,15 @@ class SpeedLoader:
         return CausalLMOutputWithPast(loss=loss)
 
 
+def speedloader_engine(model: nn.Module, *, missing_ok: bool = False) -> Optional[SpeedLoader]:
+    """The engine of a model prepared with ``apply_speedloader`` (its units, store, options and stats); for
+    any other model ``None`` with ``missing_ok``, else ``ValueError``."""
+    engine = getattr(model, "_speedloader", None)
+    if engine is None and not missing_ok:
+        raise ValueError(f"{type(model).__name__} was not prepared with fsdp_speedloader.apply_speedloader(model, ...)")
+    return engine
+
+
 def _unit_call(unit: Unit, placeholder: torch.Tensor, state: StepState) -> torch.Tensor:
     return UnitFunction.apply(placeholder, state, unit)
 
@@ -131,85 +141,49 @@ def _model_forward(model: nn.Module, input_ids=None, attention_mask=None, labels
     return model._speedloader.forward(input_ids, attention_mask, labels, **kwargs)
 
 
-def apply_speedloader(
-    model: nn.Module,
-    *,
-    num_sub_batches: int,
-    mesh: Optional[DeviceMesh] = None,
-    blocks_per_unit: int = 1,
-    activation_store: str = "auto",
-    offload_params: bool = False,
-    pin_memory: bool = True,
-    param_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = torch.float32,
-    forward_prefetch: int = 1,
-    loss_chunk_tokens: int = 4096,
-    param_transfer_dtype: Optional[torch.dtype] = None,
-    compile_blocks: bool = False,
-    offload_root: bool = True,
-) -> nn.Module:
+def apply_speedloader(model: nn.Module, options: Optional[SpeedLoaderOptions] = None, *,
+                      mesh: Optional[DeviceMesh] = None, **overrides) -> nn.Module:
     """Shards ``model`` with FSDP2 and makes its forward/backward layer-major, in place.
 
     Args:
         model: an unmodified Hugging Face causal LM (LLaMA layout or OPT), on meta, CPU or GPU.
-        num_sub_batches: N; every forward takes N x sub_batch_size sequences.
+        options: the engine's options (:class:`~fsdp_speedloader.options.SpeedLoaderOptions`).
         mesh: FSDP (1-D) or HSDP (2-D) mesh over all ranks; None: every rank of the default group
             (a one-process group is created when none exists).
-        blocks_per_unit: consecutive blocks per FSDP unit and chain step.
-        activation_store: 'device', 'host' (pinned arena, copies overlapped with compute), 'host_sync'
-            (synchronous copies) or 'auto' (host when parameters are offloaded).
-        offload_params: parameters, gradients and optimizer state on the host (CPUOffloadPolicy).
-        pin_memory: page-lock offloaded shards and gradients (only with CUDA); with activation_store
-            'host' both live in the store's exact-size arena instead of FSDP2's per-tensor pinned blocks.
-        param_dtype / reduce_dtype: FSDP mixed precision (compute / gradient reduction dtype).
-        forward_prefetch: units whose unshard is issued ahead in forward.
-        loss_chunk_tokens: tokens per chunk of the chunked cross-entropy.
-        param_transfer_dtype: None (FSDP2 copies the fp32 shards to the device and casts there), or
-            ``param_dtype``: the arena keeps a copy of every offloaded shard in that dtype (cast on the
-            CPU after each optimizer step, never used stale) and FSDP2 copies it instead: half the
-            host-to-device bytes for bf16, the same bits. Needs offload_params, pin_memory and
-            activation_store 'host' (or 'auto').
-        compile_blocks: run the blocks of the layer-major training step through ONE ``torch.compile``d
-            function (forward and the recompute in backward; generation stays eager).
-        offload_root: with ``offload_params``, also offload the root's parameters, gradients and optimizer
-            state (embeddings, final norm, LM head: 16 bytes per parameter with fp32 AdamW, 4.2 GB for
-            LLaMA-2-7B). False keeps them on the GPU: no load at the start of each step, no gradient copy
-            and no CPU optimizer step for them after the backward, the last units to finish.
+        overrides: fields of ``SpeedLoaderOptions`` given as keywords (applied over ``options``), e.g.
+            ``apply_speedloader(model, num_sub_batches=4, offload_params=True)``.
     Returns:
-        ``model`` itself.
+        ``model`` itself; ``speedloader_engine(model)`` is its engine.
     """
+    options = options or SpeedLoaderOptions()
+    if overrides:
+        options = options.replace(**overrides)
     adapter = get_adapter(model)
-    for name, value, low in (("num_sub_batches", num_sub_batches, 1), ("blocks_per_unit", blocks_per_unit, 1),
-                             ("forward_prefetch", forward_prefetch, 0), ("loss_chunk_tokens", loss_chunk_tokens, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name}={value!r}; it must be an integer >= {low}")
-    if compile_blocks:  # lazy (nothing is traced before the first step); first, so its errors precede sharding
+    if options.compile_blocks:  # lazy (nothing is traced before the first step); first, so its errors precede sharding
         adapter.compile_blocks()
-    store = build_activation_store(activation_store, offload_params=offload_params)
-    if param_transfer_dtype is not None:
-        _check_param_transfer(param_transfer_dtype, param_dtype, offload_params=offload_params,
-                              pin_memory=pin_memory, store=store)
-        store.param_transfer_dtype = param_transfer_dtype
+    store = build_activation_store(options.activation_store, offload_params=options.offload_params)
+    if options.param_transfer_dtype is not None:
+        store.param_transfer_dtype = options.param_transfer_dtype
     if mesh is None:
         maybe_init_process_group()
         mesh = build_mesh("cuda" if torch.cuda.is_available() else "cpu")
     else:
         check_mesh(mesh)
-    if getattr(model, "_speedloader", None) is not None:
+    if speedloader_engine(model, missing_ok=True) is not None:
         raise ValueError("apply_speedloader was already applied to this model")
 
     blocks = list(adapter.blocks)
-    groups = [blocks[i : i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
+    groups = [blocks[i : i + options.blocks_per_unit] for i in range(0, len(blocks), options.blocks_per_unit)]
     # The exchange store's arena takes the offloaded shards and their gradients (exact size, one
     # registration): FSDP2 must not pin them tensor by tensor itself.
-    arena_holds_params = offload_params and pin_memory and isinstance(store, ExchangeActivationStore)
-    unit_modules = apply_fsdp(model, mesh, units=groups, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                              offload_params=offload_params, pin_memory=pin_memory and not arena_holds_params,
-                              offload_root=offload_root)
+    arena_holds_params = options.offload_params and options.pin_memory and isinstance(store, ExchangeActivationStore)
+    unit_modules = apply_fsdp(model, mesh, units=groups, param_dtype=options.param_dtype,
+                              reduce_dtype=options.reduce_dtype, offload_params=options.offload_params,
+                              pin_memory=options.pin_memory and not arena_holds_params, offload_root=options.offload_root)
     if arena_holds_params:
         store.hold_param_shards(model)
-    set_forward_prefetch(model, unit_modules, forward_prefetch)
-    if forward_prefetch > 0:  # one rank, offloaded: FSDP2 itself would load each unit on the compute stream
+    set_forward_prefetch(model, unit_modules, options.forward_prefetch)
+    if options.forward_prefetch > 0:  # one rank, offloaded: FSDP2 itself would load each unit on the compute stream
         enable_single_rank_prefetch(unit_modules)
     units = []
     for index, (module, group) in enumerate(zip(unit_modules, groups), start=1):
@@ -218,24 +192,7 @@ def apply_speedloader(
         register_fsdp_forward_method(module, _UNIT_METHOD)
         units.append((module, unit))
 
-    model._speedloader = SpeedLoader(adapter, units, store, num_sub_batches=num_sub_batches,
-                                     device=compute_device(mesh.device_type), loss_chunk_tokens=loss_chunk_tokens,
-                                     root=model, param_transfer_dtype=param_transfer_dtype)
+    model._speedloader = SpeedLoader(adapter, units, store, options, device=compute_device(mesh.device_type), root=model)
     model.forward = types.MethodType(_model_forward, model)
     return model
 
-
-def _check_param_transfer(dtype, param_dtype, *, offload_params: bool, pin_memory: bool, store) -> None:
-    """``param_transfer_dtype`` needs shards in the arena, and must be what FSDP2 casts to anyway."""
-    name = "param_transfer_dtype (offload.param_transfer_dtype)"
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{name}={dtype!r}; pass a floating-point torch.dtype such as torch.bfloat16, or None")
-    if not (offload_params and pin_memory and isinstance(store, ExchangeActivationStore)):
-        raise ValueError(f"{name}={dtype} keeps its copies in the host arena next to the offloaded parameter "
-                         f"shards; it needs offload_params=True, pin_memory=True and activation_store='host' or "
-                         f"'auto' (got offload_params={offload_params}, pin_memory={pin_memory}, store "
-                         f"{type(store).__name__}): set offload=params, or param_transfer_dtype=None")
-    if dtype != param_dtype:
-        raise ValueError(f"{name}={dtype} differs from param_dtype={param_dtype}: FSDP2 casts the transferred "
-                         f"parameters to param_dtype on the device anyway; set param_transfer_dtype=param_dtype "
-                         "(e.g. both bfloat16) or None")

@@ -1,14 +1,14 @@
 """Sweep summaries: each point's figures from its ``metrics.jsonl``, a markdown table, a heatmap PNG.
 
 A sweep directory holds one run directory per point (``0/``, ``1/``, ...) and, written by
-``python -m fsdp_speedloader.sweep``, ``summary.json`` (every point: parameters, status, figures),
+``python -m fsdp_speedloader.app.sweep``, ``summary.json`` (every point: parameters, status, figures),
 ``summary.md`` (the table) and ``heatmap.png`` (tokens/s over sub_batch_size x num_sub_batches, one
 panel per value of any other swept key; failed points marked with their status).
 
 Re-render a sweep (e.g. on a machine with matplotlib) or summarise a plain Hydra multirun
-(``python -m fsdp_speedloader.train sweep=NAME``, whose points read ``.hydra/overrides.yaml``):
+(``python -m fsdp_speedloader.app.train sweep=NAME``, whose points read ``.hydra/overrides.yaml``):
 
-    python -m fsdp_speedloader.sweep_report multirun/DATE/TIME
+    python -m fsdp_speedloader.app.sweep_report multirun/DATE/TIME
 
 Point statuses: ``ok``; ``oom`` (nonzero exit with an out-of-memory error in its output);
 ``failed`` (any other nonzero exit); ``timeout``. matplotlib is optional: without it the heatmap
@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
 HEATMAP_PNG = "heatmap.png"
-METRICS_FILE = "metrics.jsonl"  # fsdp_speedloader.logger.METRICS_FILE (not imported: no torch needed here)
+METRICS_FILE = "metrics.jsonl"  # fsdp_speedloader.app.logger.METRICS_FILE (not imported: no torch needed here)
 ROW_KEY, COLUMN_KEY = "schedule.sub_batch_size", "schedule.num_sub_batches"
 OOM_MARKERS = ("out of memory", "OutOfMemoryError")
 STATUSES = ("ok", "oom", "failed", "timeout")

@@ -11,7 +11,7 @@ One optimizer step processes ``num_sub_batches x sub_batch_size`` sequences per 
   each micro-batch loss is a token sum divided by the label-token count T of the WHOLE effective
   batch (``num_items_in_batch``), so the summed losses are the effective-batch mean loss.
 - ``speedloader``: one layer-major forward/backward over the whole effective batch.
-- ``auto``: ``tuner.tune_train_config`` first plans n and N from two trial steps, then ``speedloader`` runs.
+- ``auto``: ``planning.tune_train_config`` first plans n and N from two trial steps, then ``speedloader`` runs.
 
 ``time_budget_s`` stops the loop after the first step that ends that many seconds after the loop
 began (the clock starts after the model, optimizer, data and logger are built); every step's
@@ -23,75 +23,40 @@ Library code: no Hydra, no W&B (``logger.build_logger`` imports W&B only when as
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import parallel
-from .checkpoint import Checkpointer, resolve_resume_path
-from .config import OptimConfig, TrainConfig
-from .data import build_loader, validate_data
-from .faults import fault_from_env
-from .logger import MetricLogger, build_logger
-from .metrics import StepMetrics, num_block_params, recompute_flops_per_token
-from .models import build_hf_config, build_model, get_adapter, materialize_model
-from .optimizer_overlap import OverlappedOptimizer
+from fsdp_speedloader import parallel
+from fsdp_speedloader.app.checkpoint import Checkpointer, resolve_resume_path
+from fsdp_speedloader.app.config import TrainConfig
+from fsdp_speedloader.app.data import build_loader, validate_data
+from fsdp_speedloader.app.faults import fault_from_env
+from fsdp_speedloader.app.logger import MetricLogger, build_logger
+from fsdp_speedloader.app.metrics import StepMetrics, num_block_params, recompute_flops_per_token
+from fsdp_speedloader.models import build_hf_config, build_model, get_adapter, materialize_model
+from fsdp_speedloader.app.optim import build_lr_scheduler, build_optimizer
+from fsdp_speedloader.app.planning import planned_schedule, tune_train_config
+from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
+    seed_everything, speedloader_options
+from fsdp_speedloader.engine.speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IGNORE_INDEX = -100
 
 
 # ---------------------------------------------------------------------------------------------
 # Small pieces, each usable on its own
 # ---------------------------------------------------------------------------------------------
-
-
-def resolve_device_type(device: str) -> str:
-    """'auto' -> 'cuda' when available, else 'cpu'; ValueError for 'cuda' without a GPU."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' was asked for but no CUDA device is available; use device=cpu or auto")
-    return device
-
-
-def resolve_param_dtype(param_dtype: str, device_type: str) -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA, float32 on CPU."""
-    if param_dtype == "auto":
-        return torch.bfloat16 if device_type == "cuda" else torch.float32
-    return _DTYPES[param_dtype]
-
-
-def gpu_memory_fraction(cap_gib: float, total_bytes: int) -> float:
-    """The ``set_per_process_memory_fraction`` argument for a cap of ``cap_gib``; ValueError if it exceeds the card."""
-    cap_bytes = cap_gib * 2**30
-    if cap_bytes > total_bytes:
-        raise ValueError(f"max_gpu_memory_gib: {cap_gib} GiB is more than this GPU's {total_bytes / 2**30:.2f} GiB; "
-                         "lower it or set it to null for no cap")
-    return cap_bytes / total_bytes
-
-
-def maybe_cap_gpu_memory(cap_gib: Optional[float], device: torch.device) -> None:
-    """Emulates a smaller card: this process may allocate at most ``cap_gib`` GiB on ``device``."""
-    if cap_gib is None:
-        return
-    if device.type != "cuda":
-        raise ValueError(f"max_gpu_memory_gib: caps GPU memory but the run is on {device.type}; "
-                         "set max_gpu_memory_gib=null or device=cuda")
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction(cap_gib, total), device)
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -103,82 +68,6 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def seed_everything(seed: int) -> None:
-    """Seeds python, numpy and torch (CPU and every CUDA device)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer | OverlappedOptimizer:
-    """AdamW, weight decay on matrices only (>= 2-D: not on norms and biases); fused where supported.
-
-    With ``cfg.overlap_with_backward`` an :class:`OverlappedOptimizer` (``model`` prepared with
-    ``apply_speedloader``): one such AdamW per unit and one for the root, each stepped as soon as its
-    gradients are on the host.
-    """
-    if cfg.overlap_with_backward:
-        return OverlappedOptimizer(model, functools.partial(_build_adamw, cfg=cfg))
-    return _build_adamw(list(model.parameters()), cfg)
-
-
-def _build_adamw(parameters: list, cfg: OptimConfig) -> torch.optim.Optimizer:
-    params = [p for p in parameters if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    try:  # fused runs on CUDA and (torch >= 2.4) on CPU, including FSDP2's offloaded CPU DTensors
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
-    except (RuntimeError, TypeError) as e:
-        log.warning("fused AdamW is not supported here (%s); using the foreach implementation", e)
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
-
-
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
-    """LR multiplier of the ``step``-th optimizer step (0-based): linear warmup, then decay to min_lr_ratio."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if schedule == "linear":
-        return 1.0 - (1.0 - min_lr_ratio) * progress
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_lr_scheduler(optimizer: torch.optim.Optimizer | OverlappedOptimizer, cfg: OptimConfig,
-                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR | LRSchedulerGroup:
-    """Warmup then decay (``lr_factor``); for an :class:`OverlappedOptimizer`, one per inner optimizer."""
-    fn = functools.partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
-                           schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio)
-    if isinstance(optimizer, OverlappedOptimizer):
-        return LRSchedulerGroup([torch.optim.lr_scheduler.LambdaLR(opt, fn) for opt in optimizer.optimizers])
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
-
-
-class LRSchedulerGroup:
-    """LR schedulers stepped together, saved and loaded as one (the inner optimizers of an OverlappedOptimizer)."""
-
-    def __init__(self, schedulers: list) -> None:
-        self.schedulers = schedulers
-
-    def step(self) -> None:
-        for scheduler in self.schedulers:
-            scheduler.step()
-
-    def state_dict(self) -> dict:
-        return {"schedulers": [scheduler.state_dict() for scheduler in self.schedulers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        if len(state["schedulers"]) != len(self.schedulers):
-            raise ValueError(f"checkpoint: it holds {len(state['schedulers'])} LR schedulers, this run has "
-                             f"{len(self.schedulers)}; resume with the same optim.overlap_with_backward and "
-                             "model depth / schedule.blocks_per_unit")
-        for scheduler, s in zip(self.schedulers, state["schedulers"]):
-            scheduler.load_state_dict(s)
-
-
 def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                    reduce_dtype: torch.dtype) -> None:
     """Shards the (meta) ``model`` in place for ``cfg.schedule.name``.
@@ -188,15 +77,8 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
     """
     sched = cfg.schedule
     if sched.name == "speedloader":
-        from .speedloader import apply_speedloader
-
-        apply_speedloader(model, num_sub_batches=sched.num_sub_batches, mesh=mesh,
-                          blocks_per_unit=sched.blocks_per_unit, activation_store=sched.activation_store,
-                          offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory,
-                          param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                          forward_prefetch=sched.forward_prefetch, loss_chunk_tokens=sched.loss_chunk_tokens,
-                          param_transfer_dtype=_DTYPES.get(cfg.offload.param_transfer_dtype),
-                          compile_blocks=sched.compile_blocks, offload_root=cfg.offload.root)
+        apply_speedloader(model, speedloader_options(cfg, param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+                          mesh=mesh)
         return
     if sched.activation_checkpointing:  # before sharding: FSDP's hooks then sit inside the checkpoint
         enable_activation_checkpointing(model)
@@ -259,14 +141,12 @@ class Trainer:
         maybe_cap_gpu_memory(cfg.max_gpu_memory_gib, self.device)
         self.mesh = parallel.build_mesh(device_type, cfg.dp_replicate)
         param_dtype = resolve_param_dtype(cfg.param_dtype, device_type)
-        reduce_dtype = _DTYPES[cfg.reduce_dtype]
+        reduce_dtype = DTYPES[cfg.reduce_dtype]
         self.tune_plan = None
         if sched.name == "auto":  # two trial steps on a throw-away model, then the plan's layer-major schedule
-            from .tuner import tune_train_config
-
             self.tune_plan = tune_train_config(cfg, mesh=self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
             self._info("schedule=auto:\n%s", self.tune_plan.summary())
-            cfg = self.cfg = dataclasses.replace(cfg, schedule=self.tune_plan.schedule_config(sched))
+            cfg = self.cfg = dataclasses.replace(cfg, schedule=planned_schedule(self.tune_plan, sched))
             sched = cfg.schedule
 
         # 3. The model: meta -> schedule (sharding) -> materialise this rank's shards.
@@ -299,7 +179,7 @@ class Trainer:
             self.step = self.checkpointer.load(resume_path, model=model, optimizer=self._optimizer_state(),
                                                scheduler=self.scheduler, loader=self.loader)
             self._info("resumed from %s at step %d", resume_path, self.step)
-            if (engine := getattr(model, "_speedloader", None)) is not None:
+            if (engine := speedloader_engine(model, missing_ok=True)) is not None:
                 engine.refresh_param_transfer(force=True)  # loaded in place: recast whatever the checks missed
         elif cfg.checkpoint.resume == "auto":
             self._info("checkpoint.resume=auto: no checkpoint in %s, starting fresh", checkpoint_dir)

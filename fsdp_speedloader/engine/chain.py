@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .activation_store import ActivationStore, grad_slot
-from .models import BlockInputs, ModelAdapter
-from .fsdp_internals import fold_unsharded_grads, fsdp_params_of
+from fsdp_speedloader.engine.activation_store import ActivationStore, grad_slot
+from fsdp_speedloader.models import BlockInputs, ModelAdapter
+from fsdp_speedloader.fsdp2 import fold_unsharded_grads, fsdp_params_of
 
 
 class StepState:

@@ -31,9 +31,9 @@ recomputes the whole sequence every step, as ``generate(..., use_cache=False)`` 
 
 CLI (Hydra, ``conf/generate.yaml``)::
 
-    python -m fsdp_speedloader.generate model=opt_tiny prompts.source=synthetic prompts.num_prompts=8
-    python -m fsdp_speedloader.generate model=llama_tiny prompts.source=file prompts.path=prompts.txt tokenizer=bytes
-    torchrun --standalone --nproc-per-node 2 -m fsdp_speedloader.generate model=opt_30b offload=params
+    python -m fsdp_speedloader.app.generate model=opt_tiny prompts.source=synthetic prompts.num_prompts=8
+    python -m fsdp_speedloader.app.generate model=llama_tiny prompts.source=file prompts.path=prompts.txt tokenizer=bytes
+    torchrun --standalone --nproc-per-node 2 -m fsdp_speedloader.app.generate model=opt_30b offload=params
 """
 
 from __future__ import annotations
@@ -52,12 +52,13 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers.masking_utils import create_causal_mask
 
-from .activation_store import ActivationStore, DeviceActivationStore
-from .chain import Unit
-from .fsdp_internals import local_shard_params, run_on_local_shards
-from .host_attention import attention_on_host
-from .kv_cache import KV_CACHE_MODES, KVCache, build_kv_cache, choose_kv_mode, kv_layout_for
-from .models import BlockInputs, ModelAdapter
+from fsdp_speedloader.engine.activation_store import ActivationStore, DeviceActivationStore
+from fsdp_speedloader.engine.speedloader import speedloader_engine
+from fsdp_speedloader.engine.chain import Unit
+from fsdp_speedloader.fsdp2 import local_shard_params, run_on_local_shards
+from fsdp_speedloader.generation.host_attention import attention_on_host
+from fsdp_speedloader.generation.kv_cache import KV_CACHE_MODES, KVCache, build_kv_cache, choose_kv_mode, kv_layout_for
+from fsdp_speedloader.models import BlockInputs, ModelAdapter
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ def _registered(model: nn.Module) -> _Resources:
     res = getattr(model, "_speedloader_generation", None)
     if res is not None:
         return res
-    for module, unit in model._speedloader.units:
+    for module, unit in speedloader_engine(model).units:
         setattr(module, _UNIT_METHOD, functools.partial(_unit_step, unit))
         register_fsdp_forward_method(module, _UNIT_METHOD)
     setattr(model, _ROOT_METHOD, _root_step)
@@ -357,8 +358,7 @@ def select_tokens(logits: torch.Tensor, *, do_sample: bool, temperature: float, 
 def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batches, do_sample, temperature,
                   top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches) -> None:
     """ValueError, naming what to change, before anything is allocated."""
-    if getattr(model, "_speedloader", None) is None:
-        raise ValueError("generate needs a model prepared with fsdp_speedloader.apply_speedloader(model, ...)")
+    speedloader_engine(model)  # ValueError unless prepared with apply_speedloader
     for name, value in (("max_new_tokens", max_new_tokens), ("num_sub_batches", num_sub_batches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}; it must be an integer >= 1")
@@ -382,7 +382,7 @@ def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batc
     if batch % num_sub_batches != 0:
         raise ValueError(f"batch of {batch} prompts is not num_sub_batches={num_sub_batches} x sub_batch_size; "
                          f"pass a multiple of {num_sub_batches} prompts or change num_sub_batches")
-    adapter = model._speedloader.adapter
+    adapter = speedloader_engine(model).adapter
     if prompt_len + max_new_tokens > adapter.max_positions:
         raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
                          f"{adapter.max_positions} positions; shorten the prompts or lower max_new_tokens "
@@ -486,7 +486,7 @@ def generate(
                   top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches)
     eos = _eos_list(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
-    engine = model._speedloader
+    engine = speedloader_engine(model)
     adapter, device = engine.adapter, engine.device
     batch, prompt_len = input_ids.shape
     out_device = input_ids.device
@@ -580,13 +580,3 @@ def generate(
                             decode_s=total_s - prefill_s, kv_cache=run.kv_mode, io=io)
     return out, stats
 
-
-def main() -> None:
-    """``python -m fsdp_speedloader.generate [overrides]``: the Hydra CLI (``inference/cli.py``, conf/generate.yaml)."""
-    from .inference.cli import main as cli_main  # Hydra and W&B stay out of the library import
-
-    cli_main()
-
-
-if __name__ == "__main__":
-    main()

@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .arena import HostMemoryBudget
-from .config import ModelConfig, ScheduleConfig, TrainConfig
-from .trial import Measurement, TrialModel, cuda_allocator_settings, reduce_over_ranks, slot_host_bytes
+from fsdp_speedloader.memory.arena import HostMemoryBudget
+from fsdp_speedloader.models.config import ModelConfig
+from fsdp_speedloader.tuning.trial import Measurement, TrialModel, cuda_allocator_settings, reduce_over_ranks, slot_host_bytes
 
 log = logging.getLogger(__name__)
 
@@ -257,11 +257,6 @@ class TunePlan:
                 "host": self.predict_host_bytes(*args)}
 
     # --- using it --------------------------------------------------------------------------------
-    def schedule_config(self, base: ScheduleConfig) -> ScheduleConfig:
-        """``base`` as a layer-major schedule with the plan's n, N and blocks_per_unit."""
-        return dataclasses.replace(base, name="speedloader", sub_batch_size=self.sub_batch_size,
-                                   num_sub_batches=self.num_sub_batches, blocks_per_unit=self.blocks_per_unit)
-
     def overrides(self) -> list[str]:
         """The training overrides that run this plan without tuning again."""
         return ["schedule=speedloader", f"schedule.sub_batch_size={self.sub_batch_size}",
@@ -609,14 +604,14 @@ def tune(
             offloaded parameter for bf16; a root kept on the GPU is part of the GPU line's constant).
         mesh: as ``apply_speedloader`` (every rank runs the trials; the maximum over ranks is fitted).
         build_optimizer: the run's optimizer for a model (its state is part of the memory); default:
-            the trainer's fused AdamW.
+            ``default_optimizer`` (fused AdamW).
         seed: weights and tokens of the trial model (the global RNG is left as it was).
         budget_names: what the plan and its errors call the two budgets when given (the trainer passes
             its config keys).
     Returns:
         The :class:`TunePlan`. Raises ``ValueError`` when a budget cannot hold one sequence per sub-batch.
     """
-    from .parallel import build_mesh, compute_device, maybe_init_process_group
+    from fsdp_speedloader.parallel import build_mesh, compute_device, maybe_init_process_group
 
     n1, n2 = trial_sub_batch_sizes
     if n1 == n2 or min(n1, n2) < 1:
@@ -633,11 +628,7 @@ def tune(
     gpu_budget, gpu_source, host_budget, host_source = _resolve_budgets(
         device, gpu_memory_budget_bytes, host_memory_budget_bytes, budget_names)  # before the trials take memory
     if build_optimizer is None:
-        from .config import OptimConfig
-        from .trainer import build_optimizer as build_adamw
-
-        def build_optimizer(m: nn.Module) -> torch.optim.Optimizer:
-            return build_adamw(m, OptimConfig())
+        build_optimizer = default_optimizer
 
     speedloader_kwargs = dict(num_sub_batches=trial_num_sub_batches, mesh=mesh, offload_params=offload_params,
                               activation_store=activation_store, pin_memory=pin_memory, param_dtype=param_dtype,
@@ -679,6 +670,16 @@ def tune(
         trial_s=time.perf_counter() - start)
 
 
+def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW over every trainable parameter, fused where supported (its two fp32 moments are what the
+    trials must hold)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        return torch.optim.AdamW(params, fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(params, foreach=True)
+
+
 def _measure_trials(model: ModelConfig, speedloader_kwargs: dict, sizes: tuple[int, int], seq_len: int, *,
                     device: torch.device, build_optimizer, seed: int) -> list[Measurement]:
     """Builds a trial model, primes it at the larger size, measures one step at each size, frees it."""
@@ -698,28 +699,6 @@ def model_num_layers(model: ModelConfig) -> int:
     """Transformer blocks of the model (read from the checkpoint's config when ``model.path`` is set)."""
     if model.path is None:
         return model.num_layers
-    from .models import build_hf_config
+    from fsdp_speedloader.models import build_hf_config
 
     return build_hf_config(model).num_hidden_layers
-
-
-def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> TunePlan:
-    """``tune`` for a training run's config (``schedule.name=auto``): the same model, shapes, offload,
-    store, optimizer and budgets the run will use."""
-    from .trainer import _DTYPES, build_optimizer
-
-    sched = cfg.schedule
-    gib = lambda v: None if v is None else int(v * GIB)  # noqa: E731
-    gpu_name, gpu_budget = ("schedule.gpu_memory_budget_gib", sched.gpu_memory_budget_gib)
-    if gpu_budget is None:
-        gpu_name, gpu_budget = "max_gpu_memory_gib", cfg.max_gpu_memory_gib
-    return tune(cfg.model, seq_len=cfg.data.seq_len, gpu_memory_budget_bytes=gib(gpu_budget),
-                host_memory_budget_bytes=gib(sched.host_memory_budget_gib), target_batch_size=sched.target_batch_size,
-                blocks_per_unit=sorted({sched.blocks_per_unit, *sched.tune_blocks_per_unit}),
-                offload_params=cfg.offload.params, activation_store=sched.activation_store,
-                pin_memory=cfg.offload.pin_memory, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                forward_prefetch=sched.forward_prefetch, loss_chunk_tokens=sched.loss_chunk_tokens,
-                param_transfer_dtype=_DTYPES.get(cfg.offload.param_transfer_dtype), offload_root=cfg.offload.root,
-                mesh=mesh,
-                build_optimizer=lambda m: build_optimizer(m, cfg.optim), seed=cfg.seed,
-                budget_names=(gpu_name, "schedule.host_memory_budget_gib"))

@@ -25,7 +25,8 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .fsdp_internals import fsdp_params_of
+from fsdp_speedloader.engine.speedloader import speedloader_engine
+from fsdp_speedloader.fsdp2 import fsdp_params_of
 
 
 class OverlappedOptimizer:
@@ -43,7 +44,7 @@ class OverlappedOptimizer:
     """
 
     def __init__(self, model: nn.Module, build: Callable[[list], torch.optim.Optimizer]) -> None:
-        engine = getattr(model, "_speedloader", None)
+        engine = speedloader_engine(model, missing_ok=True)
         if engine is None:
             raise ValueError("OverlappedOptimizer needs a model prepared with apply_speedloader")
         self._engine = engine

@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .config import CheckpointConfig
+from fsdp_speedloader.app.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 

@@ -473,7 +473,7 @@ def plan_fsdp_param_transfer(plan: ArenaPlan, planned_shards: list[tuple[str, ob
 def bind_fsdp_param_transfer(arena: PinnedArena, planned: list[tuple[str, object]]) -> int:
     """Casts each planned shard into its 'param_transfer' slot (committing its pages) and makes FSDP2's
     host-to-device parameter copy read the slot (``fsdp_internals.set_param_transfer``); returns the bytes."""
-    from .fsdp_internals import set_param_transfer  # FSDP2's private modules load only when FSDP is in use
+    from fsdp_speedloader.fsdp2 import set_param_transfer  # FSDP2's private modules load only when FSDP is in use
 
     copies = [(fsdp_param, arena.slot(name)) for name, fsdp_param in planned]
     set_param_transfer(copies)
@@ -512,7 +512,7 @@ def bind_fsdp_grads_to_arena(arena: PinnedArena, planned: list[tuple[str, object
         tensor = arena.slot(name)
         tensor.zero_()
         slots.append((fsdp_param, tensor))
-    from .fsdp_internals import set_grad_slots  # FSDP2's private modules load only when FSDP is in use
+    from fsdp_speedloader.fsdp2 import set_grad_slots  # FSDP2's private modules load only when FSDP is in use
 
     set_grad_slots(slots)
     return sum(t.numel() * t.element_size() for _, t in slots)

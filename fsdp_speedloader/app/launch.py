@@ -1,46 +1,26 @@
-"""Training entry point (Hydra). The configs are the package ``fsdp_speedloader.conf`` (``conf/``).
+"""What every Hydra entry point (train, tune, generate, sweep) shares: where the configs are, one run directory
+for all ranks, the rank-0-only Hydra files, user errors as one line, and the torchrun/SLURM environment.
 
-One process (CPU, or one GPU)::
-
-    python -m fsdp_speedloader.train experiment=tiny_cpu
-    python -m fsdp_speedloader.train model=llama2_7b schedule=speedloader schedule.num_sub_batches=8 offload=params
-
-One node, 8 GPUs::
-
-    torchrun --standalone --nproc-per-node 8 -m fsdp_speedloader.train experiment=llama2_7b_offload
-
-Two nodes of 8 GPUs (run on each node; HSDP: shard within a node, replicate across nodes;
-``checkpoint.dir`` must be on a file system both nodes see)::
-
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 \\
-        --rdzv-id $JOB_ID -m fsdp_speedloader.train dp_replicate=2 checkpoint.dir=/shared/ckpt checkpoint.resume=auto
-
-``fsdp-speedloader-train`` (the console script) is :func:`main`. Under torchrun every rank agrees
-on ONE run directory: before Hydra composes the config, the process group is initialised and
-rank 0's timestamp is broadcast into ``$FSDP_SPEEDLOADER_RUN_STAMP``, which ``hydra.run.dir`` /
-``hydra.sweep.dir`` in ``conf/config.yaml`` read (falling back to Hydra's ``${now:...}`` when it is
-unset). Only rank 0 writes Hydra's ``.hydra/`` files and logs; every other rank runs with
-``hydra.output_subdir=null`` and Hydra's logging set up off (warnings still reach stderr).
-Setting ``FSDP_SPEEDLOADER_RUN_STAMP`` yourself names the run directory.
+Under torchrun every rank agrees on ONE run directory: before Hydra composes the config, the process group is
+initialised and rank 0's timestamp is broadcast into ``$FSDP_SPEEDLOADER_RUN_STAMP``, which ``hydra.run.dir`` /
+``hydra.sweep.dir`` in ``conf/config.yaml`` read (falling back to Hydra's ``${now:...}`` when it is unset). Only
+rank 0 writes Hydra's ``.hydra/`` files and logs; every other rank runs with ``hydra.output_subdir=null`` and
+Hydra's logging set up off (warnings still reach stderr). Setting ``FSDP_SPEEDLOADER_RUN_STAMP`` yourself names
+the run directory.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
-import hydra
 import torch.distributed as dist
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
 
 from fsdp_speedloader import parallel
-from fsdp_speedloader.config import TrainConfig
 
 RUN_STAMP_ENV = "FSDP_SPEEDLOADER_RUN_STAMP"
 """Read by ``hydra.run.dir`` / ``hydra.sweep.dir`` in conf/config.yaml; set by :func:`main`."""
@@ -50,19 +30,21 @@ _NON_ZERO_RANK_OVERRIDES = {"hydra.output_subdir": "null", "hydra/job_logging": 
                             "hydra/hydra_logging": "none"}
 
 
-def _config_path() -> str:
+def config_path() -> str:
     # Installed: the package fsdp_speedloader.conf. From a source checkout that is not installed,
     # the conf/ directory next to the package.
     if importlib.util.find_spec("fsdp_speedloader.conf") is not None:
         return "pkg://fsdp_speedloader.conf"
-    return str(Path(__file__).resolve().parent.parent / "conf")
+    return str(Path(__file__).resolve().parents[2] / "conf")
 
 
-def _world_size() -> int:
+def world_size() -> int:
+    """torchrun's WORLD_SIZE (1 under plain python), readable before any process group exists."""
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _rank() -> int:
+def rank() -> int:
+    """torchrun's RANK (0 under plain python), readable before any process group exists."""
     return int(os.environ.get("RANK", "0"))
 
 
@@ -72,7 +54,7 @@ def agree_on_run_stamp() -> str:
     if stamp:
         return stamp
     stamp = datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
-    if _world_size() > 1:
+    if world_size() > 1:
         # The group the trainer uses later (maybe_init_process_group is a no-op once initialised).
         parallel.maybe_init_process_group()
         box = [stamp]
@@ -82,20 +64,23 @@ def agree_on_run_stamp() -> str:
     return stamp
 
 
-def _rank_overrides(argv: list[str]) -> list[str]:
+def rank_overrides(argv: list[str]) -> list[str]:
     """Hydra overrides this rank adds: none on rank 0, no files and no logging setup elsewhere."""
-    if _rank() == 0:
+    if rank() == 0:
         return []
     given = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a}
     return [f"{k}={v}" for k, v in _NON_ZERO_RANK_OVERRIDES.items() if k not in given]
 
 
-def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """The Hydra config, resolved once into the typed config (``output_dir`` is Hydra's run directory)."""
+def resolved_config(cfg: Any) -> dict:
+    """Hydra's composed ``DictConfig`` as a plain dict, resolved once, ``output_dir`` set to Hydra's run directory."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
     container["output_dir"] = HydraConfig.get().runtime.output_dir
-    return TrainConfig.from_dict(container)
+    return container
 
 
 def maybe_export_submitit_env() -> bool:
@@ -109,22 +94,6 @@ def maybe_export_submitit_env() -> bool:
 
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     return True
-
-
-@hydra.main(config_path=_config_path(), config_name="config", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
-    from fsdp_speedloader.trainer import Trainer  # after Hydra parsed the command line (--help stays fast)
-
-    under_submitit = maybe_export_submitit_env()  # before anything reads RANK
-    if _rank() != 0:
-        logging.getLogger().setLevel(logging.WARNING)
-    try:
-        trainer = Trainer(to_train_config(cfg))
-    except ValueError as e:  # a user error found during setup: one line, no traceback
-        fail(e)
-    trainer.train()
-    if under_submitit:  # main() (which tears the group down) runs on the submitting host, not here
-        parallel.destroy_process_group()
 
 
 def fail(error: ValueError) -> NoReturn:
@@ -150,15 +119,6 @@ def launch(hydra_main: Callable[[], None]) -> None:
         agree_on_run_stamp()
     except ValueError as e:
         fail(e)
-    sys.argv.extend(_rank_overrides(sys.argv[1:]))
+    sys.argv.extend(rank_overrides(sys.argv[1:]))
     hydra_main()
     parallel.destroy_process_group()  # barrier first: no rank leaves while another still checkpoints
-
-
-def main() -> None:
-    """Console script: ``fsdp-speedloader-train [overrides]``; also ``python -m fsdp_speedloader.train``."""
-    launch(_hydra_main)
-
-
-if __name__ == "__main__":
-    main()

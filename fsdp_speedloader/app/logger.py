@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from .config import LoggerConfig
+from fsdp_speedloader.app.config import LoggerConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,17 @@
-"""``python -m fsdp_speedloader.tune``: plan sub_batch_size x num_sub_batches for a training run.
+"""``python -m fsdp_speedloader.app.tune``: plan sub_batch_size x num_sub_batches for a training run.
 
 Takes the training run's own overrides (``conf/tune.yaml`` is ``config.yaml`` with ``schedule.name``
 forced to ``auto``), runs the tuner's two trial steps (``fsdp_speedloader/tuner.py``) and prints the
 plan, the fitted memory models and the overrides that run it; nothing is trained. The plan goes to
 ``<run dir>/tune_plan.json`` and to W&B (``logger=none`` turns W&B off)::
 
-    python -m fsdp_speedloader.tune experiment=tiny_cpu logger=none
-    python -m fsdp_speedloader.tune experiment=llama2_7b_offload schedule.gpu_memory_budget_gib=40
-    python -m fsdp_speedloader.tune experiment=llama2_7b_offload schedule.tune_blocks_per_unit=[1,2]
-    torchrun --standalone --nproc-per-node 8 -m fsdp_speedloader.tune experiment=llama2_13b_offload
+    python -m fsdp_speedloader.app.tune experiment=tiny_cpu logger=none
+    python -m fsdp_speedloader.app.tune experiment=llama2_7b_offload schedule.gpu_memory_budget_gib=40
+    python -m fsdp_speedloader.app.tune experiment=llama2_7b_offload schedule.tune_blocks_per_unit=[1,2]
+    torchrun --standalone --nproc-per-node 8 -m fsdp_speedloader.app.tune experiment=llama2_13b_offload
 
-``schedule=auto`` in ``python -m fsdp_speedloader.train`` does the same and then trains with the plan.
-The package attribute ``fsdp_speedloader.tune`` is the function (``tuner.tune``); this module is the CLI.
+``schedule=auto`` in ``python -m fsdp_speedloader.app.train`` does the same and then trains with the plan.
+The library function is ``fsdp_speedloader.tune`` (``tuning/tuner.py``); this module is the CLI.
 """
 
 from __future__ import annotations
@@ -28,11 +28,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import parallel
-from .config import TrainConfig
-from .tuner import TunePlan, tune_train_config
+from fsdp_speedloader import parallel
+from fsdp_speedloader.app.config import TrainConfig
+from fsdp_speedloader.app.launch import config_path, fail, launch
+from fsdp_speedloader.app.logger import build_logger
+from fsdp_speedloader.app.planning import tune_train_config
+from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
+    seed_everything
+from fsdp_speedloader.tuning.tuner import TunePlan
 
-log = logging.getLogger("fsdp_speedloader.tune")
+log = logging.getLogger("fsdp_speedloader.app.tune")
 
 PLAN_FILE = "tune_plan.json"
 
@@ -44,9 +49,6 @@ def _commit() -> str:
 
 def run(cfg: TrainConfig, *, run_config: Optional[dict] = None) -> TunePlan:
     """Tunes ``cfg`` (its schedule is planned whatever its name) on this process group; rank 0 reports."""
-    from .logger import build_logger
-    from .trainer import _DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, seed_everything
-
     device_type = resolve_device_type(cfg.device)
     parallel.maybe_init_process_group(device_type)
     rank = dist.get_rank()
@@ -55,7 +57,7 @@ def run(cfg: TrainConfig, *, run_config: Optional[dict] = None) -> TunePlan:
     maybe_cap_gpu_memory(cfg.max_gpu_memory_gib, device)
     mesh = parallel.build_mesh(device_type, cfg.dp_replicate)
     plan = tune_train_config(cfg, mesh=mesh, param_dtype=resolve_param_dtype(cfg.param_dtype, device_type),
-                             reduce_dtype=_DTYPES[cfg.reduce_dtype])
+                             reduce_dtype=DTYPES[cfg.reduce_dtype])
     record = {"plan": plan.as_dict(), "overrides": plan.overrides(), "world_size": dist.get_world_size(),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "commit": _commit(), "command": " ".join(sys.argv),
@@ -74,13 +76,13 @@ def run(cfg: TrainConfig, *, run_config: Optional[dict] = None) -> TunePlan:
 
 
 def main() -> None:
-    """Hydra entry: ``python -m fsdp_speedloader.tune [overrides]`` (conf/tune.yaml)."""
+    """Hydra entry: ``python -m fsdp_speedloader.app.tune [overrides]`` (conf/tune.yaml)."""
     import hydra
     from omegaconf import DictConfig
 
-    from .train import _config_path, fail, launch, to_train_config
+    from fsdp_speedloader.app.train import to_train_config
 
-    @hydra.main(config_path=_config_path(), config_name="tune", version_base="1.3")
+    @hydra.main(config_path=config_path(), config_name="tune", version_base="1.3")
     def _hydra_main(dcfg: DictConfig) -> None:
         if int(os.environ.get("RANK", "0")) != 0:
             logging.getLogger().setLevel(logging.WARNING)

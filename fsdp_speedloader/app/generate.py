@@ -1,15 +1,15 @@
-"""``python -m fsdp_speedloader.generate``: prompts in, generations (jsonl) and throughput out.
+"""``python -m fsdp_speedloader.app.generate``: prompts in, generations (jsonl) and throughput out.
 
 One process (CPU, or one GPU)::
 
-    python -m fsdp_speedloader.generate model=opt_tiny logger=none
-    python -m fsdp_speedloader.generate model=llama_tiny prompts.source=file prompts.path=prompts.txt
-    python -m fsdp_speedloader.generate model=opt_30b offload=params prompts.num_prompts=64 \\
+    python -m fsdp_speedloader.app.generate model=opt_tiny logger=none
+    python -m fsdp_speedloader.app.generate model=llama_tiny prompts.source=file prompts.path=prompts.txt
+    python -m fsdp_speedloader.app.generate model=opt_30b offload=params prompts.num_prompts=64 \\
         prompts.prompt_len=512 max_new_tokens=32 num_sub_batches=4 max_gpu_memory_gib=24
 
 Several GPUs (weights sharded; every rank generates its share of the prompts)::
 
-    torchrun --standalone --nproc-per-node 8 -m fsdp_speedloader.generate model=opt_175b offload=params
+    torchrun --standalone --nproc-per-node 8 -m fsdp_speedloader.app.generate model=opt_175b offload=params
 
 Config: ``conf/generate.yaml`` (the ``model``, ``offload`` and ``logger`` groups are the training
 ones). Converted once into ``GenerateConfig``; the library sees typed objects only. Hydra and W&B
@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -30,14 +28,20 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import parallel
-from ..config import LoggerConfig, ModelConfig, OffloadConfig, _check, _check_choice, _check_positive, _coerce, _from_dict
-from ..kv_cache import KV_CACHE_MODES
+from fsdp_speedloader import parallel
+from fsdp_speedloader.app.config import LoggerConfig, OffloadConfig
+from fsdp_speedloader.app.data import build_tokenizer
+from fsdp_speedloader.app.launch import config_path, fail, launch, rank, resolved_config
+from fsdp_speedloader.app.logger import build_logger
+from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype
+from fsdp_speedloader.engine.speedloader import apply_speedloader
+from fsdp_speedloader.generation.generate import generate
+from fsdp_speedloader.generation.kv_cache import KV_CACHE_MODES
+from fsdp_speedloader.models import ModelConfig, build_hf_config, build_model, materialize_model
+from fsdp_speedloader.options import SpeedLoaderOptions
+from fsdp_speedloader.validation import check, check_choice, check_positive, dataclass_from_dict
 
-log = logging.getLogger("fsdp_speedloader.generate")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+log = logging.getLogger("fsdp_speedloader.app.generate")
 
 @dataclass
 class PromptsConfig:
@@ -57,14 +61,14 @@ class PromptsConfig:
     """Synthetic: when set, prompt lengths are drawn from [min_prompt_len, prompt_len] and left-padded."""
 
     def __post_init__(self) -> None:
-        _check_choice(self.source, "prompts.source", ("synthetic", "file"))
-        _check_positive(self.num_prompts, "prompts.num_prompts")
-        _check_positive(self.prompt_len, "prompts.prompt_len")
+        check_choice(self.source, "prompts.source", ("synthetic", "file"))
+        check_positive(self.num_prompts, "prompts.num_prompts")
+        check_positive(self.prompt_len, "prompts.prompt_len")
         if self.min_prompt_len is not None:
-            _check(isinstance(self.min_prompt_len, int) and 1 <= self.min_prompt_len <= self.prompt_len,
-                   "prompts.min_prompt_len", f"got {self.min_prompt_len!r}; use 1..prompts.prompt_len or null")
+            check(isinstance(self.min_prompt_len, int) and 1 <= self.min_prompt_len <= self.prompt_len,
+                  "prompts.min_prompt_len", f"got {self.min_prompt_len!r}; use 1..prompts.prompt_len or null")
         if self.source == "file":
-            _check(bool(self.path), "prompts.path", "prompts.source=file needs prompts.path=<.txt or .jsonl file>")
+            check(bool(self.path), "prompts.path", "prompts.source=file needs prompts.path=<.txt or .jsonl file>")
 
 
 @dataclass
@@ -81,11 +85,11 @@ class SamplingConfig:
     """Nucleus sampling mass (sampling); null: 1."""
 
     def __post_init__(self) -> None:
-        _check(self.temperature > 0, "sampling.temperature", f"got {self.temperature}; must be > 0")
+        check(self.temperature > 0, "sampling.temperature", f"got {self.temperature}; must be > 0")
         if self.top_k is not None:
-            _check_positive(self.top_k, "sampling.top_k")
+            check_positive(self.top_k, "sampling.top_k")
         if self.top_p is not None:
-            _check(0 < self.top_p <= 1, "sampling.top_p", f"got {self.top_p}; use (0, 1] or null")
+            check(0 < self.top_p <= 1, "sampling.top_p", f"got {self.top_p}; use (0, 1] or null")
 
 
 @dataclass
@@ -138,46 +142,42 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "num_sub_batches", "blocks_per_unit", "dp_replicate"):
-            _check_positive(getattr(self, name), name)
-        _check_positive(self.forward_prefetch, "forward_prefetch", allow_zero=True)
-        _check_choice(self.kv_cache, "kv_cache", KV_CACHE_MODES)
+            check_positive(getattr(self, name), name)
+        check_positive(self.forward_prefetch, "forward_prefetch", allow_zero=True)
+        check_choice(self.kv_cache, "kv_cache", KV_CACHE_MODES)
         if self.kv_device_sub_batches is not None:
-            _check(self.kv_cache == "split", "kv_device_sub_batches", "applies to kv_cache=split only")
-            _check(1 <= self.kv_device_sub_batches < self.num_sub_batches, "kv_device_sub_batches",
-                   f"must be 1 .. num_sub_batches - 1 = {self.num_sub_batches - 1}")
-        _check_positive(self.cpu_attention_sub_batches, "cpu_attention_sub_batches", allow_zero=True)
+            check(self.kv_cache == "split", "kv_device_sub_batches", "applies to kv_cache=split only")
+            check(1 <= self.kv_device_sub_batches < self.num_sub_batches, "kv_device_sub_batches",
+                  f"must be 1 .. num_sub_batches - 1 = {self.num_sub_batches - 1}")
+        check_positive(self.cpu_attention_sub_batches, "cpu_attention_sub_batches", allow_zero=True)
         if self.cpu_attention_sub_batches:
-            _check(self.kv_cache in ("host", "split"), "cpu_attention_sub_batches", "needs kv_cache=host or split")
+            check(self.kv_cache in ("host", "split"), "cpu_attention_sub_batches", "needs kv_cache=host or split")
             host = self.num_sub_batches - (self.kv_device_sub_batches or 0)
-            _check(self.cpu_attention_sub_batches <= host, "cpu_attention_sub_batches",
-                   f"must be at most the {host} sub-batches whose cache is on the host")
-        _check_choice(self.activation_store, "activation_store", ("auto", "device", "host"))
-        _check_choice(self.device, "device", ("auto", "cuda", "cpu"))
-        _check_choice(self.param_dtype, "param_dtype", ("auto", *_DTYPES))
+            check(self.cpu_attention_sub_batches <= host, "cpu_attention_sub_batches",
+                  f"must be at most the {host} sub-batches whose cache is on the host")
+        check_choice(self.activation_store, "activation_store", ("auto", "device", "host"))
+        check_choice(self.device, "device", ("auto", "cuda", "cpu"))
+        check_choice(self.param_dtype, "param_dtype", ("auto", *DTYPES))
         if self.max_gpu_memory_gib is not None:
-            _check(self.max_gpu_memory_gib > 0, "max_gpu_memory_gib", "must be > 0 (or null for no cap)")
+            check(self.max_gpu_memory_gib > 0, "max_gpu_memory_gib", "must be > 0 (or null for no cap)")
         if self.host_memory_limit_gib is not None:
-            _check(self.host_memory_limit_gib > 0, "host_memory_limit_gib", "must be > 0 (or null: detected)")
+            check(self.host_memory_limit_gib > 0, "host_memory_limit_gib", "must be > 0 (or null: detected)")
         if self.prompts.source == "synthetic":
-            _check(self.prompts.prompt_len + self.max_new_tokens <= self.model.max_position_embeddings
-                   or self.model.path is not None, "max_new_tokens",
-                   f"prompts.prompt_len {self.prompts.prompt_len} + max_new_tokens {self.max_new_tokens} exceeds "
-                   f"model.max_position_embeddings={self.model.max_position_embeddings}")
+            check(self.prompts.prompt_len + self.max_new_tokens <= self.model.max_position_embeddings
+                  or self.model.path is not None, "max_new_tokens",
+                  f"prompts.prompt_len {self.prompts.prompt_len} + max_new_tokens {self.max_new_tokens} exceeds "
+                  f"model.max_position_embeddings={self.model.max_position_embeddings}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "GenerateConfig":
         """Builds a validated config from a plain nested dict (e.g. ``OmegaConf.to_container``)."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - set(fields))
-        if unknown:
-            raise ValueError(f"config: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
-        hints = typing.get_type_hints(cls)
-        kwargs = {}
-        for name, value in d.items():
-            sub = fields[name].default_factory
-            kwargs[name] = (_from_dict(sub, value, f"{name}.") if dataclasses.is_dataclass(sub)
-                            else _coerce(value, hints[name], name))
-        return cls(**kwargs)
+        return dataclass_from_dict(cls, d)
+
+    def speedloader_options(self) -> SpeedLoaderOptions:
+        """The engine's options of this run (generation keeps no fp32 master weights: no mixed precision)."""
+        return SpeedLoaderOptions(num_sub_batches=self.num_sub_batches, blocks_per_unit=self.blocks_per_unit,
+                                  activation_store=self.activation_store, offload_params=self.offload.params,
+                                  pin_memory=self.offload.pin_memory, forward_prefetch=self.forward_prefetch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,13 +242,6 @@ def build_prompts(cfg: GenerateConfig, tokenizer: Any, vocab_size: int) -> tuple
 
 def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     """Builds the model, generates every prompt (each rank its share), writes the jsonl; returns the figures."""
-    from ..data import build_tokenizer
-    from ..generate import generate
-    from ..logger import build_logger
-    from ..models import build_hf_config, build_model, materialize_model
-    from ..speedloader import apply_speedloader
-    from ..trainer import maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype
-
     device_type = resolve_device_type(cfg.device)
     hf_config = build_hf_config(cfg.model)
     tokenizer = build_tokenizer(cfg.tokenizer)
@@ -268,9 +261,7 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
 
     # Inference keeps no fp32 master weights: parameters are stored (and offloaded) in the compute dtype.
     model = build_model(cfg.model, device="meta").to(dtype)
-    apply_speedloader(model, num_sub_batches=cfg.num_sub_batches, mesh=mesh, blocks_per_unit=cfg.blocks_per_unit,
-                      activation_store=cfg.activation_store, offload_params=cfg.offload.params,
-                      pin_memory=cfg.offload.pin_memory, forward_prefetch=cfg.forward_prefetch)
+    apply_speedloader(model, cfg.speedloader_options(), mesh=mesh)
     materialize_model(model, cfg.model, device=device, seed=cfg.seed,
                       param_device=torch.device("cpu") if cfg.offload.params else device)
 
@@ -328,20 +319,15 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
 
 
 def main() -> None:
-    """Hydra entry: ``python -m fsdp_speedloader.generate [overrides]``."""
+    """Hydra entry: ``python -m fsdp_speedloader.app.generate [overrides]``."""
     import hydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig
 
-    from ..train import _config_path, fail, launch
-
-    @hydra.main(config_path=_config_path(), config_name="generate", version_base="1.3")
+    @hydra.main(config_path=config_path(), config_name="generate", version_base="1.3")
     def _hydra_main(dcfg: DictConfig) -> None:
-        if int(os.environ.get("RANK", "0")) != 0:
+        if rank() != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        container = OmegaConf.to_container(dcfg, resolve=True)
-        container.pop("hydra", None)
-        container["output_dir"] = HydraConfig.get().runtime.output_dir
+        container = resolved_config(dcfg)
         try:
             cfg = GenerateConfig.from_dict(container)
             run(cfg, run_config=container)
@@ -349,3 +335,7 @@ def main() -> None:
             fail(e)
 
     launch(_hydra_main)
+
+
+if __name__ == "__main__":
+    main()

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Union
 import numpy as np
 import torch
 
-from fsdp_speedloader.config import DataConfig
+from fsdp_speedloader.app.config import DataConfig
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}

@@ -1,16 +1,16 @@
 """Sweep driver: every point of a Hydra sweep as its own training launch, then a summary and a heatmap.
 
-    python -m fsdp_speedloader.sweep sweep=sub_batches experiment=tiny_cpu                 # one process
-    python -m fsdp_speedloader.sweep --nproc-per-node 4 sweep=sub_batches experiment=llama2_7b_offload
-    python -m fsdp_speedloader.sweep --nproc-per-node 8 sweep=sub_batches schedule.blocks_per_unit=1,2
+    python -m fsdp_speedloader.app.sweep sweep=sub_batches experiment=tiny_cpu                 # one process
+    python -m fsdp_speedloader.app.sweep --nproc-per-node 4 sweep=sub_batches experiment=llama2_7b_offload
+    python -m fsdp_speedloader.app.sweep --nproc-per-node 8 sweep=sub_batches schedule.blocks_per_unit=1,2
 
-The arguments are ``python -m fsdp_speedloader.train``'s Hydra overrides. The swept keys are
+The arguments are ``python -m fsdp_speedloader.app.train``'s Hydra overrides. The swept keys are
 ``hydra.sweeper.params`` of the composed config (what ``sweep=NAME`` sets) and any comma list on
 the command line (``schedule.blocks_per_unit=1,2``: the command line wins for a key in both); the
 points are their cartesian product, in Hydra's order. Each point runs as a separate process:
 
-- ``--nproc-per-node 1``: ``python -m fsdp_speedloader.train <overrides> <point>``;
-- ``--nproc-per-node G``: ``torchrun --standalone --nproc-per-node G -m fsdp_speedloader.train ...``
+- ``--nproc-per-node 1``: ``python -m fsdp_speedloader.app.train <overrides> <point>``;
+- ``--nproc-per-node G``: ``torchrun --standalone --nproc-per-node G -m fsdp_speedloader.app.train ...``
   (``--torchrun-args "--nnodes 2 --rdzv-backend c10d ..."`` replaces ``--standalone``),
 
 with ``hydra.run.dir=<sweep dir>/<index>``, ``logger.group=<group>`` and ``logger.name=<group>-<point>``,
@@ -25,8 +25,8 @@ After every point ``summary.json`` and ``summary.md`` are rewritten in the sweep
 and, when ``logger=wandb``, a ``<group>-summary`` W&B run in the same group with the table and the
 heatmap. Exit status: 0 when at least one point ran, 1 when none did.
 
-``python -m fsdp_speedloader.train sweep=NAME`` (Hydra's own multirun, in one process, one point
-after another) also works for quick single-process sweeps; ``python -m fsdp_speedloader.sweep_report
+``python -m fsdp_speedloader.app.train sweep=NAME`` (Hydra's own multirun, in one process, one point
+after another) also works for quick single-process sweeps; ``python -m fsdp_speedloader.app.sweep_report
 DIR`` summarises its directory. This driver is the robust way, and the only one for several GPUs.
 """
 
@@ -45,8 +45,8 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
-from fsdp_speedloader.config import LoggerConfig
-from fsdp_speedloader.sweep_report import classify, read_metrics, summarize_metrics, write_report
+from fsdp_speedloader.app.config import LoggerConfig
+from fsdp_speedloader.app.sweep_report import classify, read_metrics, summarize_metrics, write_report
 
 RUN_LOG = "console.log"
 _MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -99,10 +99,10 @@ def point_label(point: dict[str, str]) -> str:
 def launcher_prefix(nproc_per_node: int, torchrun_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
     """How one point starts: plain python for one process, torchrun otherwise."""
     if nproc_per_node == 1 and not torchrun_args:
-        return [python, "-m", "fsdp_speedloader.train"]
+        return [python, "-m", "fsdp_speedloader.app.train"]
     rendezvous = list(torchrun_args) or ["--standalone"]
     return [python, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc_per_node),
-            "-m", "fsdp_speedloader.train"]
+            "-m", "fsdp_speedloader.app.train"]
 
 
 def point_command(prefix: Sequence[str], fixed: Sequence[str], point: dict[str, str], *, run_dir: str | Path,
@@ -149,9 +149,9 @@ def run_point(command: Sequence[str], run_dir: Path, *, timeout_s: Optional[floa
 def _compose(overrides: Sequence[str]):
     from hydra import compose, initialize_config_dir, initialize_config_module
 
-    from fsdp_speedloader.train import _config_path
+    from fsdp_speedloader.app.launch import config_path
 
-    path = _config_path()
+    path = config_path()
     init = (initialize_config_module(path[len("pkg://"):], version_base="1.3") if path.startswith("pkg://")
             else initialize_config_dir(config_dir=path, version_base="1.3"))
     with init:
@@ -162,7 +162,7 @@ def log_summary_to_wandb(summary: dict, sweep_dir: Path, logger_cfg: LoggerConfi
     """A ``<group>-summary`` run in the sweep's W&B group: the table and the heatmap."""
     import wandb
 
-    from fsdp_speedloader.logger import resolve_wandb_mode
+    from fsdp_speedloader.app.logger import resolve_wandb_mode
 
     axes = summary["axes"]
     columns = [*axes, "status", "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_gpu_mem_allocated_gib"]
@@ -188,7 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="seconds before a point is stopped (timeout)")
     parser.add_argument("--no-heatmap", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="print each point's command; run nothing")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for fsdp_speedloader.train")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for fsdp_speedloader.app.train")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args([a for a in argv if a not in _MULTIRUN_FLAGS])  # every point is one run
     if args.nproc_per_node < 1:
@@ -209,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     points = expand_points(axes)
 
     summary = {"group": group, "axes": list(axes), "sweep_dir": str(sweep_dir),
-               "command": ["python", "-m", "fsdp_speedloader.sweep", *argv],
+               "command": ["python", "-m", "fsdp_speedloader.app.sweep", *argv],
                "nproc_per_node": args.nproc_per_node, "points": []}
     print(f"sweep: {len(points)} points over {', '.join(axes)} -> {sweep_dir} (group {group})", flush=True)
     for index, point in enumerate(points):

@@ -15,10 +15,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .arena import DEFAULT_MARGIN, GIB, ArenaPlan, HostMemoryBudget, PinnedArena, bind_fsdp_grads_to_arena, \
+from fsdp_speedloader.memory.arena import DEFAULT_MARGIN, GIB, ArenaPlan, HostMemoryBudget, PinnedArena, bind_fsdp_grads_to_arena, \
     bind_fsdp_param_transfer, move_fsdp_shards_into_arena, offloaded_fsdp_params, plan_fsdp_grads, \
     plan_fsdp_param_transfer, plan_fsdp_shards
-from .exchange import TensorExchange
+from fsdp_speedloader.memory.exchange import TensorExchange
 
 
 def grad_slot(index: int, num_units: int) -> int:
@@ -132,7 +132,7 @@ class ExchangeActivationStore(ActivationStore):
     ``begin_step`` and re-carved in place when a later geometry fits in it (a larger one re-plans
     the arena: not the steady state). ``prefetch`` starts the H2D copy, ``get`` waits for it and
     returns a ring buffer, ``put`` starts the D2H copy; see ``exchange.py`` for the ordering.
-    Per-step metrics: ``step_stats()`` (``model._speedloader.store.step_stats()``).
+    Per-step metrics: ``step_stats()`` (``speedloader_engine(model).store.step_stats()``).
 
     With ``hold_param_shards(model)`` the arena also holds the model's offloaded FSDP2 parameter
     shards and their gradients: at the first ``begin_step`` -- inside the root's forward, after

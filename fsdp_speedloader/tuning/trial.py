@@ -40,9 +40,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .activation_store import DeviceActivationStore
-from .arena import ALIGNMENT
-from .config import ModelConfig
+from fsdp_speedloader.engine.activation_store import DeviceActivationStore
+from fsdp_speedloader.engine.speedloader import speedloader_engine
+from fsdp_speedloader.memory.arena import ALIGNMENT
+from fsdp_speedloader.models.config import ModelConfig
 
 
 def _align(nbytes: int) -> int:
@@ -150,7 +151,7 @@ def measure_host_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *, of
     ``pinned``: caching-host-allocator blocks in use (CUDA); ``store``: a host store's buffer outside an
     arena (CPU only: on CUDA it is one of the ``pinned`` blocks).
     """
-    store = model._speedloader.store
+    store = speedloader_engine(model).store
     cuda = store.device.type == "cuda"
     out = {"arena": 0, "arena_activations": 0, "model_states": 0, "pinned": 0, "store": 0}
     seen = set()
@@ -213,8 +214,8 @@ class TrialModel:
 
     def __init__(self, model_config: ModelConfig, speedloader_kwargs: dict, *, device: torch.device,
                  build_optimizer: Callable[[nn.Module], torch.optim.Optimizer], seed: int) -> None:
-        from .models import build_model, materialize_model
-        from .speedloader import apply_speedloader
+        from fsdp_speedloader.models import build_model, materialize_model
+        from fsdp_speedloader.engine.speedloader import apply_speedloader
 
         self.device = device
         self.offload_params = bool(speedloader_kwargs.get("offload_params", False))
@@ -258,7 +259,7 @@ class TrialModel:
         loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
         self.optimizer.step()
-        self.model._speedloader.refresh_param_transfer()  # as the trainer does (a no-op without transfer copies)
+        speedloader_engine(self.model).refresh_param_transfer()  # as the trainer does (a no-op without transfer copies)
 
     def measure(self, n: int, seq_len: int) -> Measurement:
         """One training step (forward, backward, optimizer step) at sub-batch size n, and its memory."""
@@ -284,7 +285,7 @@ class TrialModel:
         host = measure_host_bytes(self.model, self.optimizer, offload_params=self.offload_params)
         self.optimizer.zero_grad(set_to_none=True)
         gpu_peak, reserved, host_total = reduce_over_ranks([gpu_peak, reserved, host["total"]])
-        store = self.model._speedloader.store
+        store = speedloader_engine(self.model).store
         if isinstance(store, DeviceActivationStore):
             storage = "device"
         elif getattr(store, "arena", None) is not None:
@@ -302,7 +303,7 @@ class TrialModel:
         """Frees the model, its optimizer state and its arena (host and GPU memory go back)."""
         if self.model is None:
             return
-        store = self.model._speedloader.store
+        store = speedloader_engine(self.model).store
         if hasattr(store, "close"):
             store.close()
         self.optimizer.state.clear()

@@ -58,8 +58,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .arena import DEFAULT_MARGIN, ArenaPlan, HostMemoryBudget, PinnedArena
-from .exchange import FetchHandle, TensorExchange
+from fsdp_speedloader.memory.arena import DEFAULT_MARGIN, ArenaPlan, HostMemoryBudget, PinnedArena
+from fsdp_speedloader.memory.exchange import FetchHandle, TensorExchange
 
 KV_CACHE_MODES = ("auto", "device", "split", "host", "off")
 

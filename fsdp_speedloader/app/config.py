@@ -1,0 +1,285 @@
+"""Typed configuration: one dataclass per component, validated on construction.
+
+The Hydra entry points convert their ``DictConfig`` once with :func:`TrainConfig.from_dict`;
+library code only ever sees these dataclasses. Every check raises ``ValueError`` naming the
+field and what to change, so a bad value fails before any model or memory is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fsdp_speedloader.models.config import ModelConfig
+from fsdp_speedloader.validation import check, check_choice, check_positive, dataclass_from_dict
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class DataConfig:
+    """Where training tokens come from. Sequences are packed to ``seq_len``."""
+
+    source: str = "default"
+    """'default' (embedded corpus), 'synthetic' (random tokens), 'text' (.txt/.jsonl), 'tokens' (.bin)."""
+    path: Optional[str] = None
+    """File or directory for 'text'; a .bin token file for 'tokens'."""
+    tokenizer: str = "bytes"
+    """'bytes' (built in, vocab 257) or a local Hugging Face tokenizer directory."""
+    text_field: str = "text"
+    """Field holding the document text in .jsonl files."""
+    seq_len: int = 256
+    """Tokens per sequence s."""
+    seed: int = 0
+    """Seed of the sequence order and of synthetic tokens."""
+
+    def __post_init__(self) -> None:
+        check_choice(self.source, "data.source", ("default", "synthetic", "text", "tokens"))
+        check_positive(self.seq_len, "data.seq_len")
+        if self.source in ("text", "tokens"):
+            check(bool(self.path), "data.path", f"data.source={self.source!r} needs data.path=<file or directory>")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warmup and decay."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine / linear)."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    lr_schedule: str = "cosine"
+    """'cosine', 'linear' or 'constant' after warmup."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    overlap_with_backward: bool = False
+    """Layer-major, parameters offloaded: step each unit on the CPU as soon as its gradients reach the host,
+    while the backward goes on (``OverlappedOptimizer``; exact; needs grad_clip=0)."""
+
+    def __post_init__(self) -> None:
+        check(self.lr > 0, "optim.lr", f"got {self.lr}; must be > 0")
+        check(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"got {self.min_lr_ratio}; use [0, 1]")
+        check_positive(self.warmup_steps, "optim.warmup_steps", allow_zero=True)
+        check_choice(self.lr_schedule, "optim.lr_schedule", ("cosine", "linear", "constant"))
+        check(self.weight_decay >= 0, "optim.weight_decay", f"got {self.weight_decay}; must be >= 0")
+        check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2", "use values in [0, 1)")
+        check(self.grad_clip >= 0, "optim.grad_clip", f"got {self.grad_clip}; use 0 to turn clipping off")
+
+
+@dataclass
+class ScheduleConfig:
+    """How one effective batch of num_sub_batches x sub_batch_size sequences is processed."""
+
+    name: str = "speedloader"
+    """'speedloader' (layer-major), 'canonical' (FSDP2 gradient accumulation) or 'auto' (layer-major, tuned)."""
+    sub_batch_size: int = 4
+    """Sequences per sub-batch n (the micro-batch size of the canonical schedule)."""
+    num_sub_batches: int = 2
+    """Sub-batches per effective batch N (accumulation steps of the canonical schedule)."""
+    blocks_per_unit: int = 1
+    """Consecutive transformer blocks per FSDP unit (the paper's on-device layers)."""
+    activation_store: str = "auto"
+    """Block-boundary activations: 'device', 'host' (pinned arena, overlapped copies), 'host_sync', or 'auto'
+    (host when parameters are offloaded)."""
+    activation_checkpointing: bool = True
+    """Canonical schedule: recompute each block in backward (speedloader always recomputes)."""
+    gradient_sync: str = "every"
+    """Canonical schedule: reduce-scatter gradients after 'every' micro-batch (they accumulate sharded, on the
+    host when offloaded) or only the 'last' (unsharded gradients accumulate on the device: faster, more memory)."""
+    forward_prefetch: int = 1
+    """FSDP units whose all-gather is issued ahead in forward (0 = FSDP's default only)."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per chunk of the chunked cross-entropy (bounds the logits kept in memory)."""
+    compile_blocks: bool = False
+    """torch.compile the transformer blocks' forward (one compiled function shared by every block; training only)."""
+    gpu_memory_budget_gib: Optional[float] = None
+    """auto: GPU memory the plan may fill (peak, less 10%); null: max_gpu_memory_gib, else the device's."""
+    host_memory_budget_gib: Optional[float] = None
+    """auto: host memory for model states and activation slots; null: detected (as the host arena's budget)."""
+    target_batch_size: Optional[int] = None
+    """auto: at most this many sequences per rank per step (caps n x N); null: as many as memory holds."""
+    tune_blocks_per_unit: list = field(default_factory=list)
+    """auto: more blocks_per_unit values to choose from (two trial steps each); empty: blocks_per_unit only."""
+
+    def __post_init__(self) -> None:
+        check_choice(self.name, "schedule.name", ("speedloader", "canonical", "auto"))
+        check_positive(self.sub_batch_size, "schedule.sub_batch_size")
+        check_positive(self.num_sub_batches, "schedule.num_sub_batches")
+        check_positive(self.blocks_per_unit, "schedule.blocks_per_unit")
+        check_choice(self.activation_store, "schedule.activation_store", ("auto", "device", "host", "host_sync"))
+        check_choice(self.gradient_sync, "schedule.gradient_sync", ("every", "last"))
+        check(self.gradient_sync == "every" or self.name == "canonical", "schedule.gradient_sync",
+              f"{self.gradient_sync!r} applies to schedule.name='canonical' only (layer-major reduce-scatters "
+              f"once per step anyway); got schedule.name={self.name!r}: set schedule.gradient_sync=every")
+        check_positive(self.forward_prefetch, "schedule.forward_prefetch", allow_zero=True)
+        check_positive(self.loss_chunk_tokens, "schedule.loss_chunk_tokens")
+        for name in ("gpu_memory_budget_gib", "host_memory_budget_gib"):
+            value = getattr(self, name)
+            check(value is None or value > 0, f"schedule.{name}", f"got {value}; must be > 0 (or null)")
+        if self.target_batch_size is not None:
+            check_positive(self.target_batch_size, "schedule.target_batch_size")
+        for value in self.tune_blocks_per_unit:
+            check_positive(value, "schedule.tune_blocks_per_unit")
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per rank per optimizer step."""
+        return self.sub_batch_size * self.num_sub_batches
+
+
+@dataclass
+class OffloadConfig:
+    """What lives in host memory."""
+
+    params: bool = False
+    """Parameters, gradients and optimizer state on the host (FSDP2 CPUOffloadPolicy)."""
+    pin_memory: bool = True
+    """Page-lock offloaded shards so copies are asynchronous (ignored without CUDA)."""
+    param_transfer_dtype: Optional[str] = None
+    """None, or 'bf16' ('bfloat16'): keep a copy of each offloaded shard in the arena in this dtype (the
+    param_dtype) and transfer it instead of the fp32 shard: half the host-to-device bytes, the same bits.
+    Layer-major with params=true, pin_memory=true and the host activation store."""
+    root: bool = True
+    """With params: also the root's states (embeddings, final norm, LM head); false keeps them on the GPU
+    (16 bytes per root parameter with fp32 AdamW: 4.2 GB for LLaMA-2-7B) and takes their load, gradient copy
+    and CPU optimizer step out of every step."""
+
+    def __post_init__(self) -> None:
+        if self.param_transfer_dtype == "bf16":
+            self.param_transfer_dtype = "bfloat16"
+        if self.param_transfer_dtype is not None:
+            check_choice(self.param_transfer_dtype, "offload.param_transfer_dtype", ("bfloat16", "float16"))
+            check(self.params and self.pin_memory, "offload.param_transfer_dtype",
+                  "its copies live in the pinned arena next to the offloaded shards: set offload=params with "
+                  "offload.pin_memory=true, or offload.param_transfer_dtype=null")
+
+
+@dataclass
+class LoggerConfig:
+    """Weights & Biases logging (rank 0 only)."""
+
+    backend: str = "wandb"
+    """'wandb' or 'none'."""
+    project: str = "fsdp_speedloader"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (team or user); None uses the default."""
+    mode: str = "auto"
+    """'auto' (online with an API key, else offline), 'online', 'offline' or 'disabled'."""
+    group: Optional[str] = None
+    """W&B group (sweeps put all points in one group)."""
+    name: Optional[str] = None
+    """Run name; None derives one from the model and schedule."""
+    tags: list = field(default_factory=list)
+    """W&B tags."""
+
+    def __post_init__(self) -> None:
+        check_choice(self.backend, "logger.backend", ("wandb", "none"))
+        check_choice(self.mode, "logger.mode", ("auto", "online", "offline", "disabled"))
+
+
+@dataclass
+class CheckpointConfig:
+    """torch.distributed.checkpoint saves and resume."""
+
+    every: int = 0
+    """Save every k steps (0: only at the end)."""
+    dir: Optional[str] = None
+    """Checkpoint directory; None means <output_dir>/checkpoints."""
+    resume: Optional[str] = None
+    """None (fresh), 'auto' (latest in dir, if any) or a path to one step_* checkpoint."""
+    keep_last: int = 2
+    """How many step checkpoints to keep (older ones are deleted after a successful save)."""
+    save_final: bool = True
+    """Save after the last step."""
+
+    def __post_init__(self) -> None:
+        check_positive(self.every, "checkpoint.every", allow_zero=True)
+        check_positive(self.keep_last, "checkpoint.keep_last")
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    steps: int = 200
+    """Optimizer steps."""
+    seed: int = 0
+    """Seed of weights, data order and dropout."""
+    device: str = "auto"
+    """'auto' (cuda when available), 'cuda' or 'cpu'."""
+    param_dtype: str = "auto"
+    """Compute dtype of the unsharded parameters: 'auto' (bfloat16 on cuda, float32 on cpu) or a dtype."""
+    reduce_dtype: str = "float32"
+    """Dtype of the gradient reduce-scatter."""
+    dp_replicate: int = 1
+    """HSDP replicas (usually the number of nodes); 1 means plain FSDP over all ranks."""
+    log_every: int = 1
+    """Log metrics every k steps."""
+    peak_tflops: float = 989.0
+    """Peak dense TFLOP/s of one accelerator, the denominator of MFU (989: H100/H200 bf16)."""
+    max_gpu_memory_gib: Optional[float] = None
+    """Cap this process's GPU memory (emulates a smaller card); None: no cap."""
+    time_budget_s: Optional[float] = None
+    """Stop after the first step that ends this many seconds into the step loop (model build excluded); None: off."""
+    output_dir: str = "outputs"
+    """Run directory (the Hydra entry point sets it; all ranks agree on it)."""
+
+    def __post_init__(self) -> None:
+        check_positive(self.steps, "steps")
+        check_choice(self.device, "device", ("auto", "cuda", "cpu"))
+        check_choice(self.param_dtype, "param_dtype", _DTYPES)
+        check_choice(self.reduce_dtype, "reduce_dtype", _DTYPES[1:])
+        check_positive(self.dp_replicate, "dp_replicate")
+        check_positive(self.log_every, "log_every")
+        check(self.peak_tflops > 0, "peak_tflops", f"got {self.peak_tflops}; must be > 0")
+        if self.max_gpu_memory_gib is not None:
+            check(self.max_gpu_memory_gib > 0, "max_gpu_memory_gib", "must be > 0 (or null for no cap)")
+        if self.time_budget_s is not None:
+            check(self.time_budget_s > 0, "time_budget_s", f"got {self.time_budget_s}; must be > 0 (or null: off)")
+        if self.optim.overlap_with_backward:
+            why = "optim.overlap_with_backward steps each unit's parameters on the CPU during the layer-major backward"
+            check(self.schedule.name in ("speedloader", "auto"), "optim.overlap_with_backward",
+                  f"{why}; it needs schedule=speedloader (or auto), got schedule.name={self.schedule.name!r}: "
+                  "set optim.overlap_with_backward=false")
+            check(self.offload.params, "optim.overlap_with_backward",
+                  f"{why}; it needs the parameters there: set offload=params (or optim.overlap_with_backward=false)")
+            check(self.optim.grad_clip == 0, "optim.grad_clip",
+                  f"got {self.optim.grad_clip}; global-norm clipping needs every gradient before any step, which "
+                  "optim.overlap_with_backward=true does not wait for: set optim.grad_clip=0")
+        if self.offload.param_transfer_dtype is not None:
+            what = f"offload.param_transfer_dtype={self.offload.param_transfer_dtype}"
+            check(self.schedule.name in ("speedloader", "auto") and self.schedule.activation_store in ("auto", "host"),
+                  "offload.param_transfer_dtype", f"{what} needs the layer-major schedule's host arena: "
+                  "schedule=speedloader (or auto) with schedule.activation_store=host (or auto), or "
+                  "offload.param_transfer_dtype=null")
+            check(self.param_dtype in ("auto", self.offload.param_transfer_dtype), "offload.param_transfer_dtype",
+                  f"{what} differs from param_dtype={self.param_dtype}: FSDP2 casts to param_dtype on the device "
+                  "anyway; set both to the same dtype, or offload.param_transfer_dtype=null")
+        check(self.data.seq_len <= self.model.max_position_embeddings or self.model.path is not None,
+              "data.seq_len", f"{self.data.seq_len} exceeds model.max_position_embeddings="
+              f"{self.model.max_position_embeddings}; lower data.seq_len")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """Builds a validated config from a plain nested dict (e.g. ``OmegaConf.to_container``)."""
+        return dataclass_from_dict(cls, d)
+
+

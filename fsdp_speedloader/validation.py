@@ -1,0 +1,57 @@
+"""Checks shared by every options dataclass: each raises ``ValueError`` naming the field and what to change,
+so a bad value fails before any model or memory is allocated."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+
+def check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def check_choice(value: Any, name: str, choices: tuple) -> None:
+    check(value in choices, name, f"got {value!r}; choose one of {', '.join(map(repr, choices))}")
+
+
+def check_positive(value: Any, name: str, *, allow_zero: bool = False) -> None:
+    bound = "must be >= 0" if allow_zero else "must be >= 1"
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if allow_zero else 1)
+    check(ok, name, f"got {value!r}; {bound} (an integer)")
+
+
+def coerce(value: Any, annotation: Any, name: str) -> Any:
+    """Checks a YAML/CLI value against the field's type (ints are accepted where floats are)."""
+    optional = typing.get_origin(annotation) is typing.Union and type(None) in typing.get_args(annotation)
+    if optional:
+        if value is None:
+            return None
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    base = typing.get_origin(annotation) or annotation
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base in (int, float) and isinstance(value, bool) or not isinstance(value, base):
+        raise ValueError(f"{name}: expected {getattr(base, '__name__', base)}, got {value!r}")
+    return value
+
+
+def dataclass_from_dict(cls: type, d: Any, prefix: str = "") -> Any:
+    """A validated ``cls`` from a plain nested dict (e.g. ``OmegaConf.to_container``): unknown keys and
+    wrong types are refused with the dotted key; a field whose default is a dataclass is read recursively."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ValueError(f"{prefix or 'config '}: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in d.items():
+        factory = fields[name].default_factory
+        nested = factory if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory) else None
+        kwargs[name] = (dataclass_from_dict(nested, value, f"{prefix}{name}.") if nested
+                        else coerce(value, hints[name], f"{prefix}{name}"))
+    return cls(**kwargs)
