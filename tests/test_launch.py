@@ -94,6 +94,18 @@ def test_user_error_is_one_line_and_nonzero_exit(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("entry", ["train", "tune"])
+def test_missing_mandatory_value_is_one_line_naming_the_key(tmp_path, entry):
+    """``data=text`` leaves ``data.path: ???``: the error names the key to add, not the string '???'."""
+    cmd = [sys.executable, "-m", f"fsdp_speedloader.app.{entry}", *TINY_OVERRIDES, "logger=none", "data=text"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: data.path: this setting is required; add data.path=<value> to the command"], \
+        proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and "???" not in proc.stderr
+
+
 def _stamp_with_skewed_clock(rank: int, world_size: int) -> str:
     import datetime as real_datetime
 

@@ -186,14 +186,16 @@ class GenerateConfig:
 
 
 def read_prompt_file(path: str, text_field: str = "text") -> list[str]:
-    """Prompts of a .txt (one per non-empty line) or .jsonl (``text_field`` of each object) file."""
+    """Prompts of a .txt (one per line) or .jsonl (``text_field`` of each object) file. Output k answers input
+    line k, so an empty line is refused (naming it) rather than skipped."""
     p = Path(path)
     if not p.is_file() or p.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"prompts.path: {path!r} is not a .txt or .jsonl file")
     prompts = []
     for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
-            continue
+            raise ValueError(f"prompts.path: line {number} of {path} is empty; every line is one prompt and "
+                             "output k answers line k: remove the empty line")
         if p.suffix == ".txt":
             prompts.append(line)
             continue
@@ -327,8 +329,8 @@ def main() -> None:
     def _hydra_main(dcfg: DictConfig) -> None:
         if rank() != 0:
             logging.getLogger().setLevel(logging.WARNING)
-        container = resolved_config(dcfg)
         try:
+            container = resolved_config(dcfg)
             cfg = GenerateConfig.from_dict(container)
             run(cfg, run_config=container)
         except ValueError as e:  # a user error: one line, no traceback

@@ -77,7 +77,12 @@ def resolved_config(cfg: Any) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    container = OmegaConf.to_container(cfg, resolve=True)
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:  # a `???` in conf/ the command line did not fill
+        raise ValueError(f"{e.full_key}: this setting is required; add {e.full_key}=<value> to the command") from None
     container.pop("hydra", None)
     container["output_dir"] = HydraConfig.get().runtime.output_dir
     return container

@@ -8,12 +8,15 @@ places that import it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
+import socket
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlparse
 
 from fsdp_speedloader.app.config import LoggerConfig
 
@@ -82,17 +85,51 @@ class Rank0Logger(MetricLogger):
 
 
 def default_run_name(run_config: dict) -> str:
-    """``<model.name>-<schedule.name>-n<sub_batch_size>xN<num_sub_batches>``."""
-    model, schedule = run_config.get("model", {}), run_config.get("schedule", {})
-    return (f"{model.get('name', 'model')}-{schedule.get('name', 'schedule')}"
-            f"-n{schedule.get('sub_batch_size', '?')}xN{schedule.get('num_sub_batches', '?')}")
+    """Training: ``<model>-<schedule>-n<sub_batch_size>xN<num_sub_batches>``; generation:
+    ``<model>-generate-N<num_sub_batches>``; anything else: the model's name."""
+    model = run_config.get("model", {}).get("name", "model")
+    schedule = run_config.get("schedule")
+    if isinstance(schedule, dict) and "name" in schedule:
+        if schedule["name"] == "auto":  # n and N are chosen by the tuner at run time
+            return f"{model}-auto"
+        return f"{model}-{schedule['name']}-n{schedule.get('sub_batch_size')}xN{schedule.get('num_sub_batches')}"
+    if "max_new_tokens" in run_config:
+        return f"{model}-generate-N{run_config.get('num_sub_batches')}"
+    return model
+
+
+WANDB_INIT_TIMEOUT_S = 30.0
+"""How long ``wandb.init`` may take online before ``mode=auto`` falls back to offline (``online`` fails)."""
+WANDB_PROBE_TIMEOUT_S = 3.0
+"""``mode=auto`` with an API key: how long the W&B server may take to accept a connection before the run
+logs offline instead."""
+
+
+def wandb_server_reachable(timeout_s: float = WANDB_PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to W&B's server (``WANDB_BASE_URL`` or wandb's default) opens in time."""
+    import wandb
+
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 def resolve_wandb_mode(mode: str) -> str:
-    """``auto``: online when ``WANDB_API_KEY`` is set, else offline (sync later with ``wandb sync``)."""
-    if mode == "auto":
-        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    return mode
+    """``auto``: online when ``WANDB_API_KEY`` is set and the server answers within a few seconds, else offline
+    (sync later with ``wandb sync``): a run never waits on an unreachable server."""
+    if mode != "auto":
+        return mode
+    if not os.environ.get("WANDB_API_KEY"):
+        return "offline"
+    if not wandb_server_reachable():
+        log.warning("W&B: the server does not answer within %.0f s; logging offline (sync later with `wandb sync`)",
+                    WANDB_PROBE_TIMEOUT_S)
+        return "offline"
+    return "online"
 
 
 def build_logger(cfg: LoggerConfig, run_config: dict, output_dir: str | os.PathLike,
@@ -109,8 +146,17 @@ def build_logger(cfg: LoggerConfig, run_config: dict, output_dir: str | os.PathL
 
         mode = resolve_wandb_mode(cfg.mode)
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        wandb_run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name or default_run_name(run_config),
-                               group=cfg.group, tags=list(cfg.tags) or None, mode=mode, dir=str(output_dir),
-                               config=run_config)
+        init = functools.partial(wandb.init, project=cfg.project, entity=cfg.entity, group=cfg.group,
+                                 name=cfg.name or default_run_name(run_config), tags=list(cfg.tags) or None,
+                                 dir=str(output_dir), config=run_config)
+        try:
+            wandb_run = init(mode=mode, settings=wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT_S))
+        except wandb.errors.CommError as e:
+            if cfg.mode != "auto":
+                raise ValueError(f"logger.mode={cfg.mode}: W&B could not start a run ({str(e).splitlines()[0]}); "
+                                 "check WANDB_API_KEY / WANDB_BASE_URL, or set logger.mode=offline") from None
+            log.warning("W&B: online init failed (%s); logging offline", str(e).splitlines()[0])
+            mode = "offline"
+            wandb_run = init(mode=mode)
         log.info("W&B run %s (mode %s) in %s", wandb_run.name, mode, output_dir)
     return Rank0Logger(output_dir, wandb_run)
