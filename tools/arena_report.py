@@ -23,14 +23,15 @@ Writes bench/results/arena_report_<model>_w<world>.json (device, torch, commit, 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+import harness  # noqa: E402
+
+REPO = harness.REPO
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
@@ -105,40 +106,41 @@ def compute(args: argparse.Namespace) -> dict:
     }
 
 
+def run_worker(args: argparse.Namespace) -> dict:
+    """On the GPU, ``--worker STORE``: one training step with that activation store on ``--layers`` layers; the
+    page-locked bytes of the caching host allocator and of the arena."""
+    from fsdp_speedloader import SpeedLoaderOptions, apply_speedloader, speedloader_engine
+    from fsdp_speedloader.models import build_model, materialize_model
+
+    cfg = model_config(args.model, args.layers)
+    model = build_model(cfg, device="meta")
+    options = SpeedLoaderOptions(num_sub_batches=args.num_sub_batches, activation_store=args.worker,
+                                 offload_params=True, param_dtype=torch.bfloat16, blocks_per_unit=args.blocks_per_unit)
+    apply_speedloader(model, options)
+    materialize_model(model, cfg, device=torch.device("cuda"), seed=0, param_device=torch.device("cpu"))
+    ids = torch.randint(0, cfg.vocab_size, (args.num_sub_batches * args.sub_batch_size, args.seq_len))
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    allocator = torch.cuda.host_memory_stats()
+    store = speedloader_engine(model).store
+    stats = store.step_stats()
+    return {"caching_host_allocator_bytes": allocator.get("allocated_bytes.current", 0),
+            "arena_page_locked_bytes": stats.get("arena_page_locked_bytes", 0), "host_store_bytes": store.host_bytes,
+            "arena": {k: v for k, v in stats.items() if k.startswith("arena_")},
+            "exchange": {k: v for k, v in stats.items() if k.startswith("exchange")}}
+
+
 def measure(args: argparse.Namespace) -> dict:
-    """On the GPU: one training step per store on ``--layers`` layers; the page-locked bytes both ways."""
+    """Both stores measured, each in its own process (a fresh CUDA context and host allocator)."""
+    env = dict(os.environ)
+    if args.host_memory_limit_gib:
+        env["FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB"] = str(args.host_memory_limit_gib)
     out = {}
     for store in ("host_sync", "host"):
-        code = f"""
-import json, torch, sys
-sys.path.insert(0, {str(REPO)!r})
-sys.argv = ['x']
-from fsdp_speedloader import apply_speedloader, speedloader_engine
-from fsdp_speedloader.models import build_model, materialize_model
-from tools.arena_report import model_config
-cfg = model_config({args.model!r}, {args.layers!r})
-model = build_model(cfg, device='meta')
-apply_speedloader(model, num_sub_batches={args.num_sub_batches}, activation_store={store!r}, offload_params=True,
-                  param_dtype=torch.bfloat16, blocks_per_unit={args.blocks_per_unit})
-materialize_model(model, cfg, device=torch.device('cuda'), seed=0, param_device=torch.device('cpu'))
-ids = torch.randint(0, cfg.vocab_size, ({args.num_sub_batches * args.sub_batch_size}, {args.seq_len}))
-model(input_ids=ids, labels=ids).loss.backward()
-torch.cuda.synchronize()
-s = torch.cuda.host_memory_stats()
-st = speedloader_engine(model).store.step_stats()
-print(json.dumps({{'caching_host_allocator_bytes': s.get('allocated_bytes.current', 0),
-                  'arena_page_locked_bytes': st.get('arena_page_locked_bytes', 0),
-                  'host_store_bytes': speedloader_engine(model).store.host_bytes,
-                  'arena': {{k: v for k, v in st.items() if k.startswith('arena_')}},
-                  'exchange': {{k: v for k, v in st.items() if k.startswith('exchange')}}}}))
-"""
-        env = dict(os.environ)
-        if args.host_memory_limit_gib:
-            env["FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB"] = str(args.host_memory_limit_gib)
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{store}: {proc.stderr[-3000:]}")
-        rec = json.loads(proc.stdout.strip().splitlines()[-1])
+        outcome = harness.launch_worker(harness.worker_command(__file__, store, sys.argv[1:]), env)
+        if not outcome.ok:
+            raise RuntimeError(f"{store}: {outcome.status}: {outcome.error}")
+        rec = outcome.result
         rec["page_locked_total"] = rec["caching_host_allocator_bytes"] + rec["arena_page_locked_bytes"]
         out[store] = rec
     return out
@@ -158,19 +160,18 @@ def main() -> None:
     parser.add_argument("--host-memory-limit-gib", type=float, default=None,
                         help="host budget for the arena check (a VM whose MemTotal grows on demand needs it)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/arena_report_<model>_w<W>.json)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # an activation store, measured
     args = parser.parse_args()
+    if args.worker:
+        harness.print_result(run_worker(args))
+        return
 
-    record = {"tool": "arena_report", "torch": torch.__version__,
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (computed)",
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                       cwd=REPO).stdout.strip(),
-              "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), **compute(args)}
+    record = {**harness.record_header("arena_report", __file__, device=None if args.measure else "cpu (computed)"),
+              **compute(args)}
     if args.measure:
         record["measured"] = measure(args)
     default = REPO / "bench" / "results" / f"arena_report_{args.model}_w{args.world_size}.json"
-    out = Path(args.out) if args.out else default
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    out = harness.write_record(args.out or default, record)
 
     def gib(n):
         return "-" if n is None else f"{n / GIB:.2f}"

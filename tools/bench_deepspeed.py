@@ -18,17 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import statistics
 import time
 
 GIB = 2**30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def activation_bytes(sub_batch: int, seq_len: int, layers: int, hidden: int, inter: int, vocab: int) -> int:
@@ -186,14 +178,15 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
     from transformers.integrations import HfDeepSpeedConfig
 
     import bench_train as bt
-    from fsdp_speedloader.app.config import ModelConfig
+    from launch_two_nodes import free_port
+
     from fsdp_speedloader.models import build_hf_config, build_model, get_adapter
 
     cuda = torch.cuda.is_available()
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         device = torch.device("cuda", torch.cuda.current_device())
@@ -207,9 +200,8 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     world = torch.distributed.get_world_size()
 
-    hidden, inter, heads, kv, vocab = bt.SHAPES[args.model]
-    cfg = ModelConfig(name=args.model, hidden_size=hidden, intermediate_size=inter, num_layers=args.layers,
-                      num_heads=heads, num_kv_heads=kv, vocab_size=vocab, max_position_embeddings=args.seq_len)
+    cfg = bt.model_config(args)
+    hidden, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     meta = build_model(cfg)  # meta: the figures (FLOPs, sizes) every contender uses; before ZeRO-3 is enabled
     adapter = get_adapter(meta)
     flops_per_token = adapter.flops_per_token(args.seq_len)
@@ -271,21 +263,12 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
         fwd_bwd, engine.step,  # the boundary step: DeepSpeedCPUAdam on the host, updated bf16 partitions
         argparse.Namespace(**{**vars(args), "profile": args.profile and cuda}), sync=sync,
         reset_peak=torch.cuda.reset_peak_memory_stats if cuda else (lambda: None))
-    tokens = ids.numel()
-    fb, opt = statistics.median(fb_times), statistics.median(opt_times)
-    recompute_per_token = flops_per_token / 3  # every block's forward runs twice
-    peak = args.peak_tflops * 1e12
     result = {
         "contender": "deepspeed-offload", "sub_batch_size": sub_batch, "num_sub_batches": num_sub,
-        "tokens_per_step": tokens,
-        "fwd_bwd_s": fb, "optimizer_s": opt, "step_s": fb + opt,
-        "tokens_per_s_fwd_bwd": tokens / fb, "tokens_per_s": tokens / (fb + opt),
-        "mfu_fwd_bwd": tokens / fb * flops_per_token / peak, "mfu": tokens / (fb + opt) * flops_per_token / peak,
-        "hfu_fwd_bwd": tokens / fb * (flops_per_token + recompute_per_token) / peak,
+        **bt.step_figures(fb_times, opt_times, losses, tokens=ids.numel(), flops_per_token=flops_per_token,
+                          peak_tflops=args.peak_tflops),
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / GIB if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else 0.0,
-        "host_peak_rss_gib": bt._host_rss_gib(), "losses": losses, "flops_per_token": flops_per_token,
-        "step_times_s": [a + b for a, b in zip(fb_times, opt_times)],
         "deepspeed": {"version": deepspeed.__version__, "zero_optimization": ds_config["zero_optimization"],
                       "budget_gib": zero["budget_gib"], "activation_estimate_gib": zero["activation_estimate_gib"],
                       "gpu_cap_gib": cap / GIB, "host_estimate_gib": host_need / GIB, "pinned_allocator": pinned,

@@ -33,9 +33,7 @@ tool, whose copies ran in a Python thread that spun on ``stream.synchronize()``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import statistics
 import sys
 import time
@@ -43,7 +41,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+import harness  # noqa: E402
+
+sys.path.insert(0, str(harness.REPO))
 from fsdp_speedloader.memory.arena import ArenaPlan, HostMemoryBudget, PinnedArena  # noqa: E402
 from fsdp_speedloader.generation.host_attention import device_view  # noqa: E402
 
@@ -166,17 +167,11 @@ def main() -> None:
     for threads in (int(t) for t in args.threads.split(",")):
         results[f"threads_{threads}"] = row = measure(threads, chunks, dst, activities, stream)
         print(f"{threads:3d} threads: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
-    commit = os.environ.get("FSL_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                             text=True).stdout.strip()
-    record = {"benchmark": "host_attention_overlap", "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "cpu_count": os.cpu_count(),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "commit": commit or "unknown",
-              "command": " ".join(["python", "tools/bench_host_attention.py", *sys.argv[1:]]),
+    record = {**harness.record_header("host_attention_overlap", __file__), "cpu_count": os.cpu_count(),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "shape": {"n": N, "heads": H, "positions": T, "head_dim": D, "kv_bytes_per_call": KV_BYTES},
               "link_bytes_per_measurement": num_chunks * CHUNK, "results": results}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+    harness.write_record(args.out, record)
 
 
 if __name__ == "__main__":

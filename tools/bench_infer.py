@@ -43,14 +43,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+import harness  # noqa: E402
+
+REPO = harness.REPO
 MODELS = ("opt_6.7b", "opt_30b", "llama2_13b")
 # FlexGen's own policies at prompt 512 / gen 32 (its benchmark suite): percent = weights GPU/CPU,
 # cache GPU/CPU, activations GPU/CPU. OPT-6.7B fits the budget on the GPU; the batch fills the rest.
@@ -62,14 +64,6 @@ FLEXGEN_NAMES = {"opt_6.7b": "facebook/opt-6.7b", "opt_30b": "facebook/opt-30b"}
 
 
 # --- shared helpers ------------------------------------------------------------------------------
-
-
-def _host_peak_rss_gib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20
-    return 0.0
 
 
 def _model_config(args):
@@ -140,22 +134,6 @@ def summarize_decode_trace(path: str) -> dict:
             "h2d_GBps_otherwise": (total - inside) / 1e9 / (span_s - attend_s) if span_s > attend_s else None}
 
 
-def _profile_decode(run) -> dict:
-    """``run()`` under the profiler (host and CUDA activity), summarized by ``summarize_decode_trace``."""
-    import torch
-
-    trace = f"/tmp/fsl_infer_trace_{os.getpid()}.json"
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        run()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(trace)
-    try:
-        return summarize_decode_trace(trace)
-    finally:
-        os.remove(trace)
-
-
 def _kv_bytes(cfg, batch: int, positions: int) -> int:
     kv_heads = cfg.num_kv_heads or cfg.num_heads
     return 2 * batch * cfg.num_layers * positions * kv_heads * (cfg.hidden_size // cfg.num_heads) * 2
@@ -220,9 +198,11 @@ def run_speedloader(args, spec: str) -> dict:
         # Host seconds of those attentions: waiting for the GPU's query, and computing (cpu_attention_*).
         **{k: v for k, v in stats.io.items() if k.startswith("cpu_attention_")},
     }
-    # One more, shorter generation traced (the timed one is not): where the link's copies happen.
-    profile = _profile_decode(lambda: generate(model, ids, max_new_tokens=min(args.gen_len, 4), **kwargs)) \
-        if args.profile else None
+    def traced() -> None:  # one more, shorter generation (the timed one is not): where the link's copies happen
+        generate(model, ids, max_new_tokens=min(args.gen_len, 4), **kwargs)
+        torch.cuda.synchronize()
+
+    profile = harness.profile_summary(traced, lambda trace, _: summarize_decode_trace(trace)) if args.profile else None
     return {"batch_size": batch, "num_sub_batches": num_sub, "kv_cache": stats.kv_cache, "offload_weights": offload,
             "forward_prefetch": args.prefetch, "num_layers": layers, "profile": profile,
             "kv_device_sub_batches": stats.io.get("kv_device_sub_batches"),
@@ -231,7 +211,7 @@ def run_speedloader(args, spec: str) -> dict:
             "generated_tokens_per_s": stats.generated_tokens_per_s, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
             "decode_tokens_per_s": stats.decode_tokens_per_s, "io": io, "kv_cache_bytes": stats.io.get("kv_cache_bytes", 0),
             "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "host_peak_rss_gib": _host_peak_rss_gib()}
+            "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "host_peak_rss_gib": harness.host_peak_rss_gib()}
 
 
 def run_accelerate(args, spec: str) -> dict:
@@ -282,7 +262,7 @@ def run_accelerate(args, spec: str) -> dict:
             "decode_tokens_per_s": batch * (args.gen_len - 1) / max(total - prefill, 1e-9),
             "gpu_weight_budget_gib": gpu_weights / 2**30, "device_map_entries_on_gpu": on_gpu,
             "device_map_entries": len(device_map), "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "host_peak_rss_gib": _host_peak_rss_gib(),
+            "host_peak_rss_gib": harness.host_peak_rss_gib(),
             "note": "full generate timed; prefill timed separately as a 1-token generate"}
 
 
@@ -340,7 +320,7 @@ def run_flexgen(args, spec: str) -> dict:
             "generated_tokens_per_s": batch * args.gen_len / (prefill + decode),
             "prefill_tokens_per_s": batch * args.prompt_len / prefill,
             "decode_tokens_per_s": batch * (args.gen_len - 1) / max(decode, 1e-9),
-            "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30, "host_peak_rss_gib": _host_peak_rss_gib()}
+            "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30, "host_peak_rss_gib": harness.host_peak_rss_gib()}
 
 
 CONTENDERS = {"speedloader": run_speedloader, "accelerate": run_accelerate, "flexgen": run_flexgen}
@@ -350,8 +330,8 @@ CONTENDERS = {"speedloader": run_speedloader, "accelerate": run_accelerate, "fle
 
 
 def _row(r: dict) -> str:
-    if "error" in r:
-        return f"| {r['contender']} | | error: {r['error'][:100]} | | | | |"
+    if "error" in r:  # (rows of older records, merged with --append, have no status)
+        return f"| {r['contender']} | | {r.get('status', 'error')}: {r['error'][:100]} | | | | |"
     io = r.get("io")
     io_s = (f"W {io['weights_h2d_bytes'] / 2**30:.0f} / KV {io['kv_h2d_bytes'] / 2**30:.0f}+"
             f"{io['kv_d2h_bytes'] / 2**30:.1f} / A {io['activation_bytes'] / 2**30:.1f} / "
@@ -389,59 +369,36 @@ def main() -> None:
 
     if args.worker:
         name, _, spec = args.worker.partition(":")
-        print("RESULT " + json.dumps(CONTENDERS[name](args, spec)), flush=True)
+        harness.print_result(CONTENDERS[name](args, spec))
         return
 
+    contenders = args.contender or ["speedloader:64x4", "flexgen", "accelerate:8"]
+    unknown = sorted({c.partition(":")[0] for c in contenders} - set(CONTENDERS))
+    if unknown:
+        parser.error(f"unknown contender(s) {unknown}; choose from {sorted(CONTENDERS)}")
     # Every contender with expandable segments (as the generate CLI sets it through train.launch), unless
     # the caller chose: under a cap, fragmentation otherwise decides which batches fit.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    import torch
-
-    # The GPU machine's copy of the tree has no .git: pass FSL_COMMIT=$(git rev-parse HEAD) there (as bench_train).
-    commit = os.environ.get("FSL_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                             text=True, cwd=REPO).stdout.strip()
+    header = harness.record_header("infer", __file__)
     rows = []
-    contenders = args.contender or ["speedloader:64x4", "flexgen", "accelerate:8"]
-    argv = sys.argv[1:]
-    passthrough = [a for k, a in enumerate(argv)
-                   if not a.startswith("--contender") and not (k and argv[k - 1] == "--contender")]
     for contender in contenders:
-        name = contender.partition(":")[0]
-        if name not in CONTENDERS:
-            rows.append({"contender": contender, "error": f"unknown contender {name!r}; choose {sorted(CONTENDERS)}"})
-            continue
-        cmd = [sys.executable, __file__, "--worker", contender, *passthrough]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        t0 = time.time()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode == 0 and lines:
-                row = {"contender": contender, **json.loads(lines[-1][len("RESULT "):])}
-            else:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-30:]
-                message = next((line for line in reversed(tail) if line and not line.startswith(" ")), "no output")
-                row = {"contender": contender, "error": f"exit {proc.returncode}: {message}", "stderr_tail": tail}
-        except subprocess.TimeoutExpired:
-            row = {"contender": contender, "error": f"timeout after {args.timeout:.0f} s"}
-        row["wall_s"] = time.time() - t0
-        row["commit"] = commit or "unknown"  # rows merged with --append may come from other commits
+        cmd = harness.worker_command(__file__, contender, sys.argv[1:], drop=("--contender",))
+        # Rows merged with --append may come from other commits: each names its own.
+        row = harness.launch_worker(cmd, timeout=args.timeout).row(contender=contender, commit=header["commit"])
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "stderr_tail"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "output_tail"}), flush=True)
 
     depth = f"_L{args.layers}" if args.layers else ""
     name = args.name or f"infer_{args.model}{depth}_p{args.prompt_len}_g{args.gen_len}_{args.gpu_memory_gib:g}g"
     path = Path(args.out_dir, f"{name}.json")
-    commands = [" ".join([Path(sys.argv[0]).name, *sys.argv[1:]])]
+    commands = [header["command"]]
     if args.append and path.is_file():  # earlier contenders of the same comparison (same model, lengths, budget)
         old = json.loads(path.read_text())
         mine = {r["contender"] for r in rows}
         rows = [r for r in old["results"] if r["contender"] not in mine] + rows
         commands = old.get("commands", [old.get("command", "")]) + commands
-    record = {"benchmark": "infer", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "torch": torch.__version__, "commit": commit or "unknown",
-              "commands": commands, "config": {k: v for k, v in vars(args).items() if k != "worker"},
-              "cuda_alloc_conf": os.environ["PYTORCH_CUDA_ALLOC_CONF"], "results": rows}
+    record = {**header, "commands": commands, "config": {k: v for k, v in vars(args).items() if k != "worker"},
+              "results": rows}
     ok = {}  # the best setting of each contender
     for r in rows:
         if "error" not in r:
@@ -449,8 +406,7 @@ def main() -> None:
             ok[name] = max(ok.get(name, 0.0), r["generated_tokens_per_s"])
     if "speedloader" in ok:
         record["speedup"] = {f"vs_{k}": ok["speedloader"] / v for k, v in ok.items() if k != "speedloader" and v > 0}
-    os.makedirs(args.out_dir, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2))
+    harness.write_record(path, record)
     print(f"\n{args.model}, prompt {args.prompt_len}, generate {args.gen_len}, GPU budget {args.gpu_memory_gib:g} GiB "
           f"({record['device']})\n")
     print("| contender | batch | generated tok/s | prefill tok/s | decode tok/s | peak HBM GiB | I/O GiB (weights / KV h2d+d2h / act / KV read on CPU) |")

@@ -46,20 +46,17 @@ or ``tokens`` to overlay them). FSL_COMMIT names the commit where there is no gi
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+import harness  # noqa: E402
+
+REPO = harness.REPO
 sys.path.insert(0, str(REPO))  # the checkout's package, also where it is not installed
 CONTENDERS = ("speedloader", "fsdp2-offload")
 TIMED = ("the trainer's training loop (time_budget_s): from just before step 1 to the end of the first step "
@@ -154,49 +151,34 @@ def contender_overrides(args: argparse.Namespace, contender: str, run_dir: Path)
 
 
 def run_contender(args: argparse.Namespace, contender: str, run_dir: Path) -> dict:
-    """Trains one contender in its own process; returns its record (``status`` ok or failed)."""
+    """Trains one contender in its own process; returns its record (``status`` ok, or oom, timeout or failed
+    as tools/harness.py classifies them)."""
     overrides = contender_overrides(args, contender, run_dir)
     cmd = [sys.executable, "-m", "fsdp_speedloader.app.train", *overrides]
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     run_dir.mkdir(parents=True, exist_ok=True)
-    timeout = args.minutes * 60 + args.setup_timeout_s
     print(f"[{contender}] {shlex.join(['python', '-m', 'fsdp_speedloader.app.train', *overrides])}", flush=True)
-    start = time.perf_counter()
     with open(run_dir / "console.log", "w") as console:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # its own process group: a timeout ends all of it
 
-        def pump() -> None:  # the child's output to console.log and, prefixed, to ours
-            for line in proc.stdout:
-                console.write(line)
-                print(f"[{contender}] {line}", end="", flush=True)
+        def echo(line: str) -> None:  # the child's output to console.log and, prefixed, to ours
+            console.write(line)
+            print(f"[{contender}] {line}", end="", flush=True)
 
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            returncode = proc.wait()
-        reader.join(timeout=10)
-    wall_s = time.perf_counter() - start
-    record = {"status": "ok", "returncode": returncode, "overrides": overrides, "wall_s": wall_s,
+        done = harness.run_process(cmd, cwd=REPO, env=dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true"),
+                                   timeout=args.minutes * 60 + args.setup_timeout_s, echo=echo)
+    record = {"status": "ok", "returncode": done.returncode, "overrides": overrides, "wall_s": done.wall_s,
               **summarize_run(run_dir)}
-    if returncode != 0 or not record.get("steps"):
-        record["status"] = "failed"
-        lines = (run_dir / "console.log").read_text(errors="replace").strip().splitlines()
-        record["error"] = (f"timeout after {timeout:.0f} s; " if wall_s >= timeout else "") + " | ".join(lines[-5:])
+    if done.returncode != 0 or not record.get("steps"):
+        record["status"], record["error"] = done.failure("" if done.returncode else "without a logged step")
     elif "elapsed_s" in record:
-        record["outside_loop_s"] = wall_s - record["elapsed_s"]  # process start, build, init, teardown
+        record["outside_loop_s"] = done.wall_s - record["elapsed_s"]  # process start, build, init, teardown
     return record
 
 
 def summarize_run(run_dir: Path) -> dict:
     """Figures and curves from the run's metrics.jsonl (every step is logged: log_every=1)."""
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    rows = [r for r in rows if "loss" in r and r.get("elapsed_s") is not None]
+    from fsdp_speedloader.app.sweep_report import read_metrics
+
+    rows = [r for r in read_metrics(run_dir) if "loss" in r and r.get("elapsed_s") is not None]
     wandb_runs = sorted(str(p.relative_to(run_dir)) for p in (run_dir / "wandb").glob("offline-run-*"))
     if not rows:
         return {"wandb_runs": wandb_runs}
@@ -253,36 +235,10 @@ def data_figures(args: argparse.Namespace) -> dict:
             "num_sequences": num_tokens // args.seq_len}
 
 
-def device_name(device: str) -> str:
-    """The accelerator's name, asked in a throw-away process (no CUDA context stays in this one)."""
-    cpu = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    if device == "cpu":
-        return cpu
-    probe = "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
-    name = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
-    return name or cpu
-
-
-def commit() -> str:
-    # The GPU machine's copy of the tree has no .git: pass FSL_COMMIT=$(git rev-parse HEAD) there.
-    if os.environ.get("FSL_COMMIT"):
-        return os.environ["FSL_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO)
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
-
-
 def plot(record: dict, path: Path) -> Optional[str]:
     """Two panels: loss vs wall-clock seconds (budget marked), loss vs tokens."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("bench_pretrain: matplotlib is not installed, no plot (pip install matplotlib)", file=sys.stderr)
+    plt = harness.pyplot("bench_pretrain")
+    if plt is None:
         return None
     fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, (name, r) in enumerate(record["contenders"].items()):
@@ -306,10 +262,7 @@ def plot(record: dict, path: Path) -> Optional[str]:
     layers = f" ({c['layers']} layers)" if c["layers"] else ""
     fig.suptitle(f"{c['model']}{layers}, seq {c['seq_len']}, {c['effective_batch']} sequences/step, "
                  f"{c['minutes']:g} min each, {record['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return str(harness.save_figure(fig, path))
 
 
 def print_table(record: dict) -> None:
@@ -332,7 +285,6 @@ def print_table(record: dict) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    import torch
     import transformers
 
     out_dir = Path(args.out_dir).resolve()
@@ -342,10 +294,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     config.update(effective_batch=args.sub_batch_size * args.num_sub_batches,
                   tokens_per_step=args.sub_batch_size * args.num_sub_batches * args.seq_len, data=data_figures(args))
     results: dict = {}
-    record = {"benchmark": "pretrain_time_budget", "name": args.name, "device": device_name(args.device),
-              "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit(),
-              "command": shlex.join([f"tools/{Path(__file__).name}", *(sys.argv[1:] if argv is None else argv)]),
-              "timed": TIMED, "wandb_group": None if args.no_wandb else args.name, "config": config,
+    header = harness.record_header("pretrain_time_budget", __file__, argv, device=harness.device_name(args.device))
+    record = {**header, "name": args.name, "transformers": transformers.__version__, "timed": TIMED,
+              "wandb_group": None if args.no_wandb else args.name, "config": config,
               "contenders": results, "comparison": None, "plot": None}
     for contender in args.contenders:
         results[contender] = r = run_contender(args, contender, runs_dir / contender)
@@ -359,7 +310,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         record["comparison"] = compare(results)
         png = plot(record, out_dir / f"{args.name}.png")
         record["plot"] = png and Path(png).name  # next to the record
-        (out_dir / f"{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
+        harness.write_record(out_dir / f"{args.name}.json", record)
     print_table(record)
     print(f"\nwrote {out_dir / f'{args.name}.json'}" + (f" and {out_dir / record['plot']}" if record["plot"] else ""))
     return 0 if all(r["status"] == "ok" for r in results.values()) else 1

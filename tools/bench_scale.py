@@ -39,7 +39,6 @@ import os
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,10 +48,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 TOOLS = Path(__file__).resolve().parent
-REPO = TOOLS.parent
-sys.path.insert(0, str(TOOLS))
-import launch_two_nodes  # noqa: E402  (tools/ is not a package)
+sys.path.insert(0, str(TOOLS))  # tools/ is not a package: its modules import by name
+import harness  # noqa: E402
+import launch_two_nodes  # noqa: E402
 from bench_train import parse_contender  # noqa: E402
+
+REPO = harness.REPO
 
 BENCH_TRAIN = TOOLS / "bench_train.py"
 CONTENDERS = ("speedloader", "fsdp2-offload", "deepspeed-offload")
@@ -150,12 +151,16 @@ def case_launch(case: Case, script: Sequence[str], *, device: str, gpu_ids: Sequ
 
 
 def collect_rank_results(log_dir: Path) -> list[dict]:
-    """Every rank's RESULT line, from torchrun's per-rank stdout files under ``log_dir``."""
+    """Every rank's RESULT line, from torchrun's per-rank stdout files under ``log_dir`` (a line still being
+    written, or cut short, does not count)."""
     results = []
     for path in sorted(glob.glob(str(log_dir / "**" / "stdout.log"), recursive=True)):
-        lines = [line for line in Path(path).read_text(errors="replace").splitlines() if line.startswith("RESULT ")]
-        if lines:
-            results.append(json.loads(lines[-1][len("RESULT "):]))
+        try:
+            result = harness.parse_result(Path(path).read_text(errors="replace"))
+        except ValueError:
+            continue
+        if result is not None:
+            results.append(result)
     return results
 
 
@@ -173,13 +178,6 @@ def aggregate(ranks: Sequence[dict]) -> dict:
             "mfu": statistics.mean(r["mfu"] * r["step_s"] / step_s for r in ranks) if "mfu" in ranks[0] else None,
             "peak_hbm_gib": max(r.get("peak_hbm_gib", 0.0) for r in ranks),
             "host_peak_rss_gib_per_rank": max(r.get("host_peak_rss_gib", 0.0) for r in ranks)}
-
-
-def _tail(path: Path, n: int = 3) -> str:
-    """The run's exception lines (the workers' own, not torchrun's wrapper), else its last lines."""
-    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.is_file() else []
-    errors = [line for line in lines if re.search(r"\w+(Error|Exception)\b:", line) and "ChildFailedError" not in line]
-    return " | ".join(dict.fromkeys(errors[:n]) if errors else lines[-n:])[-1500:]
 
 
 def run_dir_name(contender: str, case: Case) -> str:
@@ -210,14 +208,12 @@ def run_case(contender: str, case: Case, args: argparse.Namespace, work_dir: Pat
     record["returncodes"] = codes
     if len(ranks) == case.world_size:  # every rank measured: the figures stand, whatever the exit
         record.update(status="ok", ranks=ranks, **aggregate(ranks))
-    else:
-        output = console.read_text(errors="replace")
-        oom = "out of memory" in output or "OutOfMemoryError" in output
-        # A rank out of memory can leave the other node's ranks waiting in a collective until stopped: still oom.
-        status = "oom" if oom else ("timeout" if None in codes else "failed")
-        stopped = f" (stopped after {timeout_s:.0f} s)" if None in codes else ""
-        record.update(status=status, ranks=ranks,
-                      error=f"{len(ranks)} of {case.world_size} ranks reported{stopped}; {_tail(console)}")
+    else:  # the first agent that failed, else None if one was stopped (harness: oom, timeout or failed)
+        failed = [code for code in codes if code not in (0, None)]
+        code = failed[0] if failed else (None if None in codes else 0)
+        done = harness.Finished(code, console.read_text(errors="replace"), "", record["wall_s"], timeout=timeout_s)
+        status, error = done.failure(f"with {len(ranks)} of {case.world_size} ranks reported")
+        record.update(status=status, ranks=ranks, error=error)
     return record
 
 
@@ -279,13 +275,8 @@ def _micro_batch(run: dict) -> str:
 
 
 def plot(record: dict, path: Path) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("bench_scale: matplotlib is not installed, no plot (pip install matplotlib)", file=sys.stderr)
+    plt = harness.pyplot("bench_scale")
+    if plt is None:
         return None
     ok = [r for r in record["results"] if r.get("status") == "ok"]
     weak = [r for r in ok if not r["emulated_ethernet"]]
@@ -331,21 +322,7 @@ def plot(record: dict, path: Path) -> Optional[Path]:
     cap = f", GPU memory capped at {cfg['max_gpu_memory_gib']:g} GiB" if cfg.get("max_gpu_memory_gib") else ""
     fig.suptitle(f"{cfg['model']} x {cfg['layers']} layers, seq {cfg['seq_len']}, n x N = {cfg['shape']} per GPU "
                  f"unless named,\n{record['device']}{cap}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _device_name(device: str) -> str:
-    if device != "cuda":
-        return "cpu"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.strip().splitlines()
-        return f"{len(out)} x {out[0]}" if out else "cuda"
-    except (OSError, subprocess.SubprocessError):
-        return "cuda"
+    return harness.save_figure(fig, path)
 
 
 def _gpu_ids(device: str, given: Optional[str]) -> list[str]:
@@ -401,7 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             record["targets"] = targets(record["results"])
             record["merged_from"] = [str(p) for p in paths]
             out = paths[0].with_name(paths[0].stem + "_merged.png")
-            out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+            harness.write_record(out.with_suffix(".json"), record)
         print(markdown(record["results"]))
         print(json.dumps(record["targets"], indent=2))
         print(plot(record, out))
@@ -426,28 +403,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     name = args.name or f"scale_{args.model}_L{args.layers}_s{args.seq_len}_{args.shape}"
     has_deepspeed = importlib.util.find_spec("deepspeed") is not None
 
-    import torch  # the version only: no CUDA context in this process
+    if args.dry_run:
+        with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
+            for contender, case in run_order(contenders, cases):
+                commands, envs = case_launch(case, worker_args(args, contender), device=args.device,
+                                             gpu_ids=args.gpu_ids, base_env=dict(os.environ),
+                                             threads_per_rank=args.threads_per_rank,
+                                             log_dir=Path(tmp) / run_dir_name(contender, case))
+                for node, (cmd, env) in enumerate(zip(commands, envs)):
+                    changed = " ".join(f"{k}={v}" for k, v in sorted(env.items()) if os.environ.get(k) != v)
+                    print(f"[{contender} {case.name} node{node}] {changed} {shlex.join(cmd)}")
+        return 0
 
-    # The GPU machine's copy of the tree has no .git: pass FSL_COMMIT=$(git rev-parse HEAD) there (as bench_train).
-    commit = os.environ.get("FSL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    record = {"benchmark": "scale", "device": _device_name(args.device), "torch": torch.__version__, "commit": commit,
-              "command": shlex.join(["python", "tools/bench_scale.py", *(argv if argv is not None else sys.argv[1:])]),
+    # The GPU's name from a throw-away process: no CUDA context in this one while the runs use the GPUs.
+    device = harness.device_name(args.device)
+    record = {**harness.record_header("scale", __file__, argv, device=f"{len(args.gpu_ids)} x {device}"
+                                      if args.device == "cuda" else device),
               "config": {k: v for k, v in vars(args).items() if k not in ("worker_script", "plot_only")},
               "results": []}
     out_dir = Path(args.out_dir)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
         for contender, case in run_order(contenders, cases):
-            if args.dry_run:
-                script = worker_args(args, contender)
-                commands, envs = case_launch(case, script, device=args.device, gpu_ids=args.gpu_ids,
-                                             base_env=dict(os.environ), threads_per_rank=args.threads_per_rank,
-                                             log_dir=Path(tmp) / run_dir_name(contender, case))
-                for node, (cmd, env) in enumerate(zip(commands, envs)):
-                    changed = " ".join(f"{k}={v}" for k, v in sorted(env.items()) if os.environ.get(k) != v)
-                    print(f"[{contender} {case.name} node{node}] {changed} {shlex.join(cmd)}")
-                continue
             left = args.budget_s - (time.monotonic() - start)
             if split_contender(contender)[0] == "deepspeed-offload" and not has_deepspeed and args.worker_script is None:
                 result = {"contender": contender, "case": case.name, "world_size": case.world_size,
@@ -463,10 +440,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                           f": {result.get('error', '')[:300]}"), flush=True)
             record["results"].append(result)
             record["targets"] = targets(record["results"])
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")  # after every run
-    if args.dry_run:
-        return 0
+            harness.write_record(out_dir / f"{name}.json", record)  # after every run
     print("\n" + markdown(record["results"]))
     print(json.dumps(record["targets"], indent=2))
     png = plot(record, out_dir / f"{name}.png")

@@ -24,8 +24,13 @@ likewise run the blocks through one ``torch.compile``d forward; ``:root=device``
 norm and LM head of a speedloader contender on the GPU):
   python tools/bench_train.py --model llama2_7b --layers 8 --seq-len 4096 --max-gpu-memory-gib 40 \
       --contender speedloader-overlap:4x2 --contender speedloader-overlap:4x2:transfer=bf16 --steps 3 --warmup 1
-Writes bench/results/<name>.json (device, torch version, commit, command, config, every figure)
-and prints a markdown table.
+The speedloader contenders are built from one ``SpeedLoaderOptions``; the FSDP2 contenders are the trainer's
+canonical schedule (``fsdp_speedloader.app.trainer.apply_schedule``), and their step is the trainer's canonical
+forward/backward (``canonical_forward_backward`` keeps it identical to ``Trainer._forward_backward`` until the
+trainer exposes it as a function).
+
+Writes bench/results/<name>.json (tools/harness.py's header: device, torch version, commit, command; then
+config and every figure; a contender out of memory is recorded as ``status: oom``) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -34,13 +39,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+import harness  # noqa: E402
+
+REPO = harness.REPO
 SHAPES = {  # hidden, intermediate, heads, kv heads, vocab (the full models' shapes; depth is --layers)
     "llama2_7b": (4096, 11008, 32, 32, 32000),
     "llama2_13b": (5120, 13824, 40, 40, 32000),
@@ -48,12 +55,13 @@ SHAPES = {  # hidden, intermediate, heads, kv heads, vocab (the full models' sha
 }
 
 
-def _host_rss_gib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):  # peak resident set
-                return int(line.split()[1]) / 2**20
-    return 0.0
+def model_config(args: argparse.Namespace):
+    """The ``--model`` shape with ``--layers`` blocks, positions for ``--seq-len`` (every contender's model)."""
+    from fsdp_speedloader.app.config import ModelConfig
+
+    hidden, inter, heads, kv, vocab = SHAPES[args.model]
+    return ModelConfig(name=args.model, hidden_size=hidden, intermediate_size=inter, num_layers=args.layers,
+                       num_heads=heads, num_kv_heads=kv, vocab_size=vocab, max_position_embeddings=args.seq_len)
 
 
 def _union_s(intervals: list) -> float:
@@ -108,8 +116,6 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
 
     Returns (fwd+bwd seconds, optimizer seconds, losses) of the timed steps and the profile summary.
     """
-    import torch
-
     fb_times, opt_times, losses = [], [], []
     for step in range(args.warmup + args.steps):
         sync()
@@ -126,21 +132,33 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
             fb_times.append(t1 - t0)
             opt_times.append(t2 - t1)
             losses.append(float(loss))
-    profile = None
-    if args.profile:  # one more step, traced; summarized, the trace itself is not kept
-        trace = f"/tmp/fsl_trace_{os.getpid()}.json"
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts) as prof:
-            sync()
-            t0 = time.perf_counter()
-            fwd_bwd()
-            optimizer_step()
-            sync()
-            traced_s = time.perf_counter() - t0
-        prof.export_chrome_trace(trace)
-        profile = summarize_trace(trace, traced_s)
-        os.remove(trace)
+
+    def traced_step() -> float:
+        sync()
+        t0 = time.perf_counter()
+        fwd_bwd()
+        optimizer_step()
+        sync()
+        return time.perf_counter() - t0
+
+    profile = harness.profile_summary(traced_step, summarize_trace) if args.profile else None  # one more step
     return fb_times, opt_times, losses, profile
+
+
+def step_figures(fb_times: list, opt_times: list, losses: list, *, tokens: int, flops_per_token: float,
+                 peak_tflops: float) -> dict:
+    """The figures every contender reports (the medians of the timed steps), DeepSpeed's included."""
+    fb, opt = statistics.median(fb_times), statistics.median(opt_times)
+    recompute_per_token = flops_per_token / 3  # every block's forward runs twice: + (2 N + 4 L h s)
+    peak = peak_tflops * 1e12
+    return {
+        "tokens_per_step": tokens, "fwd_bwd_s": fb, "optimizer_s": opt, "step_s": fb + opt,
+        "tokens_per_s_fwd_bwd": tokens / fb, "tokens_per_s": tokens / (fb + opt),
+        "mfu_fwd_bwd": tokens / fb * flops_per_token / peak, "mfu": tokens / (fb + opt) * flops_per_token / peak,
+        "hfu_fwd_bwd": tokens / fb * (flops_per_token + recompute_per_token) / peak,
+        "host_peak_rss_gib": harness.host_peak_rss_gib(), "losses": losses, "flops_per_token": flops_per_token,
+        "step_times_s": [a + b for a, b in zip(fb_times, opt_times)],
+    }
 
 
 class Contender(NamedTuple):
@@ -175,14 +193,46 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     return Contender(name, shape, transfer, compiled, root_on_device)
 
 
+def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, num_sub: int, compiled: bool):
+    """An FSDP2 contender as the trainer's canonical schedule (``apply_schedule`` shards by it): gradient
+    accumulation over ``num_sub`` micro-batches, every block recomputed, one FSDP unit per block;
+    ``fsdp2-offload`` reduce-scatters after the last micro-batch only, ``fsdp2-offload-rs`` and ``ondevice``
+    after every one."""
+    from fsdp_speedloader.app.config import DataConfig, OffloadConfig, ScheduleConfig, TrainConfig
+
+    schedule = ScheduleConfig(name="canonical", sub_batch_size=sub_batch, num_sub_batches=num_sub,
+                              activation_checkpointing=True, forward_prefetch=args.prefetch, compile_blocks=compiled,
+                              gradient_sync="last" if name == "fsdp2-offload" else "every")
+    return TrainConfig(model=model_config(args), data=DataConfig(seq_len=args.seq_len), schedule=schedule,
+                       offload=OffloadConfig(params=name != "ondevice"), device="cuda", param_dtype="bfloat16")
+
+
+def canonical_forward_backward(model, input_ids, labels, *, sub_batch_size: int, num_tokens: int,
+                               gradient_sync: str):
+    """The canonical branch of the trainer's ``Trainer._forward_backward``, which app/trainer.py has no
+    function for yet (keep the two identical): each micro-batch's token-sum loss over the ``num_tokens`` label
+    tokens of the whole batch, so the summed losses are the batch mean; returns that mean, detached."""
+    import torch
+
+    total = torch.zeros((), device=input_ids.device)
+    micro_batches = list(zip(input_ids.split(sub_batch_size), labels.split(sub_batch_size)))
+    for k, (ids, lab) in enumerate(micro_batches):
+        if gradient_sync == "last":  # no reduce-scatter until the last micro-batch's backward
+            model.set_requires_gradient_sync(k == len(micro_batches) - 1)
+        loss = model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False).loss
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 def run_worker(args: argparse.Namespace) -> dict:
     """One contender, one process: build, warm up, time ``--steps`` steps, return the figures."""
     import torch
 
-    from fsdp_speedloader import apply_speedloader, speedloader_engine
-    from fsdp_speedloader.app.config import ModelConfig
+    from fsdp_speedloader import SpeedLoaderOptions, apply_speedloader, fsdp2, speedloader_engine
+    from fsdp_speedloader.app.trainer import apply_schedule, num_label_tokens
     from fsdp_speedloader.models import build_model, get_adapter, materialize_model
-    from fsdp_speedloader.parallel import apply_fsdp, build_mesh, maybe_init_process_group, set_forward_prefetch
+    from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 
     name, shape, transfer, compiled, root_on_device = parse_contender(args.worker, args.param_transfer_dtype,
                                                                       args.compile)
@@ -196,27 +246,28 @@ def run_worker(args: argparse.Namespace) -> dict:
     if args.max_gpu_memory_gib:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.max_gpu_memory_gib * 2**30 / total), device)
-    hidden, inter, heads, kv, vocab = SHAPES[args.model]
-    cfg = ModelConfig(name=args.model, hidden_size=hidden, intermediate_size=inter, num_layers=args.layers,
-                      num_heads=heads, num_kv_heads=kv, vocab_size=vocab, max_position_embeddings=args.seq_len)
+    cfg = model_config(args)
     model = build_model(cfg)  # meta
     adapter = get_adapter(model)
     offload = name != "ondevice"
     layer_major = name.startswith("speedloader")
+    mesh = build_mesh("cuda")
+    gradient_sync = None
     if layer_major:
-        apply_speedloader(model, num_sub_batches=num_sub, param_dtype=torch.bfloat16, offload_params=True,
-                          activation_store=args.activation_store, forward_prefetch=args.prefetch,
-                          param_transfer_dtype=torch.bfloat16 if transfer == "bf16" else None,
-                          compile_blocks=compiled, offload_root=not root_on_device)
+        options = SpeedLoaderOptions(
+            num_sub_batches=num_sub, activation_store=args.activation_store, offload_params=True,
+            param_dtype=torch.bfloat16, forward_prefetch=args.prefetch,
+            param_transfer_dtype=torch.bfloat16 if transfer == "bf16" else None, compile_blocks=compiled,
+            offload_root=not root_on_device)
+        apply_speedloader(model, options, mesh=mesh)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        units = apply_fsdp(model, build_mesh("cuda"), units=[[b] for b in adapter.blocks],
-                           param_dtype=torch.bfloat16, offload_params=offload)
-        set_forward_prefetch(model, units, args.prefetch)
-        if compiled:  # the same one compiled block forward, under HF's checkpointing and FSDP2's hooks
-            adapter.compile_blocks(as_forward=True)
+        train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled)
+        apply_schedule(model, train_cfg, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        gradient_sync = train_cfg.schedule.gradient_sync
     materialize_model(model, cfg, device=device, seed=0, param_device=torch.device("cpu") if offload else device)
     model.train()
+    engine = speedloader_engine(model) if layer_major else None
+
     def build_adamw(params):
         return torch.optim.AdamW(params, lr=1e-5, fused=True)
 
@@ -227,58 +278,39 @@ def run_worker(args: argparse.Namespace) -> dict:
     else:
         optim = build_adamw(model.parameters())
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (sub_batch * num_sub, args.seq_len), generator=gen)
-    total_targets = ids.shape[0] * (args.seq_len - 1)
+    ids = torch.randint(0, cfg.vocab_size, (sub_batch * num_sub, args.seq_len), generator=gen)  # (N * n, s)
+    num_tokens = num_label_tokens(ids)  # on the host: no device sync
 
-    def fwd_bwd() -> float:
+    def fwd_bwd():  # the trainer's step: the batch is copied to the device, then one forward/backward
+        input_ids = ids.to(device, non_blocking=True)
         if layer_major:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=input_ids, labels=input_ids).loss
             loss.backward()
-            return loss
-        loss_sum = 0.0
-        for k, mb in enumerate(ids.split(sub_batch)):
-            if name == "fsdp2-offload":  # sync (reduce-scatter, copy to host) only on the last micro-batch
-                model.set_requires_gradient_sync(k == num_sub - 1)
-            mb = mb.to(device, non_blocking=True)
-            loss = model(input_ids=mb, labels=mb, num_items_in_batch=total_targets).loss
-            loss.backward()
-            loss_sum += loss.detach()
-        return loss_sum
+            return loss.detach()
+        return canonical_forward_backward(model, input_ids, input_ids, sub_batch_size=sub_batch,
+                                          num_tokens=num_tokens, gradient_sync=gradient_sync)
 
     def optimizer_step() -> None:
         optim.step()
         if layer_major and name != "speedloader-overlap":  # the overlapped optimizer casts in its worker
-            speedloader_engine(model).refresh_param_transfer()  # a no-op without transfer copies
+            engine.refresh_param_transfer()  # a no-op without transfer copies
         optim.zero_grad(set_to_none=True)
 
     fb_times, opt_times, losses, profile = time_steps(fwd_bwd, optimizer_step, args, sync=torch.cuda.synchronize,
                                                       reset_peak=torch.cuda.reset_peak_memory_stats)
-    tokens = ids.numel()
-    fb, opt = statistics.median(fb_times), statistics.median(opt_times)
-    flops_per_token = adapter.flops_per_token(args.seq_len)
-    recompute_per_token = flops_per_token / 3  # every block's forward runs twice: + (2 N + 4 L h s)
-    peak = args.peak_tflops * 1e12
     result = {
         "contender": name, "contender_spec": args.worker, "param_transfer_dtype": transfer, "compiled": compiled,
-        "root_on_device": root_on_device,
-        "sub_batch_size": sub_batch, "num_sub_batches": num_sub, "tokens_per_step": tokens,
-        "fwd_bwd_s": fb, "optimizer_s": opt, "step_s": fb + opt,
-        "tokens_per_s_fwd_bwd": tokens / fb, "tokens_per_s": tokens / (fb + opt),
-        "mfu_fwd_bwd": tokens / fb * flops_per_token / peak, "mfu": tokens / (fb + opt) * flops_per_token / peak,
-        "hfu_fwd_bwd": tokens / fb * (flops_per_token + recompute_per_token) / peak,
+        "root_on_device": root_on_device, "sub_batch_size": sub_batch, "num_sub_batches": num_sub,
+        **step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
+                       flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops),
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-        "host_peak_rss_gib": _host_rss_gib(), "losses": losses, "flops_per_token": flops_per_token,
-        "step_times_s": [a + b for a, b in zip(fb_times, opt_times)],
     }
     if profile is not None:
         result["profile"] = profile
     if layer_major:
-        store = speedloader_engine(model).store
-        result["host_activation_gib"] = store.host_bytes / 2**30
-        result["exchange"] = store.step_stats()  # the last measured step: copy bytes, compute-stream waits
-        from fsdp_speedloader import fsdp2
-
+        result["host_activation_gib"] = engine.store.host_bytes / 2**30
+        result["exchange"] = engine.store.step_stats()  # the last measured step: copy bytes, compute-stream waits
         result["stale_transfer_casts"] = fsdp2.num_stale_transfer_casts  # casts on the unshard path
     return result
 
@@ -310,54 +342,34 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.worker:
-        print("RESULT " + json.dumps(run_worker(args)), flush=True)
+        harness.print_result(run_worker(args))
         return
 
     # Every contender with expandable segments (as train.launch sets it), unless the caller chose:
     # the default allocator's fragmentation decides which sub-batch sizes fit under a cap.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    import torch
-
-    rows = []
     contenders = args.contender or ["speedloader:1x8", "fsdp2-offload:1x8", "ondevice:1x8"]
     for contender in contenders:
         try:
             parse_contender(contender, args.param_transfer_dtype, args.compile)  # a bad suffix fails before any run
         except ValueError as e:
             parser.error(str(e))
+    rows: list = []
+    record = {**harness.record_header("train", __file__),
+              "config": {k: v for k, v in vars(args).items() if k != "worker"}, "results": rows}
+    path = Path(args.out_dir, f"{args.name or f'train_{args.model}_L{args.layers}_s{args.seq_len}'}.json")
     for contender in contenders:
-        cmd = [sys.executable, __file__, "--worker", contender] + [
-            a for a in sys.argv[1:] if not a.startswith("--contender") and ":" not in a]
-        t0 = time.time()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            if proc.returncode == 0 and lines:
-                row = json.loads(lines[-1][len("RESULT "):])
-            else:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                row = {"contender": contender, "error": " | ".join(tail)}
-        except subprocess.TimeoutExpired:
-            row = {"contender": contender, "error": f"timeout after {args.timeout}s"}
-        row["wall_s"] = time.time() - t0
+        cmd = harness.worker_command(__file__, contender, sys.argv[1:], drop=("--contender",))
+        row = harness.launch_worker(cmd, timeout=args.timeout).row(contender=contender)
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times_s")}), flush=True)
-
-    # The GPU machine's copy of the tree has no .git: pass FSL_COMMIT=$(git rev-parse HEAD) there.
-    commit = os.environ.get("FSL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    record = {"benchmark": "train", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "torch": torch.__version__, "commit": commit, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-              "config": {k: v for k, v in vars(args).items() if k not in ("worker",)},
-              "pytorch_cuda_alloc_conf": os.environ["PYTORCH_CUDA_ALLOC_CONF"], "results": rows}
-    name = args.name or f"train_{args.model}_L{args.layers}_s{args.seq_len}"
-    os.makedirs(args.out_dir, exist_ok=True)
-    Path(args.out_dir, f"{name}.json").write_text(json.dumps(record, indent=2))
+        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times_s", "output_tail")}),
+              flush=True)
+        harness.write_record(path, record)  # after every contender: a run cut short keeps what finished
     print("\n| contender | n x N | tokens/s (fwd+bwd) | tokens/s (with optimizer) | MFU | peak HBM GiB |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        if "error" in r:
-            print(f"| {r['contender']} | - | error: {r['error'][:80]} | | | |")
+        if r["status"] != "ok":
+            print(f"| {r['contender']} | - | {r['status']}: {r['error'][:80]} | | | |")
         else:
             transfer = r.get("param_transfer_dtype")
             label = (r["contender"] + (f" ({transfer} transfer)" if transfer else "")

@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+import harness  # noqa: E402
 
 NUM_NODES = 2
 ETHERNET_NCCL_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
@@ -91,13 +92,6 @@ def agent_envs(base_env: dict, *, device: str, nproc_per_node: int, emulate_ethe
     return envs
 
 
-def _pump(stream, prefix: str, sink) -> None:
-    for line in iter(stream.readline, ""):
-        sink.write(f"{prefix} {line}")
-        sink.flush()
-    stream.close()
-
-
 def run_agents(commands: Sequence[Sequence[str]], envs: Sequence[dict], *, cwd: Optional[str] = None,
                timeout_s: Optional[float] = None, grace_s: float = 30.0, sink=None,
                done: Optional[Callable[[], bool]] = None) -> list[Optional[int]]:
@@ -108,38 +102,31 @@ def run_agents(commands: Sequence[Sequence[str]], envs: Sequence[dict], *, cwd: 
     ``done()`` first returns True (the caller has what it needs; a hang at exit costs no more).
     """
     sink = sink or sys.stdout
-    procs, pumps = [], []
-    for node, (cmd, env) in enumerate(zip(commands, envs)):
-        # A session per agent: terminating it reaches its worker processes too.
-        proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[node{node}]", sink), daemon=True)
-        pump.start()
-        procs.append(proc)
-        pumps.append(pump)
+
+    def prefixed(node: int) -> Callable[[str], None]:
+        def echo(line: str) -> None:
+            sink.write(f"[node{node}] {line}")
+            sink.flush()
+        return echo
+
+    # A session per agent (harness.Process): stopping it reaches its worker processes too.
+    procs = [harness.Process(cmd, env=env, cwd=cwd, echo=prefixed(node))
+             for node, (cmd, env) in enumerate(zip(commands, envs))]
     start, failed_at = time.monotonic(), None
-    while any(p.poll() is None for p in procs):
-        now = time.monotonic()
-        if failed_at is None and (any(p.poll() not in (None, 0) for p in procs) or (done is not None and done())):
-            failed_at = now  # from here on, only grace_s more
-        if (failed_at is not None and now - failed_at > grace_s) or (timeout_s and now - start > timeout_s):
-            break
-        time.sleep(0.2)
-    codes = []
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and (any(p.poll() not in (None, 0) for p in procs) or (done is not None and done())):
+                failed_at = now  # from here on, only grace_s more
+            if (failed_at is not None and now - failed_at > grace_s) or (timeout_s and now - start > timeout_s):
+                break
+            time.sleep(0.2)
+    finally:  # also when this process is interrupted
+        for proc in procs:
+            proc.stop(grace_s=30.0)  # SIGTERM to a running agent's session, SIGKILL 30 s later
     for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the agent's own session (start_new_session above)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            codes.append(None)
-        else:
-            codes.append(proc.returncode)
-    for pump in pumps:
-        pump.join(timeout=5)
-    return codes
+        proc.output()  # waits for its last lines to be echoed
+    return [None if proc.stopped else proc.poll() for proc in procs]
 
 
 def exit_status(codes: Sequence[Optional[int]]) -> int:

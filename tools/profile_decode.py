@@ -16,17 +16,16 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import json
-import platform
 import pstats
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+import harness  # noqa: E402
+
+sys.path.insert(0, str(harness.REPO))
 
 from fsdp_speedloader import apply_speedloader  # noqa: E402
 from fsdp_speedloader.app.config import ModelConfig  # noqa: E402
@@ -83,11 +82,8 @@ def main() -> None:
                 prof.disable()
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        record = dict(benchmark="profile_decode", device=f"cpu ({platform.processor() or platform.machine()}), 1 thread",
-                      torch=torch.__version__, commit=commit, command=" ".join(sys.argv), config=vars(args),
-                      results=rows)
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        header = harness.record_header("profile_decode", __file__, device=f"{harness.cpu_name()}, 1 thread")
+        harness.write_record(args.out, {**header, "config": vars(args), "results": rows})
 
 
 if __name__ == "__main__":

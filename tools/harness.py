@@ -1,0 +1,374 @@
+"""The benchmark tools' one harness: child processes, worker results, out-of-memory, and the JSON record.
+
+Every tool in ``tools/`` imports it by name (``import harness``: ``tools/`` is not a package; a tool run as
+``python tools/x.py`` has its own folder on ``sys.path``, one imported from elsewhere puts it there first).
+
+The worker protocol: a driver runs each contender in a fresh process (``python tools/x.py --worker SPEC ...``,
+built by :func:`worker_command`), so that every one starts with a clean CUDA context and allocator. The worker
+prints its figures as one line ``RESULT {json}`` on stdout (:func:`print_result`); :func:`launch_worker` runs it
+and returns a :class:`WorkerOutcome` whose ``status`` is one of ``STATUSES``:
+
+  ok       it exited 0 after printing a RESULT line (``result`` holds it)
+  oom      its output shows an allocator out of memory (:func:`is_oom`), whatever else happened after
+  timeout  it was stopped after ``timeout`` seconds
+  failed   anything else (``error`` says how it ended and its exception lines)
+
+Every record starts with :func:`record_header` (benchmark, device, torch version, commit, command line,
+timestamp, allocator settings) and is written by :func:`write_record`. :func:`commit` is the one rule for the
+commit: ``FSL_COMMIT`` if set (the GPU machine's copy of the tree has no .git: pass
+``FSL_COMMIT=$(git rev-parse HEAD)`` there), else ``git rev-parse HEAD`` of this checkout, else "unknown".
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+RESULT_PREFIX = "RESULT "
+STATUSES = ("ok", "oom", "timeout", "failed")
+# What PyTorch's allocators (and the CUDA runtime and cuBLAS below them) print when memory runs out.
+OOM_PATTERN = re.compile(
+    r"OutOfMemoryError"  # torch.OutOfMemoryError (torch.cuda.OutOfMemoryError): the caching allocators
+    r"|out of memory"  # 'CUDA out of memory. Tried to allocate', 'CUDA error: out of memory', NCCL's, HIP's, MPS's
+    r"|DefaultCPUAllocator: (can't allocate memory|not enough memory)"  # the CPU allocator (new, old text)
+    r"|CUBLAS_STATUS_ALLOC_FAILED",
+    re.IGNORECASE)
+_EXCEPTION_LINE = re.compile(r"\w+(Error|Exception)\b:")
+
+
+# --- the record -------------------------------------------------------------------------------------
+
+
+def commit() -> str:
+    """``FSL_COMMIT`` if set, else ``git rev-parse HEAD`` of this checkout, else "unknown"."""
+    if os.environ.get("FSL_COMMIT"):
+        return os.environ["FSL_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def cpu_name() -> str:
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def device_name(device: str = "auto") -> str:
+    """The first visible GPU's name (``device`` 'auto' or 'cuda'), else the CPU's.
+
+    Asked in a throw-away process unless this one already uses CUDA: a driver that leaves its GPU to its
+    workers must not hold a CUDA context while they run.
+    """
+    if device == "cpu":
+        return cpu_name()
+    import torch
+
+    if torch.cuda.is_available():
+        if torch.cuda.is_initialized():
+            return torch.cuda.get_device_name()
+        probe = "import torch; print(torch.cuda.get_device_name())"
+        name = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+        if name:
+            return name
+    return cpu_name()
+
+
+def command_line(script: str, argv: Optional[Sequence[str]] = None) -> str:
+    """How to run it again from the repository root: ``python tools/x.py ARGS``."""
+    path = Path(script).resolve()
+    shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    return shlex.join(["python", str(shown), *(sys.argv[1:] if argv is None else argv)])
+
+
+def record_header(benchmark: str, script: str, argv: Optional[Sequence[str]] = None, *,
+                  device: Optional[str] = None) -> dict:
+    """What every record starts with. ``script``: the tool's ``__file__``; ``argv``: its arguments (default
+    ``sys.argv[1:]``); ``device``: a description to use instead of :func:`device_name`'s."""
+    import torch
+
+    return {"benchmark": benchmark, "device": device or device_name(), "torch": torch.__version__,
+            "commit": commit(), "command": command_line(script, argv),
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+
+
+def write_record(path: str | Path, record: dict) -> Path:
+    """``record`` as indented JSON at ``path`` (its folder made if missing); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+# --- output -------------------------------------------------------------------------------------------
+
+
+def is_oom(text: str) -> bool:
+    """Whether ``text`` (a process's output) shows an allocator out of memory: the GPU's or the host's."""
+    return OOM_PATTERN.search(text) is not None
+
+
+def error_summary(text: str, max_lines: int = 3) -> str:
+    """One line: the output's first exception lines (torchrun's ChildFailedError wrapper left out), or its
+    last lines when it has none."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if _EXCEPTION_LINE.search(line) and "ChildFailedError" not in line]
+    picked = list(dict.fromkeys(errors))[:max_lines] if errors else lines[-max_lines:]
+    return " | ".join(picked)[-1500:] or "no output"
+
+
+def print_result(result: dict) -> None:
+    """The worker's side of the protocol: its figures as the RESULT line."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def parse_result(stdout: str, prefix: str = RESULT_PREFIX) -> Optional[dict]:
+    """The last ``prefix`` line of a worker's stdout as a dict (None without one); other lines are noise.
+    Raises ``ValueError`` when that line is not a JSON object (cut short, say)."""
+    lines = [line for line in stdout.splitlines() if line.startswith(prefix)]
+    if not lines:
+        return None
+    try:
+        result = json.loads(lines[-1][len(prefix):])
+    except json.JSONDecodeError as e:
+        raise ValueError(f"unreadable {prefix.strip()} line ({e}): {lines[-1][:200]}") from None
+    if not isinstance(result, dict):
+        raise ValueError(f"{prefix.strip()} line is not a JSON object: {lines[-1][:200]}")
+    return result
+
+
+# --- processes ---------------------------------------------------------------------------------------
+
+
+def child_env(env: Optional[dict] = None) -> dict:
+    """``env`` (default: this process's) with the checkout first on PYTHONPATH: a child imports this tree's
+    package, also where it is not installed."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+class Process:
+    """A child in its own session (stopping it stops its children too), its stdout and stderr read line by
+    line by two threads: kept, and passed to ``echo`` (one line at a time, in arrival order) as they come."""
+
+    def __init__(self, cmd: Sequence[str], *, env: Optional[dict] = None, cwd: Optional[str | Path] = None,
+                 echo: Optional[Callable[[str], Any]] = None) -> None:
+        self.popen = subprocess.Popen(list(cmd), cwd=cwd, env=child_env(env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+        self.stopped = False
+        self._lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        lock = threading.Lock()
+
+        def read(stream, kept: list) -> None:
+            for line in iter(stream.readline, ""):
+                kept.append(line)
+                if echo is not None:
+                    with lock:
+                        echo(line)
+            stream.close()
+
+        self._readers = [threading.Thread(target=read, args=(getattr(self.popen, name), kept), daemon=True)
+                         for name, kept in self._lines.items()]
+        for reader in self._readers:
+            reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> Optional[int]:
+        return self.popen.poll()
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        """The exit status, or None if it is still running after ``timeout`` seconds."""
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to its session; SIGKILL after ``grace_s`` seconds if it is still running."""
+        if self.popen.poll() is not None:
+            return
+        self.stopped = True
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:  # gone meanwhile
+                break
+            if self.wait(wait_s) is not None:
+                break
+
+    def output(self) -> tuple[str, str]:
+        """(stdout, stderr) so far; once it has exited, all of it."""
+        if self.popen.poll() is not None:
+            for reader in self._readers:
+                reader.join(timeout=10)  # a grandchild in another session may still hold a pipe
+        return "".join(self._lines["stdout"]), "".join(self._lines["stderr"])
+
+
+@dataclass
+class Finished:
+    """How a process ended: ``returncode`` None when it was stopped after ``timeout`` seconds."""
+
+    returncode: Optional[int]
+    stdout: str
+    stderr: str
+    wall_s: float
+    timeout: Optional[float] = None
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+    def failure(self, reason: str = "") -> tuple[str, str]:
+        """(status, error) of a run that did not deliver: 'oom' when its output shows an allocator out of
+        memory, whatever came after (a rank out of memory can leave its peers waiting in a collective until
+        stopped), else 'timeout' or 'failed'; the error says how it ended (plus ``reason``) and its
+        exception lines."""
+        output = self.stdout + self.stderr
+        if self.timed_out:
+            how = f"timeout after {self.timeout:g} s"
+        elif self.returncode < 0:
+            how = f"killed by signal {-self.returncode}"
+        else:
+            how = f"exit {self.returncode}"
+        status = "oom" if is_oom(output) else "timeout" if self.timed_out else "failed"
+        return status, f"{how}{' ' + reason if reason else ''}: {error_summary(output)}"
+
+
+def run_process(cmd: Sequence[str], *, env: Optional[dict] = None, cwd: Optional[str | Path] = None,
+                timeout: Optional[float] = None, echo: Optional[Callable[[str], Any]] = None) -> Finished:
+    """Runs ``cmd`` (a :class:`Process`) to its end, or stops it after ``timeout`` seconds."""
+    start = time.perf_counter()
+    proc = Process(cmd, env=env, cwd=cwd, echo=echo)
+    try:
+        code = proc.wait(timeout)
+    finally:
+        proc.stop()  # a timeout, or this process interrupted: the child's whole session goes
+    return Finished(code, *proc.output(), wall_s=time.perf_counter() - start, timeout=timeout)
+
+
+@dataclass
+class WorkerOutcome:
+    """How a worker ended: ``status`` (one of ``STATUSES``), its RESULT when ok, else ``error``."""
+
+    status: str
+    result: Optional[dict]
+    error: Optional[str]
+    returncode: Optional[int]
+    wall_s: float
+    output_tail: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def row(self, **fields: Any) -> dict:
+        """A record's row: ``fields``, then the worker's result (its keys win), or its status, error and last
+        lines of output; then ``status`` and ``wall_s``."""
+        if self.ok:
+            return {**fields, **self.result, "status": "ok", "wall_s": self.wall_s}
+        return {**fields, "status": self.status, "error": self.error, "returncode": self.returncode,
+                "output_tail": self.output_tail, "wall_s": self.wall_s}
+
+
+def launch_worker(cmd: Sequence[str], env: Optional[dict] = None, timeout: Optional[float] = None, *,
+                  cwd: Optional[str | Path] = None, echo: Optional[Callable[[str], Any]] = None,
+                  tail_lines: int = 30) -> WorkerOutcome:
+    """Runs one worker (:func:`run_process`) and classifies how it ended (the module docstring)."""
+    done = run_process(cmd, env=env, cwd=cwd, timeout=timeout, echo=echo)
+    try:
+        result, unreadable = parse_result(done.stdout), None
+    except ValueError as e:
+        result, unreadable = None, str(e)
+    if done.returncode == 0 and result is not None:
+        return WorkerOutcome("ok", result, None, 0, done.wall_s)
+    reason = f"with an {unreadable}" if unreadable else (
+        f"without a {RESULT_PREFIX.strip()} line" if done.returncode == 0 else "")
+    status, error = done.failure(reason)
+    tail = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()][-tail_lines:]
+    return WorkerOutcome(status, None, error, done.returncode, done.wall_s, tail)
+
+
+def worker_command(script: str, spec: str, argv: Sequence[str], *, drop: Sequence[str] = ()) -> list[str]:
+    """``python SCRIPT --worker SPEC ARGV``: the driver's own arguments passed on, less the options in ``drop``
+    (each with its value, as ``--opt VALUE`` or ``--opt=VALUE``)."""
+    passed, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in drop:
+            skip = True
+        elif not any(arg.startswith(f"{opt}=") for opt in drop):
+            passed.append(arg)
+    return [sys.executable, str(script), "--worker", spec, *passed]
+
+
+def pyplot(tool: str):
+    """``matplotlib.pyplot`` on the Agg backend (files only), or None, with a note on stderr, where matplotlib
+    is not installed (the records are written all the same)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"{tool}: matplotlib is not installed, no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """The figure laid out, written (120 dpi) and closed; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+# --- a worker's own measurements -----------------------------------------------------------------------
+
+
+def host_peak_rss_gib() -> float:
+    """This process's peak resident set (VmHWM), GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def profile_summary(run: Callable[[], Any], summarize: Callable[[str, Any], dict]) -> dict:
+    """``run()`` under the profiler (host and CUDA activity); returns ``summarize(trace_path, run's value)`` of
+    its Chrome trace, which is deleted then: records keep the summary, not the trace."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        value = run()
+    fd, trace = tempfile.mkstemp(prefix="fsl_trace_", suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(trace)
+        return summarize(trace, value)
+    finally:
+        os.remove(trace)
