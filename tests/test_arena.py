@@ -19,12 +19,12 @@ from engine_cases import assert_grads_close, batch, reference_grads, tiny_model
 from fsdp_speedloader import apply_speedloader, speedloader_engine
 from fsdp_speedloader.memory import arena as arena_mod
 from fsdp_speedloader import fsdp2
+from fsdp_speedloader.fsdp2 import counters
 from fsdp_speedloader.engine.activation_store import ExchangeActivationStore, HostActivationStore, build_activation_store
-from fsdp_speedloader.memory.arena import ALIGNMENT, ArenaPlan, HostMemoryBudget, PinnedArena, check_plan, \
-    offloaded_fsdp_params, plan_fsdp_grads, plan_fsdp_shards
+from fsdp_speedloader.memory.arena import ALIGNMENT, ArenaPlan, HostMemoryBudget, PinnedArena, check_plan
 from fsdp_speedloader.app.config import ModelConfig
 from fsdp_speedloader.memory.exchange import TensorExchange
-from fsdp_speedloader.fsdp2 import grad_slot_of
+from fsdp_speedloader.fsdp2 import grad_slot_of, offloaded_fsdp_params, plan_fsdp_grads, plan_fsdp_shards
 from fsdp_speedloader.models import build_model
 
 MIB = 1 << 20
@@ -548,7 +548,7 @@ def test_offloaded_gradients_land_in_the_arena_with_exact_zero_grad_and_accumula
 
 
 def test_a_gradient_still_referenced_after_zero_grad_is_not_overwritten(caplog, monkeypatch):
-    monkeypatch.setattr(fsdp2, "_warned", set())  # warnings are once per process
+    monkeypatch.setattr(counters, "_warned", set())  # warnings are once per process
     model = _offloaded()
     fsdp_params = offloaded_fsdp_params(model)
     ids, labels = batch(2)
@@ -558,15 +558,20 @@ def test_a_gradient_still_referenced_after_zero_grad_is_not_overwritten(caplog, 
     kept = {name: g.to_local().clone() for name, g in held.items()}
     model.zero_grad(set_to_none=True)
     ids2, labels2 = batch(2, seed=1)
+    before = fsdp2.fast_path_stats()
     with caplog.at_level("WARNING", logger="fsdp_speedloader.fsdp2"):
         model(input_ids=ids2, labels=labels2).loss.backward()
     assert all(torch.equal(held[name].to_local(), kept[name]) for name in held)  # left as they were
     assert not any(store.arena.contains(_local_grad(p)) for p in fsdp_params)  # FSDP2's own memory instead
-    assert "still referenced after zero_grad" in caplog.text
+    assert caplog.text.count("still referenced after zero_grad") == 1  # once, not once per parameter
+    after = fsdp2.fast_path_stats()
+    assert after["num_grad_slot_fallbacks"] - before["num_grad_slot_fallbacks"] == len(fsdp_params)
+    assert after["num_grads_into_slots"] == before["num_grads_into_slots"]
     del held
     model.zero_grad(set_to_none=True)
     model(input_ids=ids2, labels=labels2).loss.backward()
     assert all(store.arena.contains(_local_grad(p)) for p in fsdp_params)
+    assert fsdp2.fast_path_stats()["num_grads_into_slots"] - after["num_grads_into_slots"] == len(fsdp_params)
 
 
 def _uneven_shards(rank: int, world_size: int) -> dict:

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from engine_cases import assert_grads_close, batch, tiny_model
-from fsdp_speedloader import apply_speedloader, speedloader_engine, fsdp2
+from fsdp_speedloader import apply_speedloader, speedloader_engine
 from fsdp_speedloader.engine.activation_store import ExchangeActivationStore
-from fsdp_speedloader.memory.arena import ArenaPlan, PinnedArena, _align, offloaded_fsdp_params
+from fsdp_speedloader.fsdp2 import grad_slots, offloaded_fsdp_params
+from fsdp_speedloader.memory.arena import ArenaPlan, PinnedArena, _align
 from fsdp_speedloader.memory.exchange import TensorExchange
 from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
@@ -372,9 +373,9 @@ def test_overlapped_optimizer_reads_each_gradient_only_after_its_copy(monkeypatc
             _step(models[0], ids, labels)
             plain.step()
             plain.zero_grad()
-            monkeypatch.setattr(fsdp2, "grad_copy_delay_cycles", ENGINE_LAG)
+            monkeypatch.setattr(grad_slots, "grad_copy_delay_cycles", ENGINE_LAG)
             _step(models[1], ids, labels)  # units U .. 2 are stepped on the CPU while backward runs
-            monkeypatch.setattr(fsdp2, "grad_copy_delay_cycles", 0)
+            monkeypatch.setattr(grad_slots, "grad_copy_delay_cycles", 0)
             overlapped.step()
             overlapped.zero_grad()
     finally:

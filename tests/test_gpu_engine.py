@@ -165,6 +165,7 @@ def test_offloaded_parameter_loads_run_off_the_compute_stream(monkeypatch):
     """One rank, offloaded: every unit's host-to-device parameter load is staged on FSDP's copy-in
     stream at prefetch time, never run on the compute stream when the unit is needed."""
     from fsdp_speedloader import fsdp2
+    from fsdp_speedloader.fsdp2 import param_transfer
 
     maybe_init_process_group("cuda")
     model = apply_speedloader(_model(), num_sub_batches=2, param_dtype=BF16, offload_params=True)
@@ -172,16 +173,21 @@ def test_offloaded_parameter_loads_run_off_the_compute_stream(monkeypatch):
     model(input_ids=ids, labels=labels).loss.backward()  # lazy init
     unit_params = {id(p) for module, _ in speedloader_engine(model).units for p in fsdp2.fsdp_params_of(module)}
     streams = []
-    original = fsdp2._original_inputs
+    original = param_transfer._original_inputs  # FSDP2's own all_gather_inputs, which the staging calls
 
     def recording(fsdp_param):
         if id(fsdp_param) in unit_params:
             streams.append(torch.cuda.current_stream() == torch.cuda.default_stream())
         return original.fget(fsdp_param)
 
-    monkeypatch.setattr(fsdp2, "_original_inputs", property(recording))
+    monkeypatch.setattr(param_transfer, "_original_inputs", property(recording))
     model.zero_grad(set_to_none=True)
+    before = speedloader_engine(model).stats()
     model(input_ids=ids, labels=labels).loss.backward()
+    after = speedloader_engine(model).stats()
     num_units, params_per_block = len(speedloader_engine(model).units), len(list(model.model.layers[0].parameters()))
     assert len(streams) == 2 * num_units * params_per_block  # forward and backward loads of every unit
     assert not any(streams), f"{sum(streams)} loads ran on the compute stream"
+    # The engine's stats show the fast path ran: every staged load was read by FSDP2, none fell back.
+    assert after["num_staged_loads"] - before["num_staged_loads"] == len(streams) > 0
+    assert after["num_staged_load_fallbacks"] == before["num_staged_load_fallbacks"]

@@ -24,14 +24,19 @@ from engine_cases import batch, tiny_model
 from fsdp_speedloader import apply_speedloader, speedloader_engine
 from fsdp_speedloader.memory import arena as arena_mod
 from fsdp_speedloader import fsdp2
-from fsdp_speedloader.memory.arena import HostMemoryBudget, offloaded_fsdp_params
+from fsdp_speedloader.fsdp2 import param_transfer
+from fsdp_speedloader.memory.arena import HostMemoryBudget
 from fsdp_speedloader.app.config import ModelConfig
-from fsdp_speedloader.fsdp2 import param_transfer_of
+from fsdp_speedloader.fsdp2 import offloaded_fsdp_params, param_transfer_of
 from fsdp_speedloader.models import build_model
 from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
 BF16 = torch.bfloat16
 N_SUB = 2
+
+
+def _stale_casts() -> int:
+    return fsdp2.fast_path_stats()["num_stale_transfer_casts"]
 
 
 def _pair(base=None, **kwargs):
@@ -84,7 +89,7 @@ def test_host_cast_rounds_to_nearest_even(numel):
 def test_plain_adamw_gives_identical_losses_gradients_and_weights(adamw, refresh):
     models = _pair()
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, **adamw) for m in models]
-    stale_before = fsdp2.num_stale_transfer_casts
+    stale_before, before = _stale_casts(), fsdp2.fast_path_stats()
     for step in range(3):
         ids, labels = batch(N_SUB, seed=step)
         losses = []
@@ -101,9 +106,12 @@ def test_plain_adamw_gives_identical_losses_gradients_and_weights(adamw, refresh
         if refresh:
             assert speedloader_engine(models[1]).refresh_param_transfer() == len(offloaded_fsdp_params(models[1]))
         _assert_same_weights(*models)
-    stale = fsdp2.num_stale_transfer_casts - stale_before
+    stale = _stale_casts() - stale_before
     # Without refresh, every parameter is cast on its unshard after each of the two steps that follow one.
     assert stale == (0 if refresh else 2 * len(offloaded_fsdp_params(models[1])))
+    after = fsdp2.fast_path_stats()  # the fast path engaged: every parameter's every load read its copy
+    assert after["num_param_transfers"] - before["num_param_transfers"] >= 3 * len(offloaded_fsdp_params(models[1]))
+    assert after["num_param_transfer_fallbacks"] == before["num_param_transfer_fallbacks"]
     assert speedloader_engine(models[0]).refresh_param_transfer() == 0  # the option off: nothing to refresh
 
 
@@ -112,7 +120,7 @@ def test_overlapped_optimizer_casts_in_its_worker_and_gives_identical_weights(bl
     models = _pair(blocks_per_unit=blocks_per_unit)
     build = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
     optims = [OverlappedOptimizer(m, build) for m in models]
-    stale_before = fsdp2.num_stale_transfer_casts
+    stale_before = _stale_casts()
     try:
         for step in range(3):
             ids, labels = batch(N_SUB, seed=step)
@@ -122,7 +130,7 @@ def test_overlapped_optimizer_casts_in_its_worker_and_gives_identical_weights(bl
     finally:
         for opt in optims:
             opt.close()
-    assert fsdp2.num_stale_transfer_casts == stale_before  # every copy was fresh when FSDP2 read it
+    assert _stale_casts() == stale_before  # every copy was fresh when FSDP2 read it
 
 
 def _train_steps(models, optims, ids, labels) -> list[float]:
@@ -305,10 +313,10 @@ def test_trainer_with_bf16_transfer_reproduces_the_fp32_transfer_run(tmp_path, o
         cfg = tiny_config(tmp_path / str(k), steps=3, param_dtype="bfloat16",
                           offload={"params": True, "param_transfer_dtype": transfer},
                           optim={"overlap_with_backward": overlap, "grad_clip": 0.0})
-        stale_before = fsdp2.num_stale_transfer_casts
+        stale_before = _stale_casts()
         trainer = Trainer(cfg)
         history = trainer.train()
-        assert fsdp2.num_stale_transfer_casts == stale_before  # the trainer refreshes after each step
+        assert _stale_casts() == stale_before  # the trainer refreshes after each step
         runs.append(([m["loss"] for m in history], history[-1], trainer.model))
     assert runs[0][0] == runs[1][0]
     assert runs[1][1]["arena_param_transfer_requested_bytes"] * 2 == runs[1][1]["arena_param_shards_requested_bytes"]
@@ -388,7 +396,7 @@ def test_gpu_overlapped_training_is_bitwise_equal_and_halves_parameter_h2d_bytes
     optims = [OverlappedOptimizer(m, build) for m in models]
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 2048, (N_SUB * 2, 512), generator=gen)
-    stale_before = fsdp2.num_stale_transfer_casts
+    stale_before = _stale_casts()
     losses, param_h2d = [], []
     try:
         for step in range(4):
@@ -414,10 +422,10 @@ def test_gpu_overlapped_training_is_bitwise_equal_and_halves_parameter_h2d_bytes
                                     for p, q in zip(fp32.parameters(), control.parameters()))
                 if deterministic:
                     _assert_same_weights(fp32, bf16)
-        assert fsdp2.num_stale_transfer_casts == stale_before  # the worker kept every copy fresh
+        assert _stale_casts() == stale_before  # the worker kept every copy fresh
         # What crosses to the GPU is exactly FSDP2's own cast of the current fp32 shard.
         for p in offloaded_fsdp_params(bf16):
-            mine, fsdps = fsdp2._unstaged_inputs(p)[0], fsdp2._original_inputs.fget(p)[0]
+            mine, fsdps = param_transfer.unstaged_inputs(p)[0], param_transfer._original_inputs.fget(p)[0]
             assert mine.dtype == BF16 and torch.equal(mine, fsdps), p._param_fqn
     finally:
         for opt in optims:

@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fsdp_speedloader.memory.arena import DEFAULT_MARGIN, GIB, ArenaPlan, HostMemoryBudget, PinnedArena, bind_fsdp_grads_to_arena, \
-    bind_fsdp_param_transfer, move_fsdp_shards_into_arena, offloaded_fsdp_params, plan_fsdp_grads, \
-    plan_fsdp_param_transfer, plan_fsdp_shards
+from fsdp_speedloader.fsdp2 import bind_fsdp_grads_to_arena, bind_fsdp_param_transfer, move_fsdp_shards_into_arena, \
+    offloaded_fsdp_params, plan_fsdp_grads, plan_fsdp_param_transfer, plan_fsdp_shards
+from fsdp_speedloader.memory.arena import DEFAULT_MARGIN, GIB, ArenaPlan, HostMemoryBudget, PinnedArena
 from fsdp_speedloader.memory.exchange import TensorExchange
 
 
@@ -142,7 +142,7 @@ class ExchangeActivationStore(ActivationStore):
     slots come with the first step that runs with grad enabled: generation and no-grad forwards do
     not pay for them (a training step after them re-plans the arena once). With
     ``param_transfer_dtype`` (opt-in) the arena also holds a copy of each shard in that dtype, which
-    FSDP2 then copies to the device instead of the fp32 shard (see ``fsdp_internals``).
+    FSDP2 then copies to the device instead of the fp32 shard (see ``fsdp2/param_transfer.py``).
 
     Hazards the engine's schedule creates, and what orders them (all on the GPU, by events):
     - ``get(l, i)`` then ``put(l, i, ...)`` in the same iteration (head backward, and the last unit's

@@ -21,7 +21,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fsdp_speedloader.engine.activation_store import ActivationStore, ExchangeActivationStore, build_activation_store
 from fsdp_speedloader.engine.chain import EmbedFunction, HeadLossFunction, StepState, Unit, UnitFunction, num_label_tokens, shift_labels
-from fsdp_speedloader.fsdp2 import enable_single_rank_prefetch, fsdp_params_of, refresh_param_transfer
+from fsdp_speedloader.fsdp2 import check_torch_version, enable_single_rank_prefetch, fast_path_stats, fsdp_params_of, \
+    refresh_param_transfer, require_fsdp2_internals
 from fsdp_speedloader.models import ModelAdapter, get_adapter
 from fsdp_speedloader.options import SpeedLoaderOptions
 from fsdp_speedloader.parallel import apply_fsdp, build_mesh, check_mesh, compute_device, maybe_init_process_group, \
@@ -64,6 +65,11 @@ class SpeedLoader:
             return 0
         indices = range(1, len(self.units) + 2) if index is None else [index]
         return sum(refresh_param_transfer(self.unit_fsdp_params(i), force=force) for i in indices)
+
+    def stats(self) -> dict:
+        """The store's figures of the last finished step (``store.step_stats()``) and how often each FSDP2
+        fast path engaged or fell back (``fsdp2.fast_path_stats()``: counts since the process started)."""
+        return {**self.store.step_stats(), **fast_path_stats()}
 
     def _check_inputs(self, input_ids, attention_mask, labels, kwargs) -> None:
         if input_ids is None or input_ids.dim() != 2:
@@ -155,6 +161,8 @@ def apply_speedloader(model: nn.Module, options: Optional[SpeedLoaderOptions] = 
     Returns:
         ``model`` itself; ``speedloader_engine(model)`` is its engine.
     """
+    check_torch_version()
+    require_fsdp2_internals()  # a private FSDP2 name this torch lacks fails here, named, not mid-step
     options = options or SpeedLoaderOptions()
     if overrides:
         options = options.replace(**overrides)

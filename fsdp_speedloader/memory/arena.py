@@ -19,12 +19,8 @@ Registration follows the memory, not the ``PinnedArena`` object: the region is u
 unmapped when the last tensor viewing it dies (FSDP may hold parameter shards in the arena longer
 than the store that built it). ``close()`` drops the arena's own references.
 
-``move_fsdp_shards_into_arena`` puts FSDP2's offloaded parameter shards into arena slots (see its
-docstring for exactly which FSDP2 attributes it touches and why that is the same surgery FSDP2's own
-``reset_sharded_param`` does, on torch 2.11 and 2.13); ``bind_fsdp_grads_to_arena`` makes FSDP2
-copy their gradients into arena slots too (``fsdp_internals.set_grad_slots``), instead of a fresh
-power-of-two page-locked block per parameter and step; ``bind_fsdp_param_transfer`` (opt-in) keeps a
-compute-dtype copy of each shard in the arena for FSDP2 to transfer instead of the fp32 shard.
+The arena knows nothing of FSDP2: ``fsdp_speedloader/fsdp2/shards.py`` plans FSDP2's offloaded parameter
+shards, their gradients and their compute-dtype transfer copies into slots and points FSDP2 at them.
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
-from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -350,169 +345,3 @@ class PinnedArena:
         The caller makes sure no copy into or out of the arena is still queued.
         """
         self._buffer = self._region = None
-
-
-# --- FSDP2 offloaded parameter shards ------------------------------------------------------------
-
-
-def offloaded_fsdp_params(root: nn.Module) -> list:
-    """FSDP2's ``FSDPParam`` objects under ``root`` whose shards live on the host (CPU offload).
-
-    Reads FSDP2 internals: ``FSDPModule._get_fsdp_state()`` and its param group(s)
-    (``_fsdp_param_group`` on torch 2.11, ``_fsdp_param_groups`` on 2.13).
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    out, seen = [], set()
-    for module in root.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            group = getattr(state, "_fsdp_param_group", None)
-            groups = [group] if group is not None else []
-        for group in groups:
-            for fsdp_param in group.fsdp_params:
-                if id(fsdp_param) not in seen and getattr(fsdp_param, "offload_to_cpu", False):
-                    seen.add(id(fsdp_param))
-                    out.append(fsdp_param)
-    return out
-
-
-def _movable(fsdp_param) -> bool:
-    data = getattr(fsdp_param, "_sharded_param_data", None)
-    local = getattr(getattr(fsdp_param, "sharded_param", None), "_local_tensor", None)
-    return (type(data) is torch.Tensor and type(local) is torch.Tensor and data.device.type == "cpu"
-            and data.numel() > 0 and data.is_contiguous() and local.data_ptr() == data.data_ptr()
-            and hasattr(fsdp_param, "padded_sharded_param_size") and hasattr(fsdp_param, "fsdp_placement"))
-
-
-def plan_fsdp_shards(plan: ArenaPlan, fsdp_params: list) -> list[tuple[str, object]]:
-    """Adds one 'param_shards' slot per movable shard (its padded size and dtype); returns (slot, param)."""
-    planned = []
-    for k, fsdp_param in enumerate(fsdp_params):
-        if not _movable(fsdp_param):
-            log.warning("FSDP parameter %s stays where FSDP put it (not a plain, contiguous CPU shard)",
-                        getattr(fsdp_param, "_param_fqn", k))
-            continue
-        name = f"param_shard:{k}:{getattr(fsdp_param, '_param_fqn', None) or ''}"
-        plan.add(name, "param_shards", tuple(fsdp_param.padded_sharded_param_size),
-                 fsdp_param._sharded_param_data.dtype)
-        planned.append((name, fsdp_param))
-    return planned
-
-
-@torch.no_grad()
-def move_fsdp_shards_into_arena(arena: PinnedArena, planned: list[tuple[str, object]], *,
-                                own_version_counters: bool = False) -> int:
-    """Copies each planned shard into its slot and points FSDP2 at the slot; returns the bytes moved.
-
-    Two FSDP2 attributes change per parameter, exactly as FSDP2's own ``reset_sharded_param`` changes
-    them after ``load_state_dict`` or lazy init (same code on torch 2.11 and 2.13):
-    ``_sharded_param_data`` (the padded 1-D shard that its unshard copies to the device) and
-    ``sharded_param._local_tensor`` (the unpadded view the optimizer updates in place). The
-    ``nn.Parameter`` object is unchanged, so optimizers built before keep working. Afterwards
-    ``reset_sharded_param`` finds the same storage and a pinned tensor and leaves both alone.
-
-    When the arena is (to be) page-locked, ``fsdp_param.pin_memory`` is set so that FSDP2 copies the
-    reduce-scattered gradient to the host without blocking (``apply_speedloader`` shards with
-    ``pin_memory=False`` when the arena takes the shards, so FSDP2 pins nothing itself). Each old
-    shard is freed as soon as it is moved: host memory never holds all shards twice.
-
-    Call it when no unshard is reading the old shards from page-locked memory (pageable sources
-    are staged by CUDA before the copy call returns, so FSDP2's first-forward copies are safe).
-
-    With ``own_version_counters`` (the parameter transfer copies need it) each shard gets a version
-    counter of its own (a view of the arena would share the region's with every other slot, bumped by
-    each activation copy): ``_version`` then counts writes to that shard alone, which is what the
-    copies check (``fsdp_internals.set_param_transfer``).
-    """
-    moved = 0
-    for name, fsdp_param in planned:
-        padded = arena.slot(name)  # padded_sharded_param_size
-        if own_version_counters:
-            padded = _own_version_counter(padded)
-        old = fsdp_param._sharded_param_data
-        padded.view(-1).copy_(old)
-        shard_dim = fsdp_param.fsdp_placement.dim
-        local = fsdp_param.sharded_param._local_tensor
-        length = local.size(shard_dim) if local.numel() > 0 else 0
-        fsdp_param._sharded_param_data = padded.view(-1)
-        fsdp_param.sharded_param._local_tensor = padded.narrow(shard_dim, 0, length)
-        assert fsdp_param.sharded_param._local_tensor.is_contiguous()
-        if arena.pin_requested:
-            fsdp_param.pin_memory = True
-        moved += padded.numel() * padded.element_size()
-    return moved
-
-
-def _own_version_counter(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s memory as a tensor that is no view: same storage, its own autograd version counter."""
-    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-
-
-# --- FSDP2 parameters transferred in the compute dtype --------------------------------------------
-
-
-def plan_fsdp_param_transfer(plan: ArenaPlan, planned_shards: list[tuple[str, object]], dtype: torch.dtype
-                             ) -> list[tuple[str, object]]:
-    """Adds one 'param_transfer' slot per planned parameter shard whose dtype is not ``dtype``: the padded
-    shard (``padded_sharded_param_size``, flattened) in ``dtype``, what FSDP2 then copies to the device
-    instead of the fp32 shard (half the bytes for bf16); returns (slot, param)."""
-    planned = []
-    for k, (_, fsdp_param) in enumerate(planned_shards):
-        if fsdp_param._sharded_param_data.dtype == dtype:
-            continue
-        name = f"param_transfer:{k}:{getattr(fsdp_param, '_param_fqn', None) or ''}"
-        plan.add(name, "param_transfer", (math.prod(fsdp_param.padded_sharded_param_size),), dtype)
-        planned.append((name, fsdp_param))
-    return planned
-
-
-def bind_fsdp_param_transfer(arena: PinnedArena, planned: list[tuple[str, object]]) -> int:
-    """Casts each planned shard into its 'param_transfer' slot (committing its pages) and makes FSDP2's
-    host-to-device parameter copy read the slot (``fsdp_internals.set_param_transfer``); returns the bytes."""
-    from fsdp_speedloader.fsdp2 import set_param_transfer  # FSDP2's private modules load only when FSDP is in use
-
-    copies = [(fsdp_param, arena.slot(name)) for name, fsdp_param in planned]
-    set_param_transfer(copies)
-    return sum(t.numel() * t.element_size() for _, t in copies)
-
-
-# --- FSDP2 offloaded gradients ------------------------------------------------------------------
-
-
-def plan_fsdp_grads(plan: ArenaPlan, fsdp_params: list) -> list[tuple[str, object]]:
-    """Adds one 'grad_shards' slot per offloaded parameter that gets a gradient: exactly its shard
-    (``sharded_size``, unpadded, in the parameter's dtype: what FSDP2's reduce-scatter leaves for this
-    rank after casting back to the original dtype); returns (slot, param). Empty shards get none."""
-    planned = []
-    for k, fsdp_param in enumerate(fsdp_params):
-        sharded = getattr(fsdp_param, "sharded_param", None)
-        if sharded is None or not sharded.requires_grad or math.prod(fsdp_param.sharded_size) == 0:
-            continue
-        name = f"grad_shard:{k}:{getattr(fsdp_param, '_param_fqn', None) or ''}"
-        plan.add(name, "grad_shards", tuple(fsdp_param.sharded_size), sharded.dtype)
-        planned.append((name, fsdp_param))
-    return planned
-
-
-def bind_fsdp_grads_to_arena(arena: PinnedArena, planned: list[tuple[str, object]]) -> int:
-    """Points FSDP2's host gradient copies of the planned parameters at their slots; returns the bytes.
-
-    From the next backward on, a parameter whose ``.grad`` is None (``zero_grad(set_to_none=True)``)
-    gets its reduce-scattered gradient copied into its slot on FSDP2's post-reduce stream (without
-    blocking when the arena is page-locked) and wrapped as its ``.grad`` by FSDP2 itself; see
-    ``fsdp_internals.set_grad_slots`` for the one FSDP2 call this redirects. The slots are zeroed here,
-    which commits their pages before the arena is registered.
-    """
-    slots = []
-    for name, fsdp_param in planned:
-        tensor = arena.slot(name)
-        tensor.zero_()
-        slots.append((fsdp_param, tensor))
-    from fsdp_speedloader.fsdp2 import set_grad_slots  # FSDP2's private modules load only when FSDP is in use
-
-    set_grad_slots(slots)
-    return sum(t.numel() * t.element_size() for _, t in slots)

@@ -1,0 +1,173 @@
+"""Offloaded gradients copied into preplanned host slots instead of fresh page-locked blocks.
+
+FSDP2's ``foreach_reduce`` ends, per parameter, with
+
+    to_accumulate_grad = fsdp_param.sharded_param.grad is not None
+    if fsdp_param.offload_to_cpu:
+        non_blocking = fsdp_param.pin_memory and not to_accumulate_grad  # 2.13: and no post-accumulate hook
+        new_sharded_grad = new_sharded_grad.to(torch.device("cpu"), non_blocking=non_blocking)
+        if non_blocking: fsdp_param.grad_offload_event = post_reduce_stream.record_event()
+    if to_accumulate_grad: fsdp_param.sharded_param.grad._local_tensor += new_sharded_grad
+    else: fsdp_param.sharded_param.grad = fsdp_param.to_sharded_dtensor(new_sharded_grad)
+
+all on the post-reduce stream, in ``fsdp_params`` order. A non-blocking ``.to("cpu")`` takes a fresh
+page-locked block from the caching host allocator every step, rounded to a power of two. For parameters
+given a slot by ``set_grad_slots``, ``foreach_reduce`` runs under a ``TorchFunctionMode`` (thread-local,
+this call only) that turns exactly that ``.to`` into ``slot.copy_(new_sharded_grad, non_blocking=<FSDP's
+own flag>)`` and returns the slot: FSDP then wraps and assigns it as before, and records
+``grad_offload_event`` after it on the same stream, so FSDP's own wait (``finalize_backward``) and
+``OverlappedOptimizer``'s still cover the copy. Only when FSDP would create a fresh gradient
+(``sharded_param.grad is None``): accumulation into an existing gradient (which then is the slot) stays
+FSDP's own path, blocking copy and CPU add.
+
+The slot is reused only when nothing holds the previous gradient any more (a weak reference to the tensor
+FSDP wrapped). Counted: ``num_grads_into_slots``; ``num_grad_slot_fallbacks``, each with a warning once per
+reason: the previous gradient is still referenced, the copy does not match the slot, or FSDP2 created a
+slotted parameter's gradient without the copy read above (a changed ``foreach_reduce``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from fsdp_speedloader.fsdp2.contract import private_module
+from fsdp_speedloader.fsdp2.counters import COUNTERS, fall_back
+from fsdp_speedloader.fsdp2.groups import param_name
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+log = logging.getLogger(__name__)
+
+grad_copy_delay_cycles = 0  # tests: GPU clock cycles queued before each gradient copy (exposes missing waits)
+
+_GRAD_SLOT = "_speedloader_grad_slot"
+_PATCH_MARK = "_speedloader_grads_into_slots"
+_state = threading.local()  # .active: a _GradsIntoSlots mode is running on this thread
+
+
+class _GradSlot:
+    """A parameter's host gradient slot: ``tensor`` (``sharded_size``, the parameter's dtype) and a weak
+    reference to the tensor last handed to FSDP as the gradient (None: never, or dead)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.last: Optional[weakref.ref] = None
+
+
+def _is_host_copy(func, args, kwargs) -> bool:
+    """``tensor.to(torch.device("cpu"), non_blocking=...)``, the exact form of FSDP2's gradient copy."""
+    return (func is torch.Tensor.to and len(args) == 2 and isinstance(args[0], torch.Tensor)
+            and isinstance(args[1], torch.device) and args[1].type == "cpu" and set(kwargs) <= {"non_blocking"})
+
+
+class _GradsIntoSlots(TorchFunctionMode):
+    """Lands FSDP2's host copies of the reduce-scattered gradients of ``fsdp_params`` in their slots."""
+
+    def __init__(self, fsdp_params: Sequence[FSDPParam]) -> None:
+        super().__init__()
+        self._expected = [p for p in fsdp_params if p.offload_to_cpu]  # one host copy each, in this order
+        self._next = 0
+        self._source_ptr: Optional[int] = None  # every copy reads a view of the one reduce-scatter output
+        self.seen: set[int] = set()  # id(FSDPParam) of every copy this mode saw (landed or declined)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._next < len(self._expected) and _is_host_copy(func, args, kwargs):
+            out = self._land(args[0], bool(kwargs.get("non_blocking", False)))
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+    def _land(self, src: torch.Tensor, non_blocking: bool) -> Optional[torch.Tensor]:
+        fsdp_param = self._expected[self._next]
+        ptr = src.untyped_storage().data_ptr()
+        if tuple(src.shape) != tuple(fsdp_param.sharded_size) or self._source_ptr not in (None, ptr):
+            # Not the copy foreach_reduce was read to make: leave this call, and the rest, to FSDP2
+            # (the check after foreach_reduce counts the gradients FSDP2 then made without a slot).
+            self._next = len(self._expected)
+            return None
+        self._next += 1
+        self._source_ptr = ptr
+        self.seen.add(id(fsdp_param))
+        slot: Optional[_GradSlot] = fsdp_param.__dict__.get(_GRAD_SLOT)
+        if slot is None or fsdp_param.sharded_param.grad is not None:
+            return None  # no slot, or FSDP adds to the existing gradient (blocking copy, CPU add)
+        if src.dtype != slot.tensor.dtype or src.shape != slot.tensor.shape:
+            fall_back("num_grad_slot_fallbacks", "grad_slots:shape", log,
+                      "gradient of %s is %s %s, its host slot %s %s: left to FSDP2", param_name(fsdp_param),
+                      tuple(src.shape), src.dtype, tuple(slot.tensor.shape), slot.tensor.dtype)
+            return None
+        if slot.last is not None and slot.last() is not None:
+            fall_back("num_grad_slot_fallbacks", "grad_slots:held", log,
+                      "the previous gradient of %s is still referenced after zero_grad; this step's gradient goes "
+                      "to FSDP2's own (page-locked) memory instead of its arena slot (drop references to .grad "
+                      "before the next backward)", param_name(fsdp_param))
+            return None
+        out = slot.tensor.view(slot.tensor.shape)  # a new tensor object per step: its liveness is tracked
+        if grad_copy_delay_cycles and src.is_cuda:
+            torch.cuda._sleep(grad_copy_delay_cycles)
+        out.copy_(src, non_blocking=non_blocking)  # on the current (post-reduce) stream, like FSDP's .to
+        slot.last = weakref.ref(out)
+        COUNTERS.num_grads_into_slots += 1
+        return out
+
+
+def _wrap_foreach_reduce(inner):
+    @functools.wraps(inner)
+    def foreach_reduce(fsdp_params, *args, **kwargs):
+        if getattr(_state, "active", False) or not any(_GRAD_SLOT in p.__dict__ for p in fsdp_params):
+            return inner(fsdp_params, *args, **kwargs)
+        fresh = [p for p in fsdp_params if _GRAD_SLOT in p.__dict__ and p.offload_to_cpu
+                 and p.sharded_param.grad is None]
+        mode = _GradsIntoSlots(fsdp_params)
+        _state.active = True
+        try:
+            with mode:
+                out = inner(fsdp_params, *args, **kwargs)
+        finally:
+            _state.active = False
+        # A fresh gradient FSDP2 made without the host copy this mode intercepts: FSDP2 changed.
+        missed = [p for p in fresh if id(p) not in mode.seen and p.sharded_param.grad is not None]
+        if missed:
+            fall_back("num_grad_slot_fallbacks", "grad_slots:not-seen", log,
+                      "FSDP2's foreach_reduce made the gradient of %s (and %d more) without the host copy "
+                      "tensor.to(torch.device('cpu'), non_blocking=...) it was read to make (torch %s): "
+                      "offloaded gradients stay in FSDP2's own page-locked blocks", param_name(missed[0]),
+                      len(missed) - 1, torch.__version__, count=len(missed))
+        return out
+
+    setattr(foreach_reduce, _PATCH_MARK, True)
+    return foreach_reduce
+
+
+def set_grad_slots(slots: Sequence[tuple[FSDPParam, torch.Tensor]]) -> None:
+    """Makes FSDP2 put the host gradient of each offloaded ``FSDPParam`` into its ``tensor`` (a host tensor
+    of the parameter's ``sharded_size`` and dtype, e.g. an arena slot); see the module docstring.
+
+    Replaces the module global ``foreach_reduce`` of FSDP2's ``_fsdp_param_group`` (what
+    ``FSDPParamGroup.post_backward`` calls, ``fsdp_params`` first) once; parameters without a slot are
+    unaffected. A re-plan calls it again with the new slots (a gradient still in an old slot stays valid: it
+    keeps the old memory alive).
+    """
+    module = private_module("foreach_reduce")
+    if not getattr(module.foreach_reduce, _PATCH_MARK, False):
+        module.foreach_reduce = _wrap_foreach_reduce(module.foreach_reduce)
+    for fsdp_param, tensor in slots:
+        if tuple(tensor.shape) != tuple(fsdp_param.sharded_size) or tensor.device.type != "cpu":
+            raise ValueError(f"gradient slot of {param_name(fsdp_param)}: {tuple(tensor.shape)} on {tensor.device}; "
+                             f"FSDP2 needs {tuple(fsdp_param.sharded_size)} on the host")
+        fsdp_param.__dict__[_GRAD_SLOT] = _GradSlot(tensor)
+
+
+def grad_slot_of(fsdp_param: FSDPParam) -> Optional[torch.Tensor]:
+    """The host slot FSDP2 writes ``fsdp_param``'s gradient into, or None."""
+    slot = fsdp_param.__dict__.get(_GRAD_SLOT)
+    return None if slot is None else slot.tensor
