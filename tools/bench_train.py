@@ -311,7 +311,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     if layer_major:
         result["host_activation_gib"] = engine.store.host_bytes / 2**30
         result["exchange"] = engine.store.step_stats()  # the last measured step: copy bytes, compute-stream waits
-        result["stale_transfer_casts"] = fsdp2.num_stale_transfer_casts  # casts on the unshard path
+        result["fast_paths"] = fsdp2.fast_path_stats()  # FSDP2 fast paths engaged / fallen back, whole run
+        result["stale_transfer_casts"] = result["fast_paths"]["num_stale_transfer_casts"]  # casts on the unshard path
     return result
 
 
