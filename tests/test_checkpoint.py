@@ -135,3 +135,44 @@ def test_default_checkpoint_dir_is_under_output_dir(tmp_path):
     cfg = tiny_config(tmp_path, schedule={"name": "canonical"}, steps=1, checkpoint={"save_final": True})
     Trainer(cfg).train()
     assert [p.name for _, p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000001"]
+
+
+# --- checkpoints written before the optimizers had one interface --------------------------------------------
+
+
+def _save_previous_layout(trainer: Trainer, step_dir: Path) -> None:
+    """What the Checkpointer wrote before ``OptimizersContainer``: ``get_state_dict`` of the one optimizer (of an
+    overlapped optimizer's list of inner optimizers), and the LR scheduler's own state (``{"schedulers": [...]}``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    inner = trainer.optimizer.optimizers
+    model_state, optim_state = get_state_dict(trainer.model, inner[0] if len(inner) == 1 else inner)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(step_dir))
+    schedulers = [s.state_dict() for s in trainer.scheduler.schedulers]
+    torch.save({"step": trainer.step, "scheduler": schedulers[0] if len(schedulers) == 1 else {"schedulers": schedulers},
+                "loader": trainer.loader.state_dict(), "rng": checkpoint_mod._rng_state(trainer.device)},
+               step_dir / "extra_rank0.pt")
+
+
+OVERLAPPED = {"schedule": {"name": "speedloader"}, "offload": {"params": True},
+              "optim": {"grad_clip": 0.0, "overlap_with_backward": True}}
+
+
+@pytest.mark.parametrize("run", [{"schedule": {"name": "canonical"}}, {"schedule": {"name": "speedloader"}},
+                                 OVERLAPPED], ids=["canonical", "speedloader", "overlapped"])
+def test_checkpoint_of_the_previous_layout_resumes_exactly(tmp_path, run):
+    def config(out, **checkpoint):
+        return tiny_config(out, steps=4, model={"dropout": 0.1},
+                           checkpoint={"every": 0, "save_final": False, "dir": str(tmp_path / "ckpt"), **checkpoint},
+                           **run)
+
+    uninterrupted = Trainer(config(tmp_path / "a")).train()
+    interrupted = Trainer(config(tmp_path / "b"))
+    interrupted.train(max_steps=2)
+    _save_previous_layout(interrupted, tmp_path / "ckpt" / "step_00000002")
+    resumed = Trainer(config(tmp_path / "c", resume="auto"))
+    assert resumed.step == 2
+    history = resumed.train()
+    for key in ("loss", "lr"):
+        assert [m[key] for m in history] == pytest.approx([m[key] for m in uninterrupted[2:]], rel=1e-6), key

@@ -1,15 +1,18 @@
-"""Per-unit optimizer steps overlapped with backward give exactly the weights of a plain step."""
+"""Per-unit optimizer steps overlapped with backward give exactly the weights of a plain step; the plain
+``OptimizersContainer`` and the overlapped one behave alike behind one interface (transfer casts after the
+step, the optimizer state by parameter name, ``close``)."""
 
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
 
 from engine_cases import batch, cpu_mesh, tiny_model
 from fsdp_speedloader import apply_speedloader, speedloader_engine
-from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
+from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer, OverlappedOptimizer
 
 
 def _adamw(params):
@@ -45,3 +48,71 @@ def test_overlapped_steps_equal_a_plain_step(offload, offload_root, blocks_per_u
 def test_overlap_needs_a_layer_major_model():
     with pytest.raises(ValueError, match="apply_speedloader"):
         OverlappedOptimizer(tiny_model("llama"), _adamw)
+
+
+# --- one interface: the plain container and the overlapped one ----------------------------------------------
+
+
+def _transfer_model(base):
+    return apply_speedloader(copy.deepcopy(base), mesh=cpu_mesh(), num_sub_batches=3, offload_params=True,
+                             param_dtype=torch.bfloat16, param_transfer_dtype=torch.bfloat16)
+
+
+def test_container_step_casts_the_transfer_copies():
+    """``OptimizersContainer.step`` casts the bf16 transfer copies its step made stale, as the overlapped one does
+    in its worker: nothing is left for the next forward (a bare optimizer step leaves every offloaded one)."""
+    base = tiny_model("llama")
+    models = [_transfer_model(base) for _ in range(2)]
+    bare = _adamw(models[0].parameters())
+    container = OptimizersContainer(models[1], _adamw)
+    ids, labels = batch(3, seed=0)
+    for model, opt in zip(models, (bare, container)):
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+    num_params = len(list(models[0].parameters()))
+    assert speedloader_engine(models[0]).refresh_param_transfer() == num_params
+    assert speedloader_engine(models[1]).refresh_param_transfer() == 0
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+
+
+def test_plain_and_overlapped_save_the_same_state_by_parameter_name():
+    """Both containers' ``state_dict`` is DCP's layout keyed by parameter name (what checkpoints hold): after the
+    same steps, the same entries with the same tensors, however the parameters are split among optimizers."""
+    base = tiny_model("llama")
+    models = [apply_speedloader(copy.deepcopy(base), mesh=cpu_mesh(), num_sub_batches=3, blocks_per_unit=2,
+                                offload_params=True) for _ in range(2)]
+    containers = [OptimizersContainer(models[0], _adamw), OverlappedOptimizer(models[1], _adamw)]
+    try:
+        for step in range(2):
+            ids, labels = batch(3, seed=step)
+            for model, opt in zip(models, containers):
+                model(input_ids=ids, labels=labels).loss.backward()
+                opt.step()
+                opt.zero_grad()
+        states = [opt.state_dict()["state"] for opt in containers]
+    finally:
+        for opt in containers:
+            opt.close()
+    assert [len(c) for c in containers] == [1, 2 + 1]  # one optimizer; one per unit of 2 blocks and the root
+    assert sorted(states[0]) == sorted(states[1]) == sorted(name for name, _ in models[0].named_parameters())
+    for name, state in states[0].items():
+        for key, value in state.items():
+            other = states[1][name][key]
+            assert torch.equal(_full(value), _full(other)), (name, key)
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def test_overlapped_close_is_idempotent_and_unhooks_the_model():
+    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=3, offload_params=True)
+    before = threading.active_count()
+    overlapped = OverlappedOptimizer(model, _adamw)
+    assert threading.active_count() == before + 1 and speedloader_engine(model).grad_ready_hook is not None
+    overlapped.close()
+    overlapped.close()
+    assert threading.active_count() == before and speedloader_engine(model).grad_ready_hook is None
+    ids, labels = batch(3, seed=0)
+    model(input_ids=ids, labels=labels).loss.backward()  # no unit step is queued to the stopped worker

@@ -20,12 +20,14 @@ import torch
 
 import fsdp_speedloader
 from dist_utils import tiny_config
+from fsdp_speedloader import SpeedLoaderOptions
 from fsdp_speedloader.memory.arena import ArenaPlan, HostMemoryBudget, check_plan
 from fsdp_speedloader.app.config import ModelConfig, OptimConfig, TrainConfig
 from fsdp_speedloader.models import build_model
 from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 from fsdp_speedloader.app.optim import build_optimizer
 from fsdp_speedloader.app.planning import planned_schedule, tune_train_config
+from fsdp_speedloader.app.runtime import speedloader_options
 from fsdp_speedloader.app.trainer import Trainer
 from fsdp_speedloader.tuning.trial import Measurement, TrialModel, slot_host_bytes
 from fsdp_speedloader.tuning.tuner import (HOST_METHOD, GpuPlanMemoryError, HostPlanMemoryError, TunePlan, fit_host,
@@ -363,9 +365,8 @@ def test_tune_counts_the_parameter_transfer_copies():
 
 
 def test_cpu_stand_in_predicts_a_third_size():
-    mesh = _cpu_mesh()
-    kwargs = dict(num_sub_batches=2, mesh=mesh)  # activations on the device (the CPU): GPU memory grows with N too
-    with TrialModel(TINY, kwargs, device=torch.device("cpu"), seed=0,
+    options = SpeedLoaderOptions(num_sub_batches=2)  # activations on the device (the CPU): GPU memory grows with N too
+    with TrialModel(TINY, options, mesh=_cpu_mesh(), seed=0,
                     build_optimizer=lambda m: build_optimizer(m, OptimConfig())) as trial:
         trial.prime(4, 32)
         fitted = [trial.measure(n, 32) for n in (2, 4)]
@@ -489,13 +490,104 @@ def test_ranks_agree_on_the_plan():
 def test_train_config_passes_the_run_s_placement_to_the_trials(tmp_path, monkeypatch):
     """schedule=auto tunes with the run's offload.root and offload.param_transfer_dtype, so the trials hold
     the run's states where the run will (a root on the GPU, bf16 transfer copies in the arena)."""
-    from dist_utils import tiny_config
-
     from fsdp_speedloader.app import planning
 
     seen = {}
-    monkeypatch.setattr(planning, "tune", lambda *args, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(planning, "tune", lambda model, options, **kwargs: seen.update(options=options, **kwargs))
     cfg = tiny_config(tmp_path, schedule={"name": "auto"}, param_dtype="bfloat16",
                       offload={"params": True, "root": False, "param_transfer_dtype": "bf16"})
     planning.tune_train_config(cfg, mesh=None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    assert seen["offload_root"] is False and seen["param_transfer_dtype"] == torch.bfloat16
+    assert seen["options"].offload_root is False and seen["options"].param_transfer_dtype == torch.bfloat16
+    assert seen["options"] == speedloader_options(cfg, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+class _FakeTrial(TrialModel):
+    """A real trial model (built from the options it is given, then freed) whose steps are not run: each
+    ``measure`` returns memory that is linear in n and b, enough for a plan."""
+
+    built: list = []
+
+    def __init__(self, model_config, options, **kwargs):
+        super().__init__(model_config, options, **kwargs)
+        compiled = fsdp_speedloader.speedloader_engine(self.model).adapter.compiled_block_forward is not None
+        self.built.append((options, compiled))
+        self.close()
+
+    def prime(self, n, seq_len):
+        pass
+
+    def measure(self, n, seq_len):
+        b = self.blocks_per_unit
+        return Measurement(sub_batch_size=n, num_sub_batches=self.num_sub_batches, blocks_per_unit=b,
+                           seq_len=seq_len, num_slots=-(-TINY.num_layers // b) + 1, gpu_peak_bytes=(10 + n + b) * MIB,
+                           host_bytes=MIB, activation_bytes_per_token=TINY.hidden_size * 4, activation_storage="arena")
+
+
+def test_auto_schedule_with_compiled_blocks_tunes_a_compiled_model(tmp_path, monkeypatch):
+    """schedule=auto with schedule.compile_blocks=true: every trial model is built from the run's own
+    SpeedLoaderOptions -- compiled blocks, offload, store, dtypes -- with the trials' N and each blocks_per_unit
+    candidate, so a compiled run is planned from compiled trials (not from an eager model)."""
+    from fsdp_speedloader.tuning import tuner
+
+    monkeypatch.setattr(tuner, "TrialModel", _FakeTrial)
+    monkeypatch.setattr(_FakeTrial, "built", [])
+    cfg = tiny_config(tmp_path, offload={"params": True},
+                      schedule={"name": "auto", "compile_blocks": True, "activation_store": "host",
+                                "num_sub_batches": 5, "tune_blocks_per_unit": [2], "target_batch_size": 8})
+    plan = tune_train_config(cfg, mesh=_cpu_mesh(), param_dtype=torch.float32, reduce_dtype=torch.float32)
+    run = speedloader_options(cfg, param_dtype=torch.float32, reduce_dtype=torch.float32)
+    assert run.compile_blocks
+    assert _FakeTrial.built == [(run.replace(num_sub_batches=2, blocks_per_unit=b), True) for b in (1, 2)]
+    assert plan.batch_size <= 8 and {m.blocks_per_unit for m in plan.measurements} == {1, 2}
+
+
+def test_tune_takes_options_and_keyword_overrides(monkeypatch):
+    """``tune(model, options, **overrides)`` as ``apply_speedloader``: the overrides apply over the options, and
+    a bad value fails before any trial model is built."""
+    from fsdp_speedloader.tuning import tuner
+
+    monkeypatch.setattr(tuner, "TrialModel", _FakeTrial)
+    monkeypatch.setattr(_FakeTrial, "built", [])
+    options = SpeedLoaderOptions(offload_params=True, activation_store="host", blocks_per_unit=2)
+    fsdp_speedloader.tune(TINY, options, seq_len=32, mesh=_cpu_mesh(), loss_chunk_tokens=64, target_batch_size=4,
+                          host_memory_budget_bytes=64 * MIB, gpu_memory_budget_bytes=GIB)
+    assert [o for o, _ in _FakeTrial.built] == [options.replace(num_sub_batches=2, loss_chunk_tokens=64)]
+    with pytest.raises(ValueError, match="activation_store"):
+        fsdp_speedloader.tune(TINY, options, seq_len=32, mesh=_cpu_mesh(), activation_store="disk")
+    with pytest.raises(ValueError, match="tune_blocks_per_unit"):
+        fsdp_speedloader.tune(TINY, options, seq_len=32, mesh=_cpu_mesh(), tune_blocks_per_unit=[0])
+    assert len(_FakeTrial.built) == 1
+
+
+@pytest.mark.slow
+def test_auto_schedule_trials_run_compiled_blocks(tmp_path):
+    """The same end to end: the trial steps of a compiled run go through the compiled block function
+    (inductor on the CPU), and the plan comes out of them."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = tiny_config(tmp_path, offload={"params": True},
+                      schedule={"name": "auto", "compile_blocks": True, "activation_store": "host",
+                                "target_batch_size": 8})
+    plan = tune_train_config(cfg, mesh=_cpu_mesh(), param_dtype=torch.float32, reduce_dtype=torch.float32)
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert [m.sub_batch_size for m in plan.measurements] == [2, 4] and plan.batch_size <= 8
+    torch._dynamo.reset()
+
+
+def test_auto_schedule_with_the_overlapped_optimizer(tmp_path):
+    """schedule=auto with optim.overlap_with_backward: the trials hold the run's per-unit optimizers (their
+    state is counted, their worker thread stopped when the trial model is freed)."""
+    import threading
+
+    cfg = tiny_config(tmp_path, offload={"params": True}, optim={"overlap_with_backward": True, "grad_clip": 0.0},
+                      schedule={"name": "auto", "activation_store": "host", "target_batch_size": 8})
+    plain = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, overlap_with_backward=False))
+    workers = threading.active_count()
+    plans = [tune_train_config(c, mesh=_cpu_mesh(), param_dtype=torch.float32, reduce_dtype=torch.float32)
+             for c in (cfg, plain)]
+    assert threading.active_count() == workers, "the overlapped optimizers' worker threads were stopped"
+    for overlapped, plain_m in zip(plans[0].measurements, plans[1].measurements):
+        assert overlapped.host_breakdown["model_states"] == plain_m.host_breakdown["model_states"] > 0

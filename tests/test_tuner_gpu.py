@@ -24,10 +24,12 @@ import pytest
 import torch
 
 import fsdp_speedloader
-from fsdp_speedloader.memory.arena import LIMIT_ENV, HostMemoryBudget
+from fsdp_speedloader import SpeedLoaderOptions
 from fsdp_speedloader.app.config import ModelConfig, OptimConfig
+from fsdp_speedloader.app.optim import build_optimizer
+from fsdp_speedloader.app.runtime import maybe_cap_gpu_memory
+from fsdp_speedloader.memory.arena import LIMIT_ENV, HostMemoryBudget
 from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
-from fsdp_speedloader.app.trainer import build_optimizer, maybe_cap_gpu_memory
 from fsdp_speedloader.tuning.trial import TrialModel, cuda_allocator_settings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -72,12 +74,12 @@ def capped_gpu(monkeypatch, request):
 
 
 def test_predicted_peak_gpu_memory_within_5_percent(capped_gpu):
-    device, allocator = capped_gpu
+    _, allocator = capped_gpu
     budget = HostMemoryBudget.detect()
     assert budget.source == LIMIT_ENV and budget.limit_bytes == int(float(os.environ[LIMIT_ENV]) * GIB)
-    kwargs = dict(offload_params=True, activation_store="host", param_dtype=torch.bfloat16)
-    plan = fsdp_speedloader.tune(MODEL, seq_len=SEQ, gpu_memory_budget_bytes=int(CAP_GIB * GIB),
-                                 trial_num_sub_batches=N, **kwargs)
+    options = SpeedLoaderOptions(offload_params=True, activation_store="host", param_dtype=torch.bfloat16)
+    plan = fsdp_speedloader.tune(MODEL, options, seq_len=SEQ, gpu_memory_budget_bytes=int(CAP_GIB * GIB),
+                                 trial_num_sub_batches=N)
     print("\n" + plan.summary())
     assert LIMIT_ENV in plan.host_budget_source, "the host budget comes from the environment variable"
     assert plan.predicted_host_bytes <= plan.host_budget_bytes
@@ -89,7 +91,7 @@ def test_predicted_peak_gpu_memory_within_5_percent(capped_gpu):
 
     # New steps, on a fresh copy of the model: n = 8 and the plan's n, same N as the trials.
     checks = sorted({8, plan.sub_batch_size}, reverse=True)  # the largest right after the prime, as the tuner
-    with TrialModel(MODEL, dict(num_sub_batches=N, mesh=build_mesh("cuda"), **kwargs), device=device, seed=0,
+    with TrialModel(MODEL, options.replace(num_sub_batches=N), mesh=build_mesh("cuda"), seed=0,
                     build_optimizer=lambda m: build_optimizer(m, OptimConfig())) as trial:
         trial.prime(max(checks), SEQ)
         measured = [trial.measure(n, SEQ) for n in checks]

@@ -1,6 +1,6 @@
 """The tuner's single plan vs an exhaustive sweep over (sub_batch_size, num_sub_batches), on one GPU.
 
-Usage (one H200, about 6 minutes; the host limit because the GPU machine's MemTotal starts small and grows):
+Usage (one GPU, a few minutes; the host limit because the GPU machine's MemTotal starts small and grows):
 
   FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB=120 python tools/sweep_plan.py --model llama2_7b --layers 8 \\
       --seq-len 4096 --max-gpu-memory-gib 40 --sub-batch-sizes 1,2,4 --num-sub-batches 4,8,16 \\
@@ -10,10 +10,9 @@ Usage (one H200, about 6 minutes; the host limit because the GPU machine's MemTo
    models, and the plan within the grid's bounds (n <= max of --sub-batch-sizes, N <= max of
    --num-sub-batches), with its predicted peak GPU memory (allocated and reserved) and arena bytes at
    every grid point. Its ``limited_by`` says whether memory or the grid's bounds stopped it. For the
-   command above memory binds far outside the grid (GPU near n = 16 with the default allocator, n = 30
-   with expandable segments; host near N = 50 at n = 4: estimates from the first record), beyond what
-   a sweep of a few minutes can run, so there the comparison checks that the tuner fills the grid's
-   box. A lower FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB moves the host bound into the grid.
+   command above memory binds far outside the grid (docs/tuner.md, Results), beyond what a sweep of a few
+   minutes can run, so there the comparison checks that the tuner fills the grid's box. A lower
+   FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB moves the host bound into the grid.
 2. Every grid point, each in its own process with the same cap: ``tools/bench_train.py``'s worker
    (``speedloader:nxN``: layer-major, parameters offloaded, activations in the pinned host arena, fused
    AdamW; ``--warmup`` untimed steps, then the median of ``--steps`` timed steps). A point that runs out
@@ -74,6 +73,7 @@ def run_tune_worker(args) -> dict:
     import torch
 
     import fsdp_speedloader
+    from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer
     from fsdp_speedloader.parallel import maybe_init_process_group
 
     maybe_init_process_group()
@@ -83,11 +83,13 @@ def run_tune_worker(args) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.max_gpu_memory_gib * GIB / total), device)
     ns, Ns = _ints(args.sub_batch_sizes), _ints(args.num_sub_batches)
     start = time.perf_counter()
+    options = fsdp_speedloader.SpeedLoaderOptions(offload_params=True, activation_store=args.activation_store,
+                                                  param_dtype=torch.bfloat16, forward_prefetch=args.prefetch)
     plan = fsdp_speedloader.tune(
-        _model_config(args), seq_len=args.seq_len, gpu_memory_budget_bytes=int(args.max_gpu_memory_gib * GIB),
-        max_sub_batch_size=max(ns), max_num_sub_batches=max(Ns), offload_params=True,
-        activation_store=args.activation_store, param_dtype=torch.bfloat16, forward_prefetch=args.prefetch,
-        build_optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True))  # bench_train's
+        _model_config(args), options, seq_len=args.seq_len, gpu_memory_budget_bytes=int(args.max_gpu_memory_gib * GIB),
+        max_sub_batch_size=max(ns), max_num_sub_batches=max(Ns),
+        build_optimizer=lambda m: OptimizersContainer(
+            m, lambda params: torch.optim.AdamW(params, lr=1e-5, fused=True)))  # bench_train's
     wall = time.perf_counter() - start
     print(plan.summary(), file=sys.stderr, flush=True)
     trial = plan.measurements[-1].host_breakdown  # arena = parameter shards + this trial's activation slot

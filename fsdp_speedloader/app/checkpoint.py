@@ -3,7 +3,8 @@
 One checkpoint is one directory ``<checkpoint.dir>/step_NNNNNNNN/``:
 
 - DCP files (``.metadata``, ``*.distcp``): the model and optimizer state as each rank's shards
-  (``get_state_dict`` / ``set_state_dict``), so a checkpoint loads on another world size too;
+  (``get_model_state_dict`` and the optimizers' ``state_dict()``, DCP's layout keyed by parameter name), so a
+  checkpoint loads on another world size too;
 - ``extra_rank{r}.pt`` (``torch.save``), per rank: step, LR scheduler, data loader state and the RNG
   states (torch CPU, CUDA when present, numpy, python ``random``).
 
@@ -22,14 +23,15 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdp_speedloader.app.config import CheckpointConfig
 
@@ -128,8 +130,7 @@ class Checkpointer:
             return True
         return self.cfg.save_final and step == total_steps
 
-    def save(self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: Any, loader: Any) -> Path:
+    def save(self, step: int, *, model: nn.Module, optimizer: Stateful, scheduler: Stateful, loader: Stateful) -> Path:
         """Writes ``step_NNNNNNNN/`` (all ranks call this); returns its path."""
         final = self.dir / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -138,8 +139,7 @@ class Checkpointer:
             if tmp.exists():  # left by a save that crashed: never complete, safe to clear
                 shutil.rmtree(tmp)
         _barrier()
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        dcp.save({"model": get_model_state_dict(model), "optim": optimizer.state_dict()}, checkpoint_id=str(tmp))
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                  "rng": _rng_state(self.device)}
         torch.save(extra, tmp / f"extra_rank{self.rank}.pt")
@@ -165,14 +165,14 @@ class Checkpointer:
             shutil.rmtree(path)
             log.info("deleted old checkpoint %s (checkpoint.keep_last=%d)", path, self.cfg.keep_last)
 
-    def load(self, path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: Any, loader: Any) -> int:
+    def load(self, path: str | os.PathLike, *, model: nn.Module, optimizer: Stateful, scheduler: Stateful,
+             loader: Stateful) -> int:
         """Restores everything saved by :meth:`save` (all ranks call this); returns the step."""
         path = Path(path)
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        state = {"model": get_model_state_dict(model), "optim": optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=str(path))  # in place, into this run's shards
+        set_model_state_dict(model, state["model"])
+        optimizer.load_state_dict(state["optim"])
         extra_file = path / f"extra_rank{self.rank}.pt"
         same_world = extra_file.is_file()
         if not same_world:  # saved on fewer ranks: step, scheduler and loader are the same on every rank

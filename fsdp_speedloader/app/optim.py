@@ -1,5 +1,6 @@
-"""The training run's optimizer and learning-rate schedule: AdamW (fused where supported), or one AdamW per unit
-stepped during the backward (``OverlappedOptimizer``), with warmup then cosine/linear decay."""
+"""The training run's optimizers and learning-rate schedule: AdamW (fused where supported) behind the library's
+optimizer interface -- one over the model (``OptimizersContainer``), or one per unit stepped during the backward
+(``OverlappedOptimizer``) -- with warmup then cosine/linear decay, one schedule per inner optimizer."""
 
 from __future__ import annotations
 
@@ -10,24 +11,24 @@ import math
 import torch
 
 from fsdp_speedloader.app.config import OptimConfig
-from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
+from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer, OverlappedOptimizer
 
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer | OverlappedOptimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> OptimizersContainer:
     """AdamW, weight decay on matrices only (>= 2-D: not on norms and biases); fused where supported.
 
     With ``cfg.overlap_with_backward`` an :class:`OverlappedOptimizer` (``model`` prepared with
     ``apply_speedloader``): one such AdamW per unit and one for the root, each stepped as soon as its
-    gradients are on the host.
+    gradients are on the host. The trainer uses either the same way.
     """
-    if cfg.overlap_with_backward:
-        return OverlappedOptimizer(model, functools.partial(_build_adamw, cfg=cfg))
-    return _build_adamw(list(model.parameters()), cfg)
+    container = OverlappedOptimizer if cfg.overlap_with_backward else OptimizersContainer
+    return container(model, functools.partial(build_adamw, cfg=cfg))
 
 
-def _build_adamw(parameters: list, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_adamw(parameters: list, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """One AdamW over the trainable ``parameters``: matrices with weight decay, the rest without."""
     params = [p for p in parameters if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -52,33 +53,40 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer | OverlappedOptimizer, cfg: OptimConfig,
-                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR | LRSchedulerGroup:
-    """Warmup then decay (``lr_factor``); for an :class:`OverlappedOptimizer`, one per inner optimizer."""
+def build_lr_scheduler(optimizers: OptimizersContainer, cfg: OptimConfig, total_steps: int) -> LRSchedulersContainer:
+    """Warmup then decay (``lr_factor``): one ``LambdaLR`` per inner optimizer, stepped together."""
     fn = functools.partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
                            schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio)
-    if isinstance(optimizer, OverlappedOptimizer):
-        return LRSchedulerGroup([torch.optim.lr_scheduler.LambdaLR(opt, fn) for opt in optimizer.optimizers])
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+    return LRSchedulersContainer([torch.optim.lr_scheduler.LambdaLR(opt, fn) for opt in optimizers])
 
 
-class LRSchedulerGroup:
-    """LR schedulers stepped together, saved and loaded as one (the inner optimizers of an OverlappedOptimizer)."""
+class LRSchedulersContainer:
+    """LR schedulers stepped together, saved and loaded as one.
 
-    def __init__(self, schedulers: list) -> None:
+    Checkpoint layout: the scheduler's own state dict when there is one scheduler (one optimizer over the model),
+    ``{"schedulers": [each one's]}`` when there are several (an ``OverlappedOptimizer``'s, one per unit and the
+    root): the layouts checkpoints held before this container existed, so those still load.
+    """
+
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
         self.schedulers = schedulers
 
     def step(self) -> None:
         for scheduler in self.schedulers:
             scheduler.step()
 
+    def get_last_lr(self) -> list[float]:
+        return [lr for scheduler in self.schedulers for lr in scheduler.get_last_lr()]
+
     def state_dict(self) -> dict:
-        return {"schedulers": [scheduler.state_dict() for scheduler in self.schedulers]}
+        states = [scheduler.state_dict() for scheduler in self.schedulers]
+        return states[0] if len(states) == 1 else {"schedulers": states}
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state["schedulers"]) != len(self.schedulers):
-            raise ValueError(f"checkpoint: it holds {len(state['schedulers'])} LR schedulers, this run has "
-                             f"{len(self.schedulers)}; resume with the same optim.overlap_with_backward and "
-                             "model depth / schedule.blocks_per_unit")
-        for scheduler, s in zip(self.schedulers, state["schedulers"]):
+        states = state["schedulers"] if "schedulers" in state else [state]
+        if len(states) != len(self.schedulers):
+            raise ValueError(f"checkpoint: it holds {len(states)} LR scheduler(s), this run has "
+                             f"{len(self.schedulers)}; resume with the same optim.overlap_with_backward and model "
+                             "depth / schedule.blocks_per_unit")
+        for scheduler, s in zip(self.schedulers, states):
             scheduler.load_state_dict(s)

@@ -47,7 +47,6 @@ from fsdp_speedloader.app.planning import planned_schedule, tune_train_config
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
     seed_everything, speedloader_options
 from fsdp_speedloader.engine.speedloader import apply_speedloader, speedloader_engine
-from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +113,9 @@ class Trainer:
         logger: where metrics go; None builds one from ``cfg.logger`` (rank 0 only logs).
         run_config: the resolved config as a plain dict for the logger (W&B); None: ``cfg`` as a dict.
 
-    Attributes (after construction): ``model``, ``adapter``, ``optimizer``, ``scheduler``, ``loader``,
-    ``mesh``, ``device``, ``rank``, ``world_size``, ``step`` (optimizer steps done; > 0 after a resume).
+    Attributes (after construction): ``model``, ``adapter``, ``optimizer`` (an ``OptimizersContainer``: plain or
+    overlapped with backward, used alike), ``scheduler``, ``loader``, ``mesh``, ``device``, ``rank``,
+    ``world_size``, ``step`` (optimizer steps done; > 0 after a resume).
     """
 
     def __init__(self, cfg: TrainConfig, *, logger: Optional[MetricLogger] = None,
@@ -176,7 +176,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_dir, rank=self.rank, device=self.device)
         self.step = 0
         if resume_path is not None:
-            self.step = self.checkpointer.load(resume_path, model=model, optimizer=self._optimizer_state(),
+            self.step = self.checkpointer.load(resume_path, model=model, optimizer=self.optimizer,
                                                scheduler=self.scheduler, loader=self.loader)
             self._info("resumed from %s at step %d", resume_path, self.step)
             if (engine := speedloader_engine(model, missing_ok=True)) is not None:
@@ -233,14 +233,12 @@ class Trainer:
         self.metrics.mark_data_ready()
 
         loss = self._forward_backward(input_ids, labels, num_tokens)
-        engine = getattr(self.model, "_speedloader", None)
+        engine = speedloader_engine(self.model, missing_ok=True)
         grad_norm = None
         if self.cfg.optim.grad_clip > 0:
             grad_norm = _full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip))
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        if engine is not None and not isinstance(self.optimizer, OverlappedOptimizer):
-            engine.refresh_param_transfer()  # the bf16 transfer copies, cast now rather than in the next forward
+        self.optimizer.step()  # and the bf16 transfer copies it made stale, cast now rather than in the next forward
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -305,8 +303,7 @@ class Trainer:
                     break
         finally:
             self.logger.finish()
-            if isinstance(self.optimizer, OverlappedOptimizer):
-                self.optimizer.close()  # its worker thread
+            self.optimizer.close()  # an overlapped optimizer's worker thread
         return history
 
     def _any_rank(self, flag: bool) -> bool:
@@ -317,14 +314,8 @@ class Trainer:
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         return bool(box.item())
 
-    def _optimizer_state(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
-        """What checkpoints save: the optimizer, or the inner optimizers of an OverlappedOptimizer."""
-        if isinstance(self.optimizer, OverlappedOptimizer):
-            return self.optimizer.optimizers
-        return self.optimizer
-
     def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.step, model=self.model, optimizer=self._optimizer_state(),
+        return self.checkpointer.save(self.step, model=self.model, optimizer=self.optimizer,
                                       scheduler=self.scheduler, loader=self.loader)
 
 

@@ -1,7 +1,7 @@
 """``python -m fsdp_speedloader.app.tune``: plan sub_batch_size x num_sub_batches for a training run.
 
 Takes the training run's own overrides (``conf/tune.yaml`` is ``config.yaml`` with ``schedule.name``
-forced to ``auto``), runs the tuner's two trial steps (``fsdp_speedloader/tuner.py``) and prints the
+forced to ``auto``), runs the tuner's two trial steps (``fsdp_speedloader/tuning/tuner.py``) and prints the
 plan, the fitted memory models and the overrides that run it; nothing is trained. The plan goes to
 ``<run dir>/tune_plan.json`` and to W&B (``logger=none`` turns W&B off)::
 

@@ -1,8 +1,8 @@
 """Trial steps for the tuner: a throw-away copy of the model, and the memory one training step takes.
 
-``TrialModel`` builds the model exactly as a run does (meta -> ``apply_speedloader`` -> materialise,
-the run's optimizer), and ``measure(n)`` runs one step (forward, backward, optimizer step) at
-sub-batch size n and returns a :class:`Measurement`:
+``TrialModel`` builds the model exactly as a run does (meta -> ``apply_speedloader`` with the run's
+``SpeedLoaderOptions`` -> materialise, the run's optimizers), and ``measure(n)`` runs one step (forward,
+backward, optimizer step) at sub-batch size n and returns a :class:`Measurement`:
 
 - GPU: ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` over the step, the caching
   allocator's cache emptied first so that the reserved peak is the step's own (fragmentation included:
@@ -38,12 +38,16 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_speedloader.engine.activation_store import DeviceActivationStore
-from fsdp_speedloader.engine.speedloader import speedloader_engine
+from fsdp_speedloader.engine.speedloader import apply_speedloader, speedloader_engine
 from fsdp_speedloader.memory.arena import ALIGNMENT
+from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer
 from fsdp_speedloader.models.config import ModelConfig
+from fsdp_speedloader.options import SpeedLoaderOptions
+from fsdp_speedloader.parallel import compute_device
 
 
 def _align(nbytes: int) -> int:
@@ -118,13 +122,14 @@ class Measurement:
         return self.activation_tokens * self.activation_bytes_per_token if self.activations_on_device else 0
 
 
-def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, *, grads: bool = True) -> Iterable:
+def _state_tensors(model: nn.Module, optimizers: OptimizersContainer, *, grads: bool = True) -> Iterable:
     for p in model.parameters():
         yield p
         if grads and p.grad is not None:
             yield p.grad
-    for state in optimizer.state.values():
-        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+    for opt in optimizers:
+        for state in opt.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _cpu_storage_bytes(tensors: Iterable, *, seen: set, skip_pinned: bool = False) -> int:
@@ -143,7 +148,7 @@ def _cpu_storage_bytes(tensors: Iterable, *, seen: set, skip_pinned: bool = Fals
     return total
 
 
-def measure_host_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, *, offload_params: bool) -> dict:
+def measure_host_bytes(model: nn.Module, optimizer: OptimizersContainer, *, offload_params: bool) -> dict:
     """Host memory of a layer-major model right after its optimizer step (bytes, exact, this rank).
 
     ``arena``: the store's arena as a fresh one would be planned at the current geometry;
@@ -199,31 +204,45 @@ def reduce_over_ranks(values: list[float], op=None) -> list[float]:
     return t.tolist()
 
 
+def default_optimizer(model: nn.Module) -> OptimizersContainer:
+    """AdamW over every trainable parameter, fused where supported (its two fp32 moments are what the
+    trials must hold)."""
+
+    def adamw(params: list) -> torch.optim.Optimizer:
+        try:
+            return torch.optim.AdamW(params, fused=True)
+        except (RuntimeError, TypeError):
+            return torch.optim.AdamW(params, foreach=True)
+
+    return OptimizersContainer(model, adamw)
+
+
 class TrialModel:
     """A throw-away copy of the model, built and sharded as the run will build it. A context manager:
     leaving it frees the model, its optimizer state and its arena.
 
     Args:
         model_config: the model.
-        speedloader_kwargs: ``apply_speedloader``'s arguments (``num_sub_batches``, ``blocks_per_unit``,
-            ``mesh``, ``offload_params``, ...), as the run will pass them.
-        device: the compute device.
-        build_optimizer: the run's optimizer for a model.
+        options: the engine's options as the run will pass them to ``apply_speedloader`` (with the trial's
+            ``num_sub_batches`` and ``blocks_per_unit``).
+        mesh: as ``apply_speedloader``; the compute device is this rank's of its device type.
+        build_optimizer: the run's optimizers for a model (``default_optimizer``: fused AdamW).
         seed: weights and tokens.
     """
 
-    def __init__(self, model_config: ModelConfig, speedloader_kwargs: dict, *, device: torch.device,
-                 build_optimizer: Callable[[nn.Module], torch.optim.Optimizer], seed: int) -> None:
+    def __init__(self, model_config: ModelConfig, options: SpeedLoaderOptions, *, mesh: DeviceMesh,
+                 build_optimizer: Callable[[nn.Module], OptimizersContainer] = default_optimizer,
+                 seed: int = 0) -> None:
         from fsdp_speedloader.models import build_model, materialize_model
-        from fsdp_speedloader.engine.speedloader import apply_speedloader
 
-        self.device = device
-        self.offload_params = bool(speedloader_kwargs.get("offload_params", False))
-        self.num_sub_batches = speedloader_kwargs["num_sub_batches"]
-        self.blocks_per_unit = speedloader_kwargs.get("blocks_per_unit", 1)
+        self.options = options
+        self.device = device = compute_device(mesh.device_type)
+        self.offload_params = options.offload_params
+        self.num_sub_batches = options.num_sub_batches
+        self.blocks_per_unit = options.blocks_per_unit
         model = build_model(model_config, device="meta")
         model.train()
-        apply_speedloader(model, **speedloader_kwargs)
+        apply_speedloader(model, options, mesh=mesh)
         materialize_model(model, model_config, device=device, seed=seed,
                           param_device=torch.device("cpu") if self.offload_params else device)
         self.model = model
@@ -258,8 +277,7 @@ class TrialModel:
     def _step(self, ids: torch.Tensor) -> None:
         loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
-        self.optimizer.step()
-        speedloader_engine(self.model).refresh_param_transfer()  # as the trainer does (a no-op without transfer copies)
+        self.optimizer.step()  # and the transfer copies it made stale, as in the run
 
     def measure(self, n: int, seq_len: int) -> Measurement:
         """One training step (forward, backward, optimizer step) at sub-batch size n, and its memory."""
@@ -306,7 +324,9 @@ class TrialModel:
         store = speedloader_engine(self.model).store
         if hasattr(store, "close"):
             store.close()
-        self.optimizer.state.clear()
+        self.optimizer.close()  # an overlapped optimizer's worker thread
+        for opt in self.optimizer:
+            opt.state.clear()
         self.model = self.optimizer = None
         gc.collect()  # FSDP's hooks make reference cycles
         if self.device.type == "cuda":

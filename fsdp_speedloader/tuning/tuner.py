@@ -6,16 +6,16 @@ SpeedLoader's hyperparameter strategy (paper 3.3, A.2). With everything else fix
     peak GPU bytes = c0 + c_n n                      (+ c_b b + c_nb n b when blocks_per_unit b is tuned)
     host bytes     = d0 + d_t (U + 1) N n s          (model states + U + 1 activation slots of N x n x s tokens)
 
-``tune`` builds a throw-away copy of the model exactly as the run will (``trial.TrialModel``), runs
-one short training step at each of two sub-batch sizes, measures peak GPU memory (allocator) and host
-memory (exact accounting), and picks the largest sub-batch size n whose predicted peak fits the GPU
-budget, then the largest number of sub-batches N whose host memory fits the host budget (a target
-effective batch, if given, caps n x N).
+``tune`` builds a throw-away copy of the model exactly as the run will, from the run's own
+``SpeedLoaderOptions`` (``trial.TrialModel``), runs one short training step at each of two sub-batch
+sizes, measures peak GPU memory (allocator) and host memory (exact accounting), and picks the largest
+sub-batch size n whose predicted peak fits the GPU budget, then the largest number of sub-batches N whose
+host memory fits the host budget (a target effective batch, if given, caps n x N).
 
 GPU: two lines fitted on n, one for the peak allocated and one for the peak reserved, and the plan
 keeps both within the budget less the margin. A memory cap (``set_per_process_memory_fraction``, or the
-card) limits reserved memory, and with PyTorch's default caching allocator fragmentation makes it about
-twice the allocated peak for this workload (measured on an H200: 14 vs 7.7 GiB); with
+card) limits reserved memory, and with PyTorch's default caching allocator fragmentation makes it far
+larger than the allocated peak for this workload (docs/tuner.md has the figures); with
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` reserved stays close to allocated and the plan grows
 accordingly. The trials measure under the process's own allocator settings, which the run must share.
 With two points a line goes through both: R^2 = 1 by construction, and the plan says so;
@@ -44,10 +44,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_speedloader.memory.arena import HostMemoryBudget
+from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer
 from fsdp_speedloader.models.config import ModelConfig
-from fsdp_speedloader.tuning.trial import Measurement, TrialModel, cuda_allocator_settings, reduce_over_ranks, slot_host_bytes
+from fsdp_speedloader.options import SpeedLoaderOptions
+from fsdp_speedloader.tuning.trial import (Measurement, TrialModel, cuda_allocator_settings, default_optimizer,
+                                           reduce_over_ranks, slot_host_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +132,7 @@ def fit_host(measurements: Sequence[Measurement]) -> LinearFit:
     and their bytes are known (h x element size per token, with the store's rounding: ``slot_host_bytes``).
     Everything else -- model states, parameter and gradient shards, page-locked blocks of PyTorch's
     caching host allocator -- does not depend on n or N, but the trials see it at different levels (that
-    allocator keeps what earlier steps freed: 18 then 27 GiB on an H200). A line through two trials turns
+    allocator keeps what earlier steps freed; docs/tuner.md). A line through two trials turns
     that growth into a slope and stops N far too early, so the constant is the largest measured, not
     extrapolated. Predictions use ``TunePlan.predict_host_bytes`` (the slope is exact up to the rounding)."""
     assert len({(m.activation_storage, m.activation_bytes_per_token) for m in measurements}) == 1, \
@@ -530,8 +534,131 @@ def _too_small_error(plan: TunePlan, b: int) -> ValueError:
 # --- the tuner -----------------------------------------------------------------------------------
 
 
+def tune(
+    model: ModelConfig,
+    options: Optional[SpeedLoaderOptions] = None,
+    *,
+    seq_len: int,
+    gpu_memory_budget_bytes: Optional[int] = None,
+    host_memory_budget_bytes: Optional[int] = None,
+    target_batch_size: Optional[int] = None,
+    max_sub_batch_size: Optional[int] = None,
+    max_num_sub_batches: Optional[int] = None,
+    tune_blocks_per_unit: Sequence[int] = (),
+    trial_sub_batch_sizes: tuple[int, int] = (2, 4),
+    trial_num_sub_batches: int = 2,
+    gpu_margin: float = DEFAULT_GPU_MARGIN,
+    mesh: Optional[DeviceMesh] = None,
+    build_optimizer: Optional[Callable[[nn.Module], OptimizersContainer]] = None,
+    seed: int = 0,
+    budget_names: tuple[str, str] = ("gpu_memory_budget_bytes", "host_memory_budget_bytes"),
+    **overrides,
+) -> TunePlan:
+    """Plans ``sub_batch_size`` x ``num_sub_batches`` (and ``blocks_per_unit``) for a layer-major run.
+
+    Args:
+        model: the model to plan for; a throw-away copy is built from it for the trial steps.
+        options: the run's engine options (:class:`~fsdp_speedloader.options.SpeedLoaderOptions`): the trials
+            build the model with them (offload, store, dtypes, transfer copies, compiled blocks, root
+            placement), so they hold the run's states where the run will. Their ``num_sub_batches`` is what
+            the plan chooses (the trials run ``trial_num_sub_batches``); their ``blocks_per_unit`` is a
+            candidate.
+        seq_len: tokens per sequence s.
+        gpu_memory_budget_bytes: GPU memory the run may fill (peak allocated, and peak reserved on CUDA);
+            the plan keeps ``gpu_margin`` of it free. None: the device's memory (times its per-process fraction, if
+            capped); without CUDA the CPU stands in for the GPU and the detected host memory is used.
+        host_memory_budget_bytes: host memory for model states and activation slots. None: detected at
+            the start (``HostMemoryBudget.detect``: ``$FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB``, the memory
+            cgroup or MemTotal, less 10% and what is in use).
+        target_batch_size: at most this many sequences per rank per step (caps n x N).
+        max_sub_batch_size / max_num_sub_batches: caps on n and N (e.g. a sweep's grid).
+        tune_blocks_per_unit: more ``blocks_per_unit`` values to choose from besides ``options.blocks_per_unit``
+            (two trial steps each; GPU memory is then fitted on n, b and n x b).
+        trial_sub_batch_sizes: the two sub-batch sizes of the trial steps. Not 1: at n = 1 some kernels
+            take other paths, and the step from 1 to 2 is not the slope beyond. If the larger one runs out
+            of GPU memory, the trials run again at (1, the smaller one).
+        trial_num_sub_batches: N of the trial steps.
+        mesh: as ``apply_speedloader`` (every rank runs the trials; the maximum over ranks is fitted).
+        build_optimizer: the run's optimizers for a model (their state is part of the memory); default:
+            ``default_optimizer`` (fused AdamW).
+        seed: weights and tokens of the trial model (the global RNG is left as it was).
+        budget_names: what the plan and its errors call the two budgets when given (the trainer passes
+            its config keys).
+        overrides: fields of ``SpeedLoaderOptions`` as keywords, applied over ``options`` (as
+            ``apply_speedloader`` takes them): ``tune(model, seq_len=4096, offload_params=True)``.
+    Returns:
+        The :class:`TunePlan`. Raises ``ValueError`` when a budget cannot hold one sequence per sub-batch.
+    """
+    options = (options or SpeedLoaderOptions()).replace(**overrides)
+    trials = _prepare(options, tune_blocks_per_unit=tune_blocks_per_unit, trial_sub_batch_sizes=trial_sub_batch_sizes,
+                      trial_num_sub_batches=trial_num_sub_batches, mesh=mesh,
+                      gpu_memory_budget_bytes=gpu_memory_budget_bytes,
+                      host_memory_budget_bytes=host_memory_budget_bytes, budget_names=budget_names)
+    start = time.perf_counter()
+    measurements = _run_trials(model, trials, seq_len, build_optimizer=build_optimizer or default_optimizer, seed=seed)
+    return plan_from_measurements(
+        measurements, num_layers=model_num_layers(model), gpu_margin=gpu_margin,
+        blocks_per_unit=[o.blocks_per_unit for o in trials.options], max_sub_batch_size=max_sub_batch_size,
+        max_num_sub_batches=max_num_sub_batches, target_batch_size=target_batch_size,
+        trial_s=time.perf_counter() - start, **trials.budgets.plan_fields(), **_device_fields(trials.device))
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """The two memory budgets (bytes, the minimum over ranks) and where each came from."""
+
+    gpu_bytes: int
+    gpu_source: str
+    host_bytes: int
+    host_source: str
+
+    def plan_fields(self) -> dict:
+        return {"gpu_budget_bytes": self.gpu_bytes, "gpu_budget_source": self.gpu_source,
+                "host_budget_bytes": self.host_bytes, "host_budget_source": self.host_source}
+
+
+@dataclass(frozen=True)
+class TrialSetup:
+    """What the trial steps run: one options per ``blocks_per_unit`` candidate, at two sub-batch sizes."""
+
+    options: tuple[SpeedLoaderOptions, ...]
+    """The run's options with the trials' ``num_sub_batches`` and each candidate ``blocks_per_unit``."""
+    sub_batch_sizes: tuple[int, int]
+    """Ascending."""
+    mesh: DeviceMesh
+    device: torch.device
+    budgets: Budgets
+    """Resolved before the trials take memory."""
+
+
+def _prepare(options: SpeedLoaderOptions, *, tune_blocks_per_unit: Sequence[int],
+             trial_sub_batch_sizes: tuple[int, int], trial_num_sub_batches: int, mesh: Optional[DeviceMesh],
+             gpu_memory_budget_bytes: Optional[int], host_memory_budget_bytes: Optional[int],
+             budget_names: tuple[str, str]) -> TrialSetup:
+    """Checks the trial settings (before any memory is taken), then the mesh, the device and the budgets."""
+    from fsdp_speedloader.parallel import build_mesh, compute_device, maybe_init_process_group
+
+    n1, n2 = trial_sub_batch_sizes
+    if n1 == n2 or min(n1, n2) < 1:
+        raise ValueError(f"trial_sub_batch_sizes={trial_sub_batch_sizes}; two different sizes >= 1 are needed")
+    if not isinstance(trial_num_sub_batches, int) or trial_num_sub_batches < 1:
+        raise ValueError(f"trial_num_sub_batches={trial_num_sub_batches!r}; it must be an integer >= 1")
+    if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in tune_blocks_per_unit):
+        raise ValueError(f"tune_blocks_per_unit={tune_blocks_per_unit!r}; give integers >= 1")
+    candidates = sorted({options.blocks_per_unit, *tune_blocks_per_unit})
+    trial_options = tuple(options.replace(num_sub_batches=trial_num_sub_batches, blocks_per_unit=b)
+                          for b in candidates)
+    if mesh is None:
+        maybe_init_process_group()
+        mesh = build_mesh("cuda" if torch.cuda.is_available() else "cpu")
+    device = compute_device(mesh.device_type)
+    budgets = _resolve_budgets(device, gpu_memory_budget_bytes, host_memory_budget_bytes, budget_names)
+    return TrialSetup(options=trial_options, sub_batch_sizes=(min(n1, n2), max(n1, n2)), mesh=mesh, device=device,
+                      budgets=budgets)
+
+
 def _resolve_budgets(device: torch.device, gpu_budget: Optional[int], host_budget: Optional[int],
-                     names: tuple[str, str]) -> tuple[int, str, int, str]:
+                     names: tuple[str, str]) -> Budgets:
     detected = None
     if host_budget is None or (gpu_budget is None and device.type != "cuda"):
         detected = HostMemoryBudget.detect()
@@ -550,141 +677,48 @@ def _resolve_budgets(device: torch.device, gpu_budget: Optional[int], host_budge
     else:
         gpu_budget, gpu_source = detected.available_bytes, "the CPU stand-in: detected host memory"
     gpu_budget, host_budget = (int(v) for v in reduce_over_ranks([gpu_budget, host_budget], dist.ReduceOp.MIN))
-    return gpu_budget, gpu_source, host_budget, host_source
+    return Budgets(gpu_budget, gpu_source, host_budget, host_source)
 
 
-def tune(
-    model: ModelConfig,
-    *,
-    seq_len: int,
-    gpu_memory_budget_bytes: Optional[int] = None,
-    host_memory_budget_bytes: Optional[int] = None,
-    target_batch_size: Optional[int] = None,
-    max_sub_batch_size: Optional[int] = None,
-    max_num_sub_batches: Optional[int] = None,
-    blocks_per_unit: int | Sequence[int] = 1,
-    trial_sub_batch_sizes: tuple[int, int] = (2, 4),
-    trial_num_sub_batches: int = 2,
-    gpu_margin: float = DEFAULT_GPU_MARGIN,
-    offload_params: bool = False,
-    activation_store: str = "auto",
-    pin_memory: bool = True,
-    param_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = torch.float32,
-    forward_prefetch: int = 1,
-    loss_chunk_tokens: int = 4096,
-    param_transfer_dtype: Optional[torch.dtype] = None,
-    offload_root: bool = True,
-    mesh=None,
-    build_optimizer: Optional[Callable[[nn.Module], torch.optim.Optimizer]] = None,
-    seed: int = 0,
-    budget_names: tuple[str, str] = ("gpu_memory_budget_bytes", "host_memory_budget_bytes"),
-) -> TunePlan:
-    """Plans ``sub_batch_size`` x ``num_sub_batches`` (and ``blocks_per_unit``) for a layer-major run.
-
-    Args:
-        model: the model to plan for; a throw-away copy is built from it for the trial steps.
-        seq_len: tokens per sequence s.
-        gpu_memory_budget_bytes: GPU memory the run may fill (peak allocated, and peak reserved on CUDA);
-            the plan keeps ``gpu_margin`` of it free. None: the device's memory (times its per-process fraction, if
-            capped); without CUDA the CPU stands in for the GPU and the detected host memory is used.
-        host_memory_budget_bytes: host memory for model states and activation slots. None: detected at
-            the start (``HostMemoryBudget.detect``: ``$FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB``, the memory
-            cgroup or MemTotal, less 10% and what is in use).
-        target_batch_size: at most this many sequences per rank per step (caps n x N).
-        max_sub_batch_size / max_num_sub_batches: caps on n and N (e.g. a sweep's grid).
-        blocks_per_unit: the value to use, or several to choose from (two trial steps each; GPU memory
-            is then fitted on n, b and n x b).
-        trial_sub_batch_sizes: the two sub-batch sizes of the trial steps. Not 1: at n = 1 some kernels
-            take other paths, and the step from 1 to 2 is not the slope beyond (on the CPU it is 2-3x). If
-            the larger one runs out of GPU memory, the trials run again at (1, the smaller one).
-        trial_num_sub_batches: N of the trial steps.
-        offload_params ... offload_root: as ``apply_speedloader``; the run must use the same (the trials
-            then hold the same states where the run will: parameter transfer copies are 2 bytes per
-            offloaded parameter for bf16; a root kept on the GPU is part of the GPU line's constant).
-        mesh: as ``apply_speedloader`` (every rank runs the trials; the maximum over ranks is fitted).
-        build_optimizer: the run's optimizer for a model (its state is part of the memory); default:
-            ``default_optimizer`` (fused AdamW).
-        seed: weights and tokens of the trial model (the global RNG is left as it was).
-        budget_names: what the plan and its errors call the two budgets when given (the trainer passes
-            its config keys).
-    Returns:
-        The :class:`TunePlan`. Raises ``ValueError`` when a budget cannot hold one sequence per sub-batch.
-    """
-    from fsdp_speedloader.parallel import build_mesh, compute_device, maybe_init_process_group
-
-    n1, n2 = trial_sub_batch_sizes
-    if n1 == n2 or min(n1, n2) < 1:
-        raise ValueError(f"trial_sub_batch_sizes={trial_sub_batch_sizes}; two different sizes >= 1 are needed")
-    if trial_num_sub_batches < 1:
-        raise ValueError(f"trial_num_sub_batches={trial_num_sub_batches}; it must be >= 1")
-    candidates = [blocks_per_unit] if isinstance(blocks_per_unit, int) else sorted(set(blocks_per_unit))
-    if not candidates or any(not isinstance(b, int) or b < 1 for b in candidates):
-        raise ValueError(f"blocks_per_unit={blocks_per_unit!r}; give an integer >= 1 or a list of them")
-    if mesh is None:
-        maybe_init_process_group()
-        mesh = build_mesh("cuda" if torch.cuda.is_available() else "cpu")
-    device = compute_device(mesh.device_type)
-    gpu_budget, gpu_source, host_budget, host_source = _resolve_budgets(
-        device, gpu_memory_budget_bytes, host_memory_budget_bytes, budget_names)  # before the trials take memory
-    if build_optimizer is None:
-        build_optimizer = default_optimizer
-
-    speedloader_kwargs = dict(num_sub_batches=trial_num_sub_batches, mesh=mesh, offload_params=offload_params,
-                              activation_store=activation_store, pin_memory=pin_memory, param_dtype=param_dtype,
-                              reduce_dtype=reduce_dtype, forward_prefetch=forward_prefetch,
-                              loss_chunk_tokens=loss_chunk_tokens, param_transfer_dtype=param_transfer_dtype,
-                              offload_root=offload_root)
-    start = time.perf_counter()
+def _run_trials(model: ModelConfig, trials: TrialSetup, seq_len: int, *,
+                build_optimizer: Callable[[nn.Module], OptimizersContainer], seed: int) -> list[Measurement]:
+    """Two trial steps per ``blocks_per_unit`` candidate; the global RNG is left as it was."""
+    device = trials.device
     measurements = []
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        for b in candidates:
-            sizes = (min(n1, n2), max(n1, n2))
-            while True:
-                failed = None
-                try:
-                    measurements += _measure_trials(model, {**speedloader_kwargs, "blocks_per_unit": b}, sizes,
-                                                    seq_len, device=device, build_optimizer=build_optimizer, seed=seed)
-                except torch.OutOfMemoryError as e:
-                    failed = (f"the trial steps at n={sizes} x N={trial_num_sub_batches} (blocks_per_unit={b}) ran "
-                              f"out of GPU memory ({e})")
-                if failed is None:
-                    break
-                # Out of the except block, the failed step's tensors are gone: try smaller sub-batches.
-                if sizes[0] == 1:
-                    raise ValueError(f"GPU memory budget: {failed}; the GPU cannot run one sequence of {seq_len} "
-                                     "tokens per sub-batch: shorten data.seq_len or offload the parameters")
-                log.warning("%s; trying smaller sub-batches", failed)
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                sizes = (1, sizes[0])
-    return plan_from_measurements(
-        measurements, num_layers=model_num_layers(model), gpu_budget_bytes=gpu_budget, host_budget_bytes=host_budget,
-        gpu_margin=gpu_margin, blocks_per_unit=candidates, max_sub_batch_size=max_sub_batch_size,
-        max_num_sub_batches=max_num_sub_batches, target_batch_size=target_batch_size, gpu_budget_source=gpu_source,
-        host_budget_source=host_source, device=device.type,
-        gpu_measure="torch.cuda.max_memory_allocated, max_memory_reserved" if device.type == "cuda" else
-        "CPU stand-in: resident model states + profiled peak allocation",
-        gpu_allocator_settings=cuda_allocator_settings() if device.type == "cuda" else "",
-        trial_s=time.perf_counter() - start)
+        for options in trials.options:
+            measurements += _measure_candidate(model, options, trials, seq_len, build_optimizer=build_optimizer,
+                                               seed=seed)
+    return measurements
 
 
-def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW over every trainable parameter, fused where supported (its two fp32 moments are what the
-    trials must hold)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    try:
-        return torch.optim.AdamW(params, fused=True)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(params, foreach=True)
+def _measure_candidate(model: ModelConfig, options: SpeedLoaderOptions, trials: TrialSetup, seq_len: int, *,
+                       build_optimizer, seed: int) -> list[Measurement]:
+    """The two trial steps of one candidate; if the larger runs out of GPU memory, again at (1, the smaller)."""
+    sizes = trials.sub_batch_sizes
+    while True:
+        try:
+            return _measure_trials(model, options, sizes, seq_len, mesh=trials.mesh, build_optimizer=build_optimizer,
+                                   seed=seed)
+        except torch.OutOfMemoryError as e:
+            failed = (f"the trial steps at n={sizes} x N={options.num_sub_batches} (blocks_per_unit="
+                      f"{options.blocks_per_unit}) ran out of GPU memory ({e})")
+        # Out of the except block, the failed step's tensors are gone: try smaller sub-batches.
+        if sizes[0] == 1:
+            raise ValueError(f"GPU memory budget: {failed}; the GPU cannot run one sequence of {seq_len} "
+                             "tokens per sub-batch: shorten data.seq_len or offload the parameters")
+        log.warning("%s; trying smaller sub-batches", failed)
+        gc.collect()
+        if trials.device.type == "cuda":
+            torch.cuda.empty_cache()
+        sizes = (1, sizes[0])
 
 
-def _measure_trials(model: ModelConfig, speedloader_kwargs: dict, sizes: tuple[int, int], seq_len: int, *,
-                    device: torch.device, build_optimizer, seed: int) -> list[Measurement]:
+def _measure_trials(model: ModelConfig, options: SpeedLoaderOptions, sizes: tuple[int, int], seq_len: int, *,
+                    mesh: DeviceMesh, build_optimizer, seed: int) -> list[Measurement]:
     """Builds a trial model, primes it at the larger size, measures one step at each size, frees it."""
     out = []
-    with TrialModel(model, speedloader_kwargs, device=device, build_optimizer=build_optimizer, seed=seed) as trial:
+    with TrialModel(model, options, mesh=mesh, build_optimizer=build_optimizer, seed=seed) as trial:
         trial.prime(sizes[-1], seq_len)  # at the largest trial geometry: the arena is planned once
         for n in reversed(sizes):  # the largest first, right after the prime; the smaller primes again
             m = trial.measure(n, seq_len)
@@ -693,6 +727,14 @@ def _measure_trials(model: ModelConfig, speedloader_kwargs: dict, sizes: tuple[i
                      "%.2f s", n, m.num_sub_batches, m.blocks_per_unit, _gib(m.gpu_peak_bytes),
                      _gib(m.gpu_reserved_bytes), _gib(m.host_bytes), m.step_s)
     return out[::-1]
+
+
+def _device_fields(device: torch.device) -> dict:
+    """The plan's record of how GPU memory was measured on ``device``."""
+    if device.type == "cuda":
+        return {"device": "cuda", "gpu_measure": "torch.cuda.max_memory_allocated, max_memory_reserved",
+                "gpu_allocator_settings": cuda_allocator_settings()}
+    return {"device": device.type, "gpu_measure": "CPU stand-in: resident model states + profiled peak allocation"}
 
 
 def model_num_layers(model: ModelConfig) -> int:
