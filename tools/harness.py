@@ -37,16 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from fsdp_speedloader.app.sweep_report import STATUSES, is_oom  # noqa: F401 (STATUSES: re-exported) one rule for sweeps and benchmarks
+
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "RESULT "
-STATUSES = ("ok", "oom", "timeout", "failed")
-# What PyTorch's allocators (and the CUDA runtime and cuBLAS below them) print when memory runs out.
-OOM_PATTERN = re.compile(
-    r"OutOfMemoryError"  # torch.OutOfMemoryError (torch.cuda.OutOfMemoryError): the caching allocators
-    r"|out of memory"  # 'CUDA out of memory. Tried to allocate', 'CUDA error: out of memory', NCCL's, HIP's, MPS's
-    r"|DefaultCPUAllocator: (can't allocate memory|not enough memory)"  # the CPU allocator (new, old text)
-    r"|CUBLAS_STATUS_ALLOC_FAILED",
-    re.IGNORECASE)
 _EXCEPTION_LINE = re.compile(r"\w+(Error|Exception)\b:")
 
 
@@ -116,11 +110,6 @@ def write_record(path: str | Path, record: dict) -> Path:
 
 
 # --- output -------------------------------------------------------------------------------------------
-
-
-def is_oom(text: str) -> bool:
-    """Whether ``text`` (a process's output) shows an allocator out of memory: the GPU's or the host's."""
-    return OOM_PATTERN.search(text) is not None
 
 
 def error_summary(text: str, max_lines: int = 3) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import math
 import statistics
 import sys
@@ -31,8 +32,19 @@ SUMMARY_MD = "summary.md"
 HEATMAP_PNG = "heatmap.png"
 METRICS_FILE = "metrics.jsonl"  # fsdp_speedloader.app.logger.METRICS_FILE (not imported: no torch needed here)
 ROW_KEY, COLUMN_KEY = "schedule.sub_batch_size", "schedule.num_sub_batches"
-OOM_MARKERS = ("out of memory", "OutOfMemoryError")
 STATUSES = ("ok", "oom", "failed", "timeout")
+# What PyTorch's allocators (and the CUDA runtime and cuBLAS below them) print when memory runs out.
+OOM_PATTERN = re.compile(
+    r"OutOfMemoryError"  # torch.OutOfMemoryError (torch.cuda.OutOfMemoryError): the caching allocators
+    r"|out of memory"  # 'CUDA out of memory. Tried to allocate', 'CUDA error: out of memory', NCCL's, HIP's, MPS's
+    r"|DefaultCPUAllocator: (can't allocate memory|not enough memory)"  # the CPU allocator (new, old text)
+    r"|CUBLAS_STATUS_ALLOC_FAILED",
+    re.IGNORECASE)
+
+
+def is_oom(text: str) -> bool:
+    """Whether ``text`` (a process's output) shows an allocator out of memory: the GPU's or the host's."""
+    return OOM_PATTERN.search(text) is not None
 
 
 def classify(returncode: Optional[int], output: str, *, timed_out: bool = False) -> str:
@@ -41,7 +53,7 @@ def classify(returncode: Optional[int], output: str, *, timed_out: bool = False)
         return "timeout"
     if returncode == 0:
         return "ok"
-    return "oom" if any(m in output for m in OOM_MARKERS) else "failed"
+    return "oom" if is_oom(output) else "failed"
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
