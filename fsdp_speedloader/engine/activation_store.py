@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -73,6 +73,45 @@ class ActivationStore(ABC):
     @property
     def host_bytes(self) -> int:
         return 0
+
+
+def for_each_sub_batch(store: ActivationStore, slots: Union[int, tuple[int, ...]], num_sub_batches: int,
+                       body: Callable[..., None], *, also: Optional[Callable[[int], None]] = None) -> None:
+    """Calls ``body(i, *tensors)`` for i = 0 .. N-1 with ``store.get(slot, i)`` of each slot, the copies of
+    sub-batch i + 1 already started. THE order of store calls for every loop over sub-batches:
+
+        prefetch(s, 0) for s in slots;  also(0)
+        per i:  get(s, i) for s in slots;  unless i is the last: prefetch(s, i + 1) for s in slots, also(i + 1);
+                body(i, ...): the compute on sub-batch i (and its ``put``)
+
+    Why this order: sub-batch i + 1's copy is queued before i's compute, so it runs while i computes, and
+    after ``get(i)``, so that a copy ``get`` issues itself (no prefetch, or one a ``put`` made stale) is not
+    queued behind it (a copy stream runs its copies in queue order). ``also(j)`` starts another copy for
+    sub-batch j right behind the store's (generation: its KV cache). A look-ahead past the last
+    sub-batch (the next unit's first inputs) is the body's.
+
+    Why a callback, not a generator: the exchange store hands a ring buffer to a new fetch only once no
+    tensor aliases it. Slot s of sub-batch i is dropped here right after ``get(s, i + 1)``, so its buffer is
+    free before i + 2's copy is queued; a generator's caller would still hold it in its loop variable then,
+    and the ring would grow (``test_exchange_traffic_per_step``). For the same reason a body keeps nothing
+    of sub-batch i after it returns.
+    """
+    order = (slots,) if isinstance(slots, int) else tuple(slots)
+
+    def start(i: int) -> None:
+        for slot in order:
+            store.prefetch(slot, i)
+        if also is not None:
+            also(i)
+
+    start(0)
+    held: list = [None] * len(order)
+    for i in range(num_sub_batches):
+        for k, slot in enumerate(order):
+            held[k] = store.get(slot, i)
+        if i + 1 < num_sub_batches:
+            start(i + 1)
+        body(i, *held)
 
 
 class DeviceActivationStore(ActivationStore):

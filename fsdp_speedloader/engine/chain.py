@@ -9,8 +9,9 @@ through the activation store, outside autograd:
 Each UnitFunction runs inside its unit's single FSDP-hooked call, so the unit is unsharded once
 for all N sub-batches in forward, and once in backward (FSDP's pre-backward hook fires on the
 placeholder's gradient; its post-backward, the one reduce-scatter, on the input placeholder's).
-Inside, blocks run through their class's forward, never their hooked ``__call__`` (see DESIGN.md:
-a hooked call inside backward silently loses the gradients).
+Inside, blocks run through their class's forward, never their hooked ``__call__`` (see docs/design.md §3:
+a hooked call inside backward silently loses the gradients). Every loop over the sub-batches is a
+``for_each_sub_batch`` (activation_store.py), which fixes the order of the store's prefetches and gets.
 """
 
 from __future__ import annotations
@@ -24,17 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_speedloader.engine.activation_store import ActivationStore, grad_slot
+from fsdp_speedloader.engine.activation_store import ActivationStore, for_each_sub_batch, grad_slot
 from fsdp_speedloader.models import BlockInputs, ModelAdapter
 from fsdp_speedloader.fsdp2 import fold_unsharded_grads, fsdp_params_of
 
 
-class StepState:
+class TrainStepState:
     """Everything one training step shares between the Functions.
 
     A plain class, on purpose: it is passed through FSDP-hooked calls, and FSDP rebuilds (and casts
     the tensors of) containers and dataclasses it finds in forward arguments, which would copy the
-    state per call and lose writes into it (DESIGN.md section 3).
+    state per call and lose writes into it (docs/design.md §3).
     """
 
     def __init__(self, *, adapter: ModelAdapter, store: ActivationStore, num_units: int,
@@ -121,7 +122,7 @@ class EmbedFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, state: StepState) -> torch.Tensor:
+    def forward(ctx, weight: torch.Tensor, state: TrainStepState) -> torch.Tensor:
         for i in range(state.num_sub_batches):
             state.store.put(0, i, state.adapter.embed(state.input_ids[i], state.position_ids[i]))
         ctx.state = state
@@ -129,18 +130,16 @@ class EmbedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_placeholder: torch.Tensor):
-        state: StepState = ctx.state
+        state: TrainStepState = ctx.state
         state.unit_grads_ready(1)  # autograd ran unit 1's FSDP post-backward just before this node
-        slot = grad_slot(0, state.num_units)
-        state.store.prefetch(slot, 0)
-        for i in range(state.num_sub_batches):
-            g = state.store.get(slot, i)
-            if i + 1 < state.num_sub_batches:
-                state.store.prefetch(slot, i + 1)
+
+        def backprop(i: int, g: torch.Tensor) -> None:  # g = dL/dx0[i]
             with torch.enable_grad():
                 x0 = state.adapter.embed(state.input_ids[i], state.position_ids[i])
             torch.autograd.backward(x0, g)
             fold_unsharded_grads(state.root_fsdp_params)
+
+        for_each_sub_batch(state.store, grad_slot(0, state.num_units), state.num_sub_batches, backprop)
         state.store.end_step()
         return None, None
 
@@ -155,43 +154,39 @@ class UnitFunction(torch.autograd.Function):
     backpropagate, fold the parameter gradients into FSDP's fp32 accumulator (reduce-scattered
     once by FSDP's post-backward), and write dL/dx_{l-1}[i] to the slot that held x_l[i].
     Streams: all compute on the current stream; the store's ``prefetch``/``put`` start the next
-    fetch and the last store on its copy streams where it has them.
+    fetch and the last store on its copy streams where it has them (``for_each_sub_batch``'s order).
     """
 
     @staticmethod
-    def forward(ctx, placeholder: torch.Tensor, state: StepState, unit: Unit) -> torch.Tensor:
+    def forward(ctx, placeholder: torch.Tensor, state: TrainStepState, unit: Unit) -> torch.Tensor:
         store, src, dst = state.store, unit.index - 1, unit.index
-        store.prefetch(src, 0)
-        for i in range(state.num_sub_batches):
-            x = store.get(src, i)
-            if i + 1 < state.num_sub_batches:
-                store.prefetch(src, i + 1)
+
+        def run(i: int, x: torch.Tensor) -> None:
             with state.rng((unit.index, i), replay=False):
                 y = unit.forward(state.adapter, x, state.block_inputs[i], compiled=True)
             store.put(dst, i, y)
+
+        for_each_sub_batch(store, src, state.num_sub_batches, run)
         ctx.state, ctx.unit = state, unit
         return _placeholder(placeholder)
 
     @staticmethod
     def backward(ctx, grad_placeholder: torch.Tensor):
-        state: StepState = ctx.state
+        state: TrainStepState = ctx.state
         unit: Unit = ctx.unit
         state.unit_grads_ready(unit.index + 1)  # the next unit's post-backward ran just before this node
         store, src = state.store, unit.index - 1
         g_in, g_out = grad_slot(unit.index, state.num_units), grad_slot(src, state.num_units)
-        store.prefetch(src, 0)
-        store.prefetch(g_in, 0)
-        for i in range(state.num_sub_batches):
-            x = store.get(src, i).detach().requires_grad_(True)
-            g = store.get(g_in, i)
-            if i + 1 < state.num_sub_batches:
-                store.prefetch(src, i + 1)
-                store.prefetch(g_in, i + 1)
+
+        def backprop(i: int, x: torch.Tensor, g: torch.Tensor) -> None:  # x = x_{l-1}[i], g = dL/dx_l[i]
+            x = x.detach().requires_grad_(True)
             with torch.enable_grad(), state.rng((unit.index, i), replay=True):
                 y = unit.forward(state.adapter, x, state.block_inputs[i], compiled=True)
             torch.autograd.backward(y, g)
             fold_unsharded_grads(unit.fsdp_params)
             store.put(g_out, i, x.grad)
+
+        for_each_sub_batch(store, (src, g_in), state.num_sub_batches, backprop)
         return torch.zeros_like(grad_placeholder), None, None
 
 
@@ -217,32 +212,27 @@ class HeadLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, placeholder: torch.Tensor, state: StepState) -> torch.Tensor:
+    def forward(ctx, placeholder: torch.Tensor, state: TrainStepState) -> torch.Tensor:
         store, last = state.store, state.num_units
         total = torch.zeros((), dtype=torch.float32, device=placeholder.device)
-        store.prefetch(last, 0)
-        for i in range(state.num_sub_batches):
-            x = store.get(last, i).flatten(0, 1)
-            if i + 1 < state.num_sub_batches:
-                store.prefetch(last, i + 1)
-            labels = state.shift_labels[i]
+
+        def add_loss(i: int, x: torch.Tensor) -> None:
+            x, labels = x.flatten(0, 1), state.shift_labels[i]
             for c in _chunks(x.shape[0], state.loss_chunk_tokens):
-                total += _chunk_loss(state.adapter, x[c], labels[c])
+                total.add_(_chunk_loss(state.adapter, x[c], labels[c]))
+
+        for_each_sub_batch(store, last, state.num_sub_batches, add_loss)
         ctx.state = state
         return total / state.num_label_tokens
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        state: StepState = ctx.state
+        state: TrainStepState = ctx.state
         store, last = state.store, state.num_units
         scale = grad_loss / state.num_label_tokens
-        store.prefetch(last, 0)
-        for i in range(state.num_sub_batches):
-            x_i = store.get(last, i)
-            if i + 1 < state.num_sub_batches:
-                store.prefetch(last, i + 1)
-            x = x_i.flatten(0, 1)
-            labels = state.shift_labels[i]
+
+        def backprop(i: int, x_i: torch.Tensor) -> None:
+            x, labels = x_i.flatten(0, 1), state.shift_labels[i]
             grad = torch.empty_like(x)  # every row is written by its chunk below
             for c in _chunks(x.shape[0], state.loss_chunk_tokens):
                 xc = x[c].detach().requires_grad_(True)
@@ -252,6 +242,8 @@ class HeadLossFunction(torch.autograd.Function):
                 grad[c] = xc.grad
             fold_unsharded_grads(state.root_fsdp_params)
             store.put(grad_slot(last, last), i, grad.view_as(x_i))
+
+        for_each_sub_batch(store, last, state.num_sub_batches, backprop)
         return torch.zeros((), dtype=torch.float32, device=grad_loss.device), None
 
 

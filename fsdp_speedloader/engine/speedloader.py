@@ -20,7 +20,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fsdp_speedloader.engine.activation_store import ActivationStore, ExchangeActivationStore, build_activation_store
-from fsdp_speedloader.engine.chain import EmbedFunction, HeadLossFunction, StepState, Unit, UnitFunction, num_label_tokens, shift_labels
+from fsdp_speedloader.engine.chain import EmbedFunction, HeadLossFunction, TrainStepState, Unit, UnitFunction, num_label_tokens, shift_labels
 from fsdp_speedloader.fsdp2 import check_torch_version, enable_single_rank_prefetch, fast_path_stats, fsdp_params_of, \
     refresh_param_transfer, require_fsdp2_internals
 from fsdp_speedloader.models import ModelAdapter, get_adapter
@@ -112,7 +112,7 @@ class SpeedLoader:
         else:
             block_inputs = [adapter.block_inputs(probe, m, p) for m, p in zip(masks, position_ids)]
 
-        state = StepState(
+        state = TrainStepState(
             adapter=adapter, store=self.store, num_units=len(self.units), input_ids=list(input_ids.split(sub)),
             position_ids=position_ids, shift_labels=[t.reshape(-1) for t in shifted.split(sub)],
             block_inputs=block_inputs, num_label_tokens=num_label_tokens(shifted, num_items_in_batch),
@@ -139,7 +139,7 @@ def speedloader_engine(model: nn.Module, *, missing_ok: bool = False) -> Optiona
     return engine
 
 
-def _unit_call(unit: Unit, placeholder: torch.Tensor, state: StepState) -> torch.Tensor:
+def _unit_call(unit: Unit, placeholder: torch.Tensor, state: TrainStepState) -> torch.Tensor:
     return UnitFunction.apply(placeholder, state, unit)
 
 

@@ -11,17 +11,19 @@ norm and LM head stay unsharded from the first step on)::
 
 A decoding step with the KV cache on the device runs the loop over sub-batches once, on the whole batch
 (one "sub-batch" of N x n sequences): the sub-batches exist to bound activation memory and to overlap
-KV copies, and such a step has one token per sequence and no copies, while its time is host overhead
-per decoder-layer call (measured with ``tools/profile_decode.py``). The prefill, the host KV cache and
+KV copies, and such a step has one token per sequence and no copies; its time is host overhead per
+decoder-layer call, which N groups would pay N times. The prefill, the host KV cache and
 ``kv_cache='off'`` keep N sub-batches.
 
 With one rank and the weights resident in the compute dtype, the same step runs without FSDP2's hooks, on
-the local shards themselves (``fsdp_internals.run_on_local_shards``): there is nothing to unshard.
+the local shards themselves (``fsdp2.run_on_local_shards``): there is nothing to unshard.
 
-``_unit_step`` is the schedule: which fetch, compute and store happen when. Activations go through the
-model's activation store (``apply_speedloader(activation_store=...)``; a decoding step with a KV cache keeps
-its one-token activations on the device), the KV cache through
-``kv_cache.py``; both copy on a ``TensorExchange``'s streams when CUDA is present.
+``_unit_step`` is the schedule: which fetch, compute and store happen when (the order per sub-batch is
+``for_each_sub_batch``'s). Activations go through the model's activation store
+(``apply_speedloader(activation_store=...)``; a decoding step with a KV cache keeps its one-token
+activations on the device), the KV cache through ``kv_cache.py``; both copy on a ``TensorExchange``'s
+streams when CUDA is present. ``generate`` is ``_prepare_generation`` (what is fixed for the call), then
+``_decode`` (the steps), then ``_report`` (``GenerationStats``).
 
 Parity with Hugging Face ``generate`` (greedy, fp32): positions are ``cumsum(mask) - 1`` as
 ``generate`` computes them, the 4-D masks come from the model's own ``create_causal_mask`` (given a
@@ -44,7 +46,7 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -52,11 +54,11 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers.masking_utils import create_causal_mask
 
-from fsdp_speedloader.engine.activation_store import ActivationStore, DeviceActivationStore
+from fsdp_speedloader.engine.activation_store import ActivationStore, DeviceActivationStore, for_each_sub_batch
 from fsdp_speedloader.engine.speedloader import speedloader_engine
 from fsdp_speedloader.engine.chain import Unit
 from fsdp_speedloader.fsdp2 import local_shard_params, run_on_local_shards
-from fsdp_speedloader.generation.host_attention import attention_on_host
+from fsdp_speedloader.generation.host_attention import HostAttentionTimes, attention_on_host
 from fsdp_speedloader.generation.kv_cache import KV_CACHE_MODES, KVCache, build_kv_cache, choose_kv_mode, kv_layout_for
 from fsdp_speedloader.models import BlockInputs, ModelAdapter
 
@@ -110,7 +112,7 @@ class GenerationStats:
 # ---------------------------------------------------------------------------------------------
 
 
-class StepState:
+class GenerationStepState:
     """What one step shares between the root call and the unit calls.
 
     A plain class, not a dataclass: it passes through FSDP-hooked calls, and FSDP rebuilds
@@ -170,38 +172,33 @@ class _Resources:
     kv_exchange: object = None
 
 
-def _unit_step(unit: Unit, state: StepState) -> None:
+def _unit_step(unit: Unit, state: GenerationStepState) -> None:
     """Runs ``unit`` on every sub-batch: x[src][i] -> x[dst][i], appending to the KV cache. THE schedule.
 
     Inside the unit's one FSDP-hooked call. Copies: the activation store's ``prefetch``/``put`` and the
     KV cache's ``prefetch``/``update`` start H2D/D2H copies on the exchange streams; compute is on the
-    current stream. While sub-batch i computes, sub-batch i + 1's input and KV (or, for the last one,
-    the next unit's first KV) are copied in, and i - 1's outputs are copied out.
+    current stream. While sub-batch i computes, sub-batch i + 1's input and KV (or, during the last one,
+    the next unit's first input and KV) are copied in, and i - 1's outputs are copied out.
     """
     run = state.run
     store, kv, n_sub = state.store, run.kv, state.num_groups
     src, dst = (unit.index - 1) % 2, unit.index % 2
     layers = run.layers[unit.index - 1]
     next_layers = run.layers[unit.index] if unit.index < len(run.layers) else None
-    store.prefetch(src, 0)
-    if kv is not None:
-        kv.prefetch(0, layers)
-    for i in range(n_sub):
-        x = store.get(src, i)
-        if i + 1 < n_sub:
-            store.prefetch(src, i + 1)
-            if kv is not None:
-                kv.prefetch(i + 1, layers)
-        elif next_layers is not None:  # the last sub-batch: start the next unit's first inputs
+
+    def run_sub_batch(i: int, x: torch.Tensor) -> None:
+        if i + 1 == n_sub and next_layers is not None:  # the last sub-batch: start the next unit's first inputs
             if kv is not None:
                 kv.prefetch(0, next_layers)
             if n_sub > 1:
                 store.prefetch(dst, 0)  # stored one sub-batch ago; N = 1 would store it only below
-        y = unit.forward(run.adapter, x, state.block_inputs[i])
-        store.put(dst, i, y)
+        store.put(dst, i, unit.forward(run.adapter, x, state.block_inputs[i]))
+
+    kv_prefetch = None if kv is None else (lambda j: kv.prefetch(j, layers))  # right behind each input's copy
+    for_each_sub_batch(store, src, n_sub, run_sub_batch, also=kv_prefetch)
 
 
-def _root_step(state: StepState) -> None:
+def _root_step(state: GenerationStepState) -> None:
     """One layer-major step inside the root's hooked call: embed, all units, head."""
     run = state.run
     adapter, device, n_sub = run.adapter, run.device, state.num_groups
@@ -232,14 +229,13 @@ def _root_step(state: StepState) -> None:
             getattr(module, _UNIT_METHOD)(state)  # one FSDP-hooked call per unit: one unshard
     last = len(run.units) % 2
     logits = []
-    store.prefetch(last, 0)
-    for i in range(n_sub):
-        x = store.get(last, i)
-        if i + 1 < n_sub:
-            store.prefetch(last, i + 1)
+
+    def head(i: int, x: torch.Tensor) -> None:
         # As Hugging Face: final norm on every position, LM head on the last (logits_to_keep=1).
         hidden = adapter.final_hidden(x)[:, -1:, :]
         logits.append(adapter.lm_head(hidden)[:, -1, :].float())  # (n, V)
+
+    for_each_sub_batch(store, last, n_sub, head)
     store.end_step()
     if run.kv is not None:
         run.kv.end_step()
@@ -486,97 +482,148 @@ def generate(
                   top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches)
     eos = _eos_list(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
+    run, prompts = _prepare_generation(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                       num_sub_batches=num_sub_batches, kv_cache=kv_cache,
+                                       kv_device_sub_batches=kv_device_sub_batches,
+                                       cpu_attention_sub_batches=cpu_attention_sub_batches,
+                                       host_memory_limit_bytes=host_memory_limit_bytes)
+    generator = torch.Generator(device=run.device).manual_seed(seed) if do_sample and seed is not None else None
+    select = functools.partial(select_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                               generator=generator)
+    was_training = model.training
+    model.eval()
+    try:
+        new_tokens, timing = _decode(model, run, prompts, max_new_tokens=max_new_tokens, select=select, eos=eos,
+                                     pad=pad, timed=return_stats)
+    finally:
+        if run.kv is not None:
+            run.kv.close()
+        model.train(was_training)
+    out = torch.cat([prompts.ids, torch.stack(new_tokens, dim=1)], dim=1).to(input_ids.device)
+    return (out, _report(run, prompts, len(new_tokens), timing)) if return_stats else out
+
+
+@dataclass(eq=False)
+class _Prompts:
+    """The prompts of one ``generate`` call, as its steps read them."""
+
+    ids: torch.Tensor  # (B, prompt_len) on the compute device
+    mask: Optional[torch.Tensor]  # (B, prompt_len) on the host, 0 = left padding; None: no padding
+    positions: torch.Tensor  # (B, prompt_len) on the host
+
+
+@dataclass
+class _Timing:
+    """Host clock of one call (``timed``: the GPU's work is waited for at both marks)."""
+
+    prefill_s: float
+    total_s: float
+    host_attention: Optional[HostAttentionTimes]  # with cpu_attention_sub_batches > 0
+
+
+def _prepare_generation(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], *,
+                        max_new_tokens: int, num_sub_batches: int, kv_cache: str,
+                        kv_device_sub_batches: Optional[int], cpu_attention_sub_batches: int,
+                        host_memory_limit_bytes: Optional[int]) -> tuple[_Run, _Prompts]:
+    """What stays fixed for the call: the prompts' mask and positions (on the host, where the masks are
+    built), each unit's layer indices, and the generation methods on the model (registered once per model).
+    The KV cache comes with the first step, inside the root's call, where the compute dtype is known."""
     engine = speedloader_engine(model)
-    adapter, device = engine.adapter, engine.device
     batch, prompt_len = input_ids.shape
-    out_device = input_ids.device
     mask = None if attention_mask is None else attention_mask.to("cpu", torch.long)
     positions = prompt_positions(mask) if mask is not None else torch.arange(prompt_len).expand(batch, -1)
     if mask is not None and bool((mask == 1).all()):
         mask = None  # as generate: no padding, no mask (the kernels may then use their causal fast path)
-
     resources = _registered(model)
-    blocks = list(adapter.blocks)
+    blocks = list(engine.adapter.blocks)
     layer_of = {id(b): getattr(getattr(b, "self_attn", None), "layer_idx", k) for k, b in enumerate(blocks)}
     if sorted(layer_of.values()) != list(range(len(blocks))):
         raise ValueError("the model's attention layers do not carry their block index (self_attn.layer_idx)")
-    run = _Run(adapter=adapter, units=engine.units, layers=[[layer_of[id(b)] for b in u.blocks] for _, u in engine.units],
-               store=engine.store, device=device, num_sub_batches=num_sub_batches,
-               sub_batch_size=batch // num_sub_batches, capacity=prompt_len + max_new_tokens, kv_mode=kv_cache,
-               kv_device_sub_batches=kv_device_sub_batches, cpu_attention_sub_batches=cpu_attention_sub_batches,
-               host_memory_limit_bytes=host_memory_limit_bytes, resources=resources,
-               block_kwargs=frozenset(inspect.signature(type(blocks[0]).forward).parameters))
-    generator = None
-    if do_sample and seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
+    run = _Run(adapter=engine.adapter, units=engine.units,
+               layers=[[layer_of[id(b)] for b in u.blocks] for _, u in engine.units], store=engine.store,
+               device=engine.device, num_sub_batches=num_sub_batches, sub_batch_size=batch // num_sub_batches,
+               capacity=prompt_len + max_new_tokens, kv_mode=kv_cache, kv_device_sub_batches=kv_device_sub_batches,
+               cpu_attention_sub_batches=cpu_attention_sub_batches, host_memory_limit_bytes=host_memory_limit_bytes,
+               resources=resources, block_kwargs=frozenset(inspect.signature(type(blocks[0]).forward).parameters))
+    return run, _Prompts(ids=input_ids.to(engine.device), mask=mask, positions=positions)
+
+
+def _decode(model: nn.Module, run: _Run, prompts: _Prompts, *, max_new_tokens: int,
+            select: Callable[[torch.Tensor], torch.Tensor], eos: list[int], pad: Optional[int], timed: bool
+            ) -> tuple[list[torch.Tensor], _Timing]:
+    """The prefill, then one decoding step per new token, until ``max_new_tokens`` or until every sequence
+    has ended on every rank. Returns the new tokens ((B,) per step) and the host clock."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    was_training = model.training
-    model.eval()
-    routing = attention_on_host(adapter.config) if cpu_attention_sub_batches else contextlib.nullcontext()
+    routing = attention_on_host(run.adapter.config) if run.cpu_attention_sub_batches else contextlib.nullcontext()
     # One rank per shard group, weights resident in the compute dtype: FSDP2's unshard would only copy
     # whole weights into its buffers and out, every unit and step; run on the local shards instead.
     local = local_shard_params(model)
     run.on_local_shards = local is not None
     step_call = _root_step if run.on_local_shards else getattr(model, _ROOT_METHOD)  # the root's hooked call
     # Timing needs the GPU to finish the prefill (and the last step); without stats nothing waits for it.
-    sync = (torch.cuda.current_stream(device).synchronize if device.type == "cuda" and return_stats
+    sync = (torch.cuda.current_stream(run.device).synchronize if run.device.type == "cuda" and timed
             else (lambda: None))
-    ids_all = input_ids.to(device)
     new_tokens: list[torch.Tensor] = []
-    unfinished = torch.ones(batch, dtype=torch.long, device=device)
-    eos_t = torch.tensor(eos, device=device) if eos else None
+    unfinished = torch.ones(prompts.ids.shape[0], dtype=torch.long, device=run.device)
+    eos_t = torch.tensor(eos, device=run.device) if eos else None
     start = time.perf_counter()
     prefill_s = 0.0
-    try:
-        with routing as host_times, run_on_local_shards(local or ()):
-            for step in range(max_new_tokens):
-                recompute = kv_cache == "off" or run.kv_mode == "off"
-                if step == 0 or recompute:  # the whole sequence so far, from position 0
-                    past, step_ids = 0, torch.cat([ids_all, *[t[:, None] for t in new_tokens]], dim=1)
-                    step_pos = torch.cat([positions, positions[:, -1:] + torch.arange(1, step + 1)], dim=1)
-                else:  # one new token per sequence after `past` cached positions
-                    past, step_ids = prompt_len + step - 1, new_tokens[-1][:, None]
-                    step_pos = positions[:, -1:] + step
-                step_mask = None if mask is None else torch.cat([mask, torch.ones(batch, step, dtype=mask.dtype)], 1)
-                # Host overhead, not the weights, bounds a decoding step (a decoder-layer call per layer and
-                # group): with the KV cache on the device, nothing is fetched per sub-batch, and the step's
-                # activations are one token per sequence, so each unit runs ONCE on the whole batch.
-                whole_batch = past > 0 and run.kv is not None and run.kv.whole_batch_decode
-                state = StepState(run=run, input_ids=list(step_ids.split(batch if whole_batch else run.sub_batch_size)),
-                                  mask=step_mask, positions=step_pos, past=past)
-                step_call(state)  # one layer-major step
-                next_tokens = select_tokens(state.logits, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                                            top_p=top_p, generator=generator)
-                if eos_t is not None:
-                    next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
-                    unfinished = unfinished & ~torch.isin(next_tokens, eos_t)
-                new_tokens.append(next_tokens)
-                if step == 0:
-                    sync()
-                    prefill_s = time.perf_counter() - start
-                # Ranks step together (FSDP's all-gathers are collective): with several ranks every rank
-                # votes each step, also one without EOS ids, so a rank that passed none cannot hang the others.
-                if (eos_t is not None or distributed) and step + 1 < max_new_tokens:
-                    alive = unfinished.max()
-                    if distributed:
-                        dist.all_reduce(alive, op=dist.ReduceOp.MAX)
-                    if int(alive) == 0:
-                        break
-        sync()
-        total_s = time.perf_counter() - start
-    finally:
-        if run.kv is not None:
-            run.kv.close()
-        model.train(was_training)
-    out = torch.cat([ids_all, torch.stack(new_tokens, dim=1)], dim=1).to(out_device)
-    if not return_stats:
-        return out
-    io = run.kv.stats() if run.kv is not None else {}
-    if hasattr(engine.store, "step_stats"):
-        io.update({f"activation_{k}": v for k, v in engine.store.step_stats().items()})
-    if host_times is not None:
-        io.update(host_times.as_dict())
-    stats = GenerationStats(batch_size=batch, prompt_len=prompt_len, num_steps=len(new_tokens), prefill_s=prefill_s,
-                            decode_s=total_s - prefill_s, kv_cache=run.kv_mode, io=io)
-    return out, stats
+    with routing as host_times, run_on_local_shards(local or ()):
+        for step in range(max_new_tokens):
+            state = _step_state(run, prompts, new_tokens, step)
+            step_call(state)  # one layer-major step
+            next_tokens = select(state.logits)
+            if eos_t is not None:
+                next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
+                unfinished = unfinished & ~torch.isin(next_tokens, eos_t)
+            new_tokens.append(next_tokens)
+            if step == 0:
+                sync()
+                prefill_s = time.perf_counter() - start
+            # Ranks step together (FSDP's all-gathers are collective): with several ranks every rank
+            # votes each step, also one without EOS ids, so a rank that passed none cannot hang the others.
+            vote = (eos_t is not None or distributed) and step + 1 < max_new_tokens
+            if vote and _all_ended(unfinished, distributed):
+                break
+    sync()
+    return new_tokens, _Timing(prefill_s, time.perf_counter() - start, host_times)
 
+
+def _step_state(run: _Run, prompts: _Prompts, new_tokens: list[torch.Tensor], step: int) -> GenerationStepState:
+    """Step ``step``'s inputs: the whole sequence so far (the prefill, and every step without a KV cache), or
+    each sequence's last new token after ``past`` cached positions."""
+    batch, prompt_len = prompts.ids.shape
+    positions, mask = prompts.positions, prompts.mask
+    if step == 0 or run.kv_mode == "off":  # the whole sequence so far, from position 0
+        past, ids = 0, torch.cat([prompts.ids, *[t[:, None] for t in new_tokens]], dim=1)
+        step_pos = torch.cat([positions, positions[:, -1:] + torch.arange(1, step + 1)], dim=1)
+    else:  # one new token per sequence after `past` cached positions
+        past, ids = prompt_len + step - 1, new_tokens[-1][:, None]
+        step_pos = positions[:, -1:] + step
+    step_mask = None if mask is None else torch.cat([mask, torch.ones(batch, step, dtype=mask.dtype)], 1)
+    # Host overhead, not the weights, bounds a decoding step (a decoder-layer call per layer and group): with
+    # the KV cache on the device, nothing is fetched per sub-batch, and the step's activations are one token
+    # per sequence, so each unit runs ONCE on the whole batch.
+    whole_batch = past > 0 and run.kv is not None and run.kv.whole_batch_decode
+    return GenerationStepState(run=run, input_ids=list(ids.split(batch if whole_batch else run.sub_batch_size)),
+                               mask=step_mask, positions=step_pos, past=past)
+
+
+def _all_ended(unfinished: torch.Tensor, distributed: bool) -> bool:
+    """Whether every sequence has ended, on every rank (reads one value back: a host wait)."""
+    alive = unfinished.max()
+    if distributed:
+        dist.all_reduce(alive, op=dist.ReduceOp.MAX)
+    return int(alive) == 0
+
+
+def _report(run: _Run, prompts: _Prompts, num_steps: int, timing: _Timing) -> GenerationStats:
+    """The call's figures: times, and what the KV cache, the activation store and host attention moved."""
+    io = run.kv.stats() if run.kv is not None else {}
+    if hasattr(run.store, "step_stats"):
+        io.update({f"activation_{k}": v for k, v in run.store.step_stats().items()})
+    if timing.host_attention is not None:
+        io.update(timing.host_attention.as_dict())
+    batch, prompt_len = prompts.ids.shape
+    return GenerationStats(batch_size=batch, prompt_len=prompt_len, num_steps=num_steps, prefill_s=timing.prefill_s,
+                           decode_s=timing.total_s - timing.prefill_s, kv_cache=run.kv_mode, io=io)

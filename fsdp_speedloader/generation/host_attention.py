@@ -1,34 +1,26 @@
 """Attention next to a host KV cache: a decoding step's attention runs on the CPU, where the cache is.
 
-When the KV cache of a sub-batch lives in host memory, a decoding step can either copy the cache to
-the GPU (``HostKVCache``'s default: the whole ``kv[i, l, :past + 1]`` crosses the link every step) or
-send the one-token query to the cache and the one-token output back (FlexGen's ``cpu_cache_compute``):
-a few hundred kilobytes per (sub-batch, layer) instead of the whole cache. The CPU then reads the cache
-from host memory, and the link is left to the weights. Which sub-batches do this is the cache's
-choice (``kv_cache.py``, ``cpu_attention_sub_batches``); this file only routes their attention.
+A sub-batch whose KV cache is in host memory can copy its whole cache to the GPU every step (``HostKVCache``'s
+default) or send the one-token query to the cache and the one-token output back (FlexGen's
+``cpu_cache_compute``): the link is then left to the weights, and the CPU reads the cache from host memory.
+Which sub-batches do this is the cache's choice (``kv_cache.py``, ``cpu_attention_sub_batches``); this file
+only routes their attention.
 
-Routing: Hugging Face attention layers look up their attention function by
-``config._attn_implementation`` in ``ALL_ATTENTION_FUNCTIONS``. ``attention_on_host(config)`` registers a
-wrapper of the model's own function (``sdpa``, ``eager``, ...) under a new name and switches the config
-to it for the duration of a generation. The wrapper calls the original function unchanged, on the
-device, unless the cache handed the layer keys in host memory while its query is on the GPU: then it
-copies the query (and the mask) to page-locked host memory, waits for the compute stream (which also
-wrote this token's keys and values into the cache), calls the same function on the host tensors, and
-hands the output back. The mask function is the original's, registered under the new name too, so
-masks are built exactly as before.
+Routing: Hugging Face attention layers look up their attention function by ``config._attn_implementation``
+in ``ALL_ATTENTION_FUNCTIONS``. ``attention_on_host(config)`` registers a wrapper of the model's own function
+(``sdpa``, ``eager``, ...), and the original's mask function, under a new name and switches the config to it
+for the duration of a generation, so masks are built exactly as before. The wrapper calls the original
+function unchanged, on the device, unless the cache handed the layer keys in host memory while its query is
+on the GPU: then it copies the query (and the mask) to page-locked host memory, waits for the compute stream
+(which also wrote this token's keys and values into the cache), and calls the same function on the host
+tensors. That host wait, once per (sub-batch, layer), is what lets the CPU read keys the GPU has just
+written; the next unit's weights keep streaming on the copy stream meanwhile.
 
-This one host wait per (sub-batch, layer) is deliberate: a decoding step's GPU work is small, the next
-unit's weights keep streaming on the copy stream while the CPU computes, and the wait is what lets the
-CPU read keys the GPU has just written.
-
-The way back does not use a copy engine. Host-to-device copies run in the order they were queued, across
-streams: a 172 KB copy queued while one unit's weights (1.25 GiB) are on the link lands 22 ms later, after
-the weights, pageable or page-locked, whether the weights go as 256 or 16 MiB copies
-(``return_copy_ms`` in ``tools/bench_host_attention.py``, H200). The next sub-batch's query waits for the
-previous output, so the CPU would idle until the next unit's weights had arrived and the link would idle
-while the CPU computes: a step would last the link's time plus the CPU's. Instead the output is written to
-page-locked memory and an elementwise kernel reads it there (unified addressing: the host pointer is valid
-on the device). Where that is not possible the output is copied, with a warning.
+The output goes back without a copy engine: host-to-device copies run in the order they were queued, across
+streams, so a copied output would land only after the next unit's weights, and the CPU and the link would
+take turns (figures: ``docs/generation.md``). Instead the output is written to page-locked memory and an
+elementwise kernel reads it there (unified addressing); where that is not possible it is copied, with a
+warning.
 """
 
 from __future__ import annotations
