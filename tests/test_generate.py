@@ -454,7 +454,7 @@ def test_generate_yaml_composes_into_a_valid_config():
 
 def test_cli_generates_prompts_from_a_file(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"text": "Hello world"}\n{"text": "The capital of France is"}\n\n{"text": "abc"}\n')
+    prompts.write_text('{"text": "Hello world"}\n{"text": "The capital of France is"}\n{"text": "abc"}\n')
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": ""}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -475,8 +475,11 @@ def test_cli_generates_prompts_from_a_file(tmp_path):
 def test_prompt_files_and_left_padding(tmp_path):
     from fsdp_speedloader.app.generate import left_pad, read_prompt_file
 
-    (tmp_path / "p.txt").write_text("first prompt\n\nsecond\n")
-    assert read_prompt_file(str(tmp_path / "p.txt")) == ["first prompt", "second"]
+    (tmp_path / "p.txt").write_text("first prompt\n second\n")
+    assert read_prompt_file(str(tmp_path / "p.txt")) == ["first prompt", " second"]  # one prompt per line, as written
+    (tmp_path / "gap.txt").write_text("first prompt\n\nsecond\n")
+    with pytest.raises(ValueError, match="line 2 of .*gap.txt is empty"):  # skipping it would shift every output
+        read_prompt_file(str(tmp_path / "gap.txt"))
     (tmp_path / "p.jsonl").write_text('{"q": "a"}\n{"text": "b"}\n')
     with pytest.raises(ValueError, match="line 1 .* field 'text'"):
         read_prompt_file(str(tmp_path / "p.jsonl"))
