@@ -112,3 +112,37 @@ def count_collectives() -> tuple[dict, Callable[[], None]]:
 
 def is_fsdp(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models of every dense family (tests/test_families.py): each exercises what its family adds
+# ---------------------------------------------------------------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # 16 < max positions: scaled, smoothed and kept bands
+
+FAMILY_CASES = {
+    # GQA, llama3 rope scaling, tied embeddings (as Llama-3.2 1B/3B)
+    "llama3": dict(family="llama", num_kv_heads=2, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+                   tie_word_embeddings=True),
+    "qwen2": dict(family="qwen2", num_kv_heads=2),  # q/k/v biases
+    "qwen3": dict(family="qwen3", num_kv_heads=2, head_dim=32),  # q/k RMSNorm, head_dim != hidden / heads
+    "mistral": dict(family="mistral", num_kv_heads=2, sliding_window=8),  # window < SEQ_LEN
+    # sqrt(h) embedding scale, sliding (window 4) and global layers alternating with their own rotary bases,
+    # linear scaling of the global one, logit soft-capping (0.5: active at these logit sizes), tied embeddings
+    "gemma3": dict(family="gemma3", num_kv_heads=2, head_dim=32, sliding_window=4, sliding_window_pattern=2,
+                   rope_theta=1e6, rope_local_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                   final_logit_softcapping=0.5, tie_word_embeddings=True),
+}
+
+
+def family_config(name: str, *, layers: int = 4, **overrides) -> ModelConfig:
+    """The ``ModelConfig`` of family case ``name`` (``FAMILY_CASES``) at the tiny width of ``tiny_model``."""
+    fields = dict(hidden_size=64, num_layers=layers, num_heads=4, intermediate_size=128, vocab_size=VOCAB,
+                  max_position_embeddings=64, name=name, **FAMILY_CASES[name])
+    return ModelConfig(**{**fields, **overrides})
+
+
+def tiny_family_model(name: str, *, layers: int = 4, seed: int = 1, **overrides) -> nn.Module:
+    """An initialised fp32 model of family case ``name``, through its unmodified Hugging Face class."""
+    return build_model(family_config(name, layers=layers, **overrides), device="cpu", seed=seed)

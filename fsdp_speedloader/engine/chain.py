@@ -197,7 +197,7 @@ def _chunks(num_tokens: int, chunk: int) -> Iterator[slice]:
 
 def _chunk_loss(adapter: ModelAdapter, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy of one chunk. x (t, h), labels (t,) -> scalar fp32."""
-    logits = adapter.lm_head(adapter.final_hidden(x)).float()  # (t, V): the only full-vocabulary tensor
+    logits = adapter.logits(x).float()  # (t, V), soft-capped where the family does: the only full-vocabulary tensor
     return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
 

@@ -4,11 +4,13 @@ from torch import nn
 
 from fsdp_speedloader.models.adapter import BlockInputs, ModelAdapter
 from fsdp_speedloader.models.config import ModelConfig
-from fsdp_speedloader.models.build import build_hf_config, build_model, init_weights, load_safetensors, materialize_model
-from fsdp_speedloader.models.llama import LlamaAdapter
+from fsdp_speedloader.models.build import (build_hf_config, build_model, init_weights, load_safetensors,
+                                           materialize_model)
+from fsdp_speedloader.models.gemma3 import Gemma3Adapter
+from fsdp_speedloader.models.llama import LlamaAdapter, MistralAdapter, QwenAdapter
 from fsdp_speedloader.models.opt import OPTAdapter
 
-ADAPTERS: tuple[type[ModelAdapter], ...] = (LlamaAdapter, OPTAdapter)
+ADAPTERS: tuple[type[ModelAdapter], ...] = (LlamaAdapter, MistralAdapter, QwenAdapter, Gemma3Adapter, OPTAdapter)
 
 
 def get_adapter(model: nn.Module) -> ModelAdapter:
@@ -18,8 +20,10 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
             return adapter_cls(model)
     supported = sorted(c.__name__ for a in ADAPTERS for c in a.model_classes)
     raise ValueError(f"unsupported model class {type(model).__name__}; fsdp_speedloader supports {supported}. "
-                     "A model of the LLaMA layout needs only its class added to LlamaAdapter.model_classes.")
+                     "Another family needs an adapter that reproduces its forward's masks, positions and "
+                     "head (fsdp_speedloader/models/adapter.py).")
 
 
-__all__ = ["ADAPTERS", "BlockInputs", "LlamaAdapter", "ModelAdapter", "ModelConfig", "OPTAdapter", "build_hf_config",
-           "build_model", "get_adapter", "init_weights", "load_safetensors", "materialize_model"]
+__all__ = ["ADAPTERS", "BlockInputs", "Gemma3Adapter", "LlamaAdapter", "MistralAdapter", "ModelAdapter", "ModelConfig",
+           "OPTAdapter", "QwenAdapter", "build_hf_config", "build_model", "get_adapter", "init_weights",
+           "load_safetensors", "materialize_model"]

@@ -2,12 +2,19 @@
 
 The engine never calls ``model.forward``: it embeds, runs blocks and applies the head itself,
 one sub-batch at a time. An adapter names those pieces for one model family and reproduces
-exactly what the family's own forward does with them (positions, masks, rotary embeddings),
-so the layer-major loss equals the unmodified model's.
+exactly what the family's own forward does with them (positions, masks, rotary embeddings,
+logit soft-capping), so the layer-major loss equals the unmodified model's.
+
+Layers of one model may differ in their attention: Hugging Face's forwards build one mask per
+*layer type* (``causal_mask_mapping``: 'full_attention', 'sliding_attention') and, for Gemma-3, one
+rotary table per type, and hand each layer those of its type. ``ModelAdapter.layer_types`` says
+which type each block is, ``block_inputs`` builds every type's arguments once per sub-batch, and
+``run_block`` gives each block its own type's.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from abc import ABC, abstractmethod
@@ -16,9 +23,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-_MASK_PARAMS = set(inspect.signature(create_causal_mask).parameters)
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+# The mask each layer type gets, as the families' forwards build their ``causal_mask_mapping``.
+_MASK_BUILDERS: dict[str, Callable] = {FULL_ATTENTION: create_causal_mask,
+                                       SLIDING_ATTENTION: create_sliding_window_causal_mask}
 
 
 @dataclass
@@ -26,7 +37,11 @@ class BlockInputs:
     """Everything a block needs besides its hidden states, for one sub-batch (or all of them)."""
 
     kwargs: dict
-    """Keyword arguments of the block's forward: attention mask, positions, rotary (cos, sin)."""
+    """Keyword arguments of every block's forward: positions, and the mask and rotary (cos, sin) when all
+    blocks share them."""
+    by_layer_type: Optional[dict[str, dict]] = None
+    """Layer type -> the arguments that differ by type (mask, rotary tables), added to ``kwargs``; None:
+    inputs built without layer types, valid for full-attention blocks only (``ModelAdapter.run_block``)."""
 
 
 class ModelAdapter(ABC):
@@ -39,6 +54,10 @@ class ModelAdapter(ABC):
         self.model = model
         self.config = model.config
         self.compiled_block_forward: Optional[Callable] = None  # set by compile_blocks()
+        unknown = sorted(set(self.layer_types) - set(_MASK_BUILDERS))
+        if unknown:
+            raise ValueError(f"{type(model).__name__}: layer type(s) {unknown} are not supported (config.layer_types); "
+                             f"fsdp_speedloader runs {sorted(_MASK_BUILDERS)}")
 
     def compile_blocks(self, *, as_forward: bool = False) -> None:
         """Compiles the blocks' class forward ONCE with ``torch.compile`` (fused norms, activations and rotary
@@ -73,6 +92,16 @@ class ModelAdapter(ABC):
         """The token embedding (its weight anchors the embedding chain in autograd)."""
 
     @property
+    def layer_types(self) -> tuple[str, ...]:
+        """Each block's attention type, as the family's forward picks its mask (default: full everywhere)."""
+        return (FULL_ATTENTION,) * len(self.blocks)
+
+    @functools.cached_property
+    def _layer_type_of(self) -> dict[int, str]:
+        # By identity: FSDP2 and compile_blocks change a block's class or forward, never the object.
+        return {id(block): t for block, t in zip(self.blocks, self.layer_types)}
+
+    @property
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
@@ -95,32 +124,51 @@ class ModelAdapter(ABC):
 
     def block_inputs(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
                      position_ids: torch.Tensor) -> BlockInputs:
-        """Mask and positional inputs shared by every block for one sub-batch."""
-        return BlockInputs(kwargs={"attention_mask": self.causal_mask(hidden, attention_mask, position_ids),
-                                   "position_ids": position_ids})
+        """Positions, and the mask of every layer type, for one sub-batch (built once, used by every block)."""
+        masks = self.attention_masks(hidden, attention_mask, position_ids)
+        return BlockInputs(kwargs={"position_ids": position_ids},
+                           by_layer_type={t: {"attention_mask": m} for t, m in masks.items()})
+
+    def block_kwargs(self, block: nn.Module, inputs: BlockInputs) -> dict:
+        """The keyword arguments of ``block``'s forward: the shared ones and those of its layer type."""
+        layer_type = self._layer_type_of[id(block)]
+        if inputs.by_layer_type is None:
+            if layer_type != FULL_ATTENTION:  # one mask for all layers would silently drop the window
+                raise ValueError(f"block inputs without layer types given to a {layer_type} layer of "
+                                 f"{type(self.model).__name__}; build them per layer type (ModelAdapter.block_inputs, "
+                                 "BlockInputs.by_layer_type)")
+            return inputs.kwargs
+        return {**inputs.kwargs, **inputs.by_layer_type[layer_type]}
 
     def run_block(self, block: nn.Module, hidden: torch.Tensor, inputs: BlockInputs, *,
                   compiled: bool = False) -> torch.Tensor:
         """One block, WITHOUT its FSDP hooks: the unit's single hooked call already unsharded it.
         ``compiled``: through ``compile_blocks``' function when there is one."""
         forward = self.compiled_block_forward if compiled and self.compiled_block_forward else type(block).forward
-        out = forward(block, hidden, **inputs.kwargs)
+        out = forward(block, hidden, **self.block_kwargs(block, inputs))
         return out[0] if isinstance(out, tuple) else out
 
     @abstractmethod
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm (and any projection) before the LM head. (..., h) -> (..., h)."""
 
-    def causal_mask(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                    position_ids: torch.Tensor) -> Any:
-        """The family's own causal mask (None for sdpa without padding: the kernel is causal)."""
-        kwargs: dict[str, Any] = dict(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                      past_key_values=None)
-        if "position_ids" in _MASK_PARAMS:
-            kwargs["position_ids"] = position_ids
-        if "cache_position" in _MASK_PARAMS:  # transformers < 5.20 names the query positions so
-            kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
-        return create_causal_mask(**kwargs)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the family's forward returns as logits: final norm, LM head, then soft-capping where the config
+        sets ``final_logit_softcapping`` (Gemma: ``c * tanh(logits / c)``, in the head's dtype). (..., h) -> (..., V).
+        """
+        logits = self.lm_head(self.final_hidden(hidden))
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def attention_masks(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                        position_ids: torch.Tensor) -> dict[str, Any]:
+        """The family's own mask of each layer type its blocks use: ``create_causal_mask`` for full attention,
+        ``create_sliding_window_causal_mask`` (``config.sliding_window``) for sliding-window layers. A mask is None
+        where sdpa's causal kernel needs none (no padding, and a window no shorter than the sequence)."""
+        return {t: _build_mask(_MASK_BUILDERS[t], self.config, hidden, attention_mask, position_ids)
+                for t in sorted(set(self.layer_types))}
 
     # --- accounting ----------------------------------------------------------------------------
     def num_non_embedding_params(self) -> int:
@@ -132,6 +180,34 @@ class ModelAdapter(ABC):
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs of one token, forward + backward: 6 N + 12 L h s (PaLM appendix B)."""
+        """Model FLOPs of one token, forward + backward: 6 N + 12 L h s (PaLM appendix B), h the attention width
+        (heads x head_dim; Gemma-3's differs from the model width). Sliding windows are not discounted."""
         c = self.config
-        return 6.0 * self.num_non_embedding_params() + 12.0 * c.num_hidden_layers * c.hidden_size * seq_len
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        width = c.num_attention_heads * head_dim
+        return 6.0 * self.num_non_embedding_params() + 12.0 * c.num_hidden_layers * width * seq_len
+
+
+def config_layer_types(config, num_layers: int) -> tuple[str, ...]:
+    """Hugging Face's per-layer attention types (``config.layer_types``), or full attention everywhere."""
+    types = getattr(config, "layer_types", None)
+    return tuple(types[:num_layers]) if types else (FULL_ATTENTION,) * num_layers
+
+
+@functools.lru_cache(maxsize=None)
+def _params(fn: Callable) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _build_mask(builder: Callable, config, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                position_ids: torch.Tensor) -> Any:
+    """``builder(...)`` (a ``transformers.masking_utils`` mask function) for one sub-batch without a cache, with
+    the argument names of the installed transformers."""
+    params = _params(builder)
+    kwargs: dict[str, Any] = dict(config=config, attention_mask=attention_mask, past_key_values=None)
+    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden  # 5.0 names it input_embeds
+    if "position_ids" in params:
+        kwargs["position_ids"] = position_ids
+    if "cache_position" in params:  # transformers < 5.20 names the query positions so
+        kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+    return builder(**kwargs)

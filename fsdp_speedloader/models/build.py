@@ -18,11 +18,14 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, OPTConfig, PretrainedConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, OPTConfig,
+                          PretrainedConfig, Qwen2Config, Qwen3Config)
 
 from fsdp_speedloader.models.config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "opt": "opt"}
+# Hugging Face model_type of a checkpoint -> the ModelConfig family that runs it.
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                         "gemma3_text": "gemma3", "opt": "opt"}
 
 
 def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
@@ -33,24 +36,51 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
             raise ValueError(f"model.path: {path} has no config.json; point it at a local Hugging Face "
                              "checkpoint directory (config.json + *.safetensors)")
         hf = AutoConfig.from_pretrained(path, local_files_only=True)
+        if hf.model_type == "gemma3":
+            raise ValueError(f"model.path: {path} holds the multimodal Gemma-3 (Gemma3ForConditionalGeneration); "
+                             "save its text model as Gemma3ForCausalLM (model_type gemma3_text) and point at that")
         if hf.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model.path: model_type {hf.model_type!r} is not supported; "
                              f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
-    elif cfg.family == "llama":
-        hf = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                         num_key_value_heads=cfg.num_kv_heads or cfg.num_heads, vocab_size=cfg.vocab_size,
-                         max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
-                         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-                         attention_dropout=cfg.dropout, initializer_range=cfg.init_std)
-    else:
+    elif cfg.family == "opt":
         hf = OPTConfig(hidden_size=cfg.hidden_size, ffn_dim=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
                        num_attention_heads=cfg.num_heads, vocab_size=cfg.vocab_size,
                        max_position_embeddings=cfg.max_position_embeddings, word_embed_proj_dim=cfg.hidden_size,
                        dropout=cfg.dropout, attention_dropout=cfg.dropout, layerdrop=0.0,
                        tie_word_embeddings=cfg.tie_word_embeddings, init_std=cfg.init_std)
+    else:
+        hf = _llama_layout_config(cfg)
     hf._attn_implementation = cfg.attn_implementation
     return hf
+
+
+def _llama_layout_config(cfg: ModelConfig) -> PretrainedConfig:
+    """LLaMA, Mistral, Qwen2, Qwen3 and Gemma-3 text configs from ``cfg``'s shapes (the legacy ``rope_theta`` /
+    ``rope_scaling`` / ``rope_local_base_freq`` keys, which every transformers 5.x turns into its rope parameters)."""
+    kwargs = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                  num_key_value_heads=cfg.num_kv_heads or cfg.num_heads, vocab_size=cfg.vocab_size,
+                  max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
+                  rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+                  attention_dropout=cfg.dropout, initializer_range=cfg.init_std)
+    if cfg.head_dim is not None:
+        kwargs["head_dim"] = cfg.head_dim
+    if cfg.rope_scaling is not None:
+        kwargs["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.family == "llama":
+        return LlamaConfig(**kwargs)
+    if cfg.family == "mistral":  # MistralConfig's default window is 4096: say None explicitly
+        return MistralConfig(sliding_window=cfg.sliding_window, **kwargs)
+    if cfg.family in ("qwen2", "qwen3"):
+        config_cls = Qwen2Config if cfg.family == "qwen2" else Qwen3Config
+        return config_cls(use_sliding_window=False, sliding_window=None, **kwargs)
+    assert cfg.family == "gemma3", cfg.family
+    gemma = dict(sliding_window=cfg.sliding_window, final_logit_softcapping=cfg.final_logit_softcapping)
+    if cfg.sliding_window_pattern is not None:
+        gemma["sliding_window_pattern"] = cfg.sliding_window_pattern
+    if cfg.rope_local_theta is not None:
+        gemma["rope_local_base_freq"] = cfg.rope_local_theta
+    return Gemma3TextConfig(**gemma, **kwargs)
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "meta", seed: int = 0) -> nn.Module:
@@ -91,7 +121,8 @@ def initial_value(module: nn.Module, name: str, shape: tuple, *, seed: int, std:
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The full initial value of parameter ``name`` (owned by ``module``), seeded by (seed, name).
 
-    As Hugging Face initialises LLaMA/OPT: N(0, std) for matrices, ones/zeros for norms and biases.
+    As Hugging Face initialises these families: N(0, std) for matrices, zeros for biases, ones for norm
+    scales, zeros for Gemma's zero-centred norms (they multiply by 1 + weight).
     """
     full = torch.empty(shape, dtype=dtype)
     if isinstance(module, (nn.Linear, nn.Embedding)) and name.endswith("weight"):
@@ -99,11 +130,16 @@ def initial_value(module: nn.Module, name: str, shape: tuple, *, seed: int, std:
         full.normal_(0.0, std, generator=gen)
         if isinstance(module, nn.Embedding) and module.padding_idx is not None:
             full[module.padding_idx].zero_()
-    elif name.endswith("bias"):
+    elif name.endswith("bias") or _zero_centred_norm(module):
         full.zero_()
     else:  # norm scales
         full.fill_(1.0)
     return full
+
+
+def _zero_centred_norm(module: nn.Module) -> bool:
+    name = type(module).__name__  # FSDP2 prefixes the class name of the modules it shards
+    return "Gemma" in name and "RMSNorm" in name
 
 
 @torch.no_grad()
@@ -134,12 +170,16 @@ def copy_full_tensor_(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:
-    # to_empty leaves computed buffers (rotary inv_freq) uninitialised: rebuild those modules.
+    # to_empty leaves computed buffers uninitialised: rebuild the rotary modules (inv_freq, Gemma-3's
+    # <layer type>_inv_freq) and refill Gemma's embedding scale.
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if "inv_freq" in dict(child.named_buffers(recurse=False)):
+            if any(name.endswith("inv_freq") for name, _ in child.named_buffers(recurse=False)):
                 with torch.device(device):  # the constructor's device argument varies across versions
                     setattr(parent, child_name, type(child)(config=child.config))
+    for module in model.modules():
+        if hasattr(module, "scalar_embed_scale") and isinstance(getattr(module, "embed_scale", None), torch.Tensor):
+            module.embed_scale = torch.tensor(module.scalar_embed_scale, device=device)
 
 
 def _checkpoint_files(path: Path) -> list[Path]:

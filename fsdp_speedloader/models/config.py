@@ -7,6 +7,17 @@ from typing import Optional
 
 from fsdp_speedloader.validation import check, check_choice, check_positive
 
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "opt")
+# Fields that only some families read: setting one for another family is refused, not ignored.
+_FAMILY_FIELDS = {
+    "head_dim": ("llama", "mistral", "qwen2", "qwen3", "gemma3"),
+    "rope_scaling": ("llama", "mistral", "qwen2", "qwen3", "gemma3"),
+    "sliding_window": ("mistral", "gemma3"),
+    "sliding_window_pattern": ("gemma3",),
+    "rope_local_theta": ("gemma3",),
+    "final_logit_softcapping": ("gemma3",),
+}
+
 
 @dataclass
 class ModelConfig:
@@ -15,7 +26,8 @@ class ModelConfig:
     name: str = "llama_tiny"
     """Label used in logs and run names."""
     family: str = "llama"
-    """Architecture: 'llama' (LLaMA layout: LLaMA, Mistral, Qwen2, ...) or 'opt'."""
+    """Architecture (its Hugging Face class): 'llama' (LLaMA 2/3.x), 'mistral', 'qwen2' (Qwen2/2.5), 'qwen3',
+    'gemma3' (Gemma-3 text) or 'opt'."""
     path: Optional[str] = None
     """Local Hugging Face checkpoint directory (config.json + safetensors); overrides the shapes."""
     hidden_size: int = 256
@@ -25,7 +37,9 @@ class ModelConfig:
     num_heads: int = 4
     """Attention heads."""
     num_kv_heads: Optional[int] = None
-    """Key/value heads for grouped-query attention (LLaMA); None means num_heads."""
+    """Key/value heads for grouped-query attention (LLaMA layout); None means num_heads."""
+    head_dim: Optional[int] = None
+    """Width of one attention head; None means hidden_size / num_heads (Qwen3 and Gemma-3 set it)."""
     intermediate_size: int = 688
     """MLP width (LLaMA intermediate_size, OPT ffn_dim)."""
     vocab_size: int = 320
@@ -33,7 +47,18 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     """Longest sequence the model accepts."""
     rope_theta: float = 10000.0
-    """Rotary base (LLaMA)."""
+    """Rotary base (LLaMA layout; Gemma-3: of its global layers)."""
+    rope_scaling: Optional[dict] = None
+    """Hugging Face ``rope_scaling`` of that rotary embedding, e.g. {rope_type: llama3, factor: 8.0,
+    low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192}; None: unscaled."""
+    sliding_window: Optional[int] = None
+    """Sliding-window attention span: every layer's (Mistral), the local layers' (Gemma-3, required); None: off."""
+    sliding_window_pattern: Optional[int] = None
+    """Gemma-3: every k-th layer is global, the others sliding-window; None: Hugging Face's default (6)."""
+    rope_local_theta: Optional[float] = None
+    """Gemma-3: rotary base of the sliding-window layers; None: Hugging Face's default (10000)."""
+    final_logit_softcapping: Optional[float] = None
+    """Gemma-3: logits = c * tanh(logits / c); None: off (as in the released Gemma-3 models)."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm / LayerNorm."""
     tie_word_embeddings: bool = False
@@ -46,13 +71,29 @@ class ModelConfig:
     """Hugging Face attention kernel: 'sdpa' or 'eager'."""
 
     def __post_init__(self) -> None:
-        check_choice(self.family, "model.family", ("llama", "opt"))
+        check_choice(self.family, "model.family", FAMILIES)
         check_choice(self.attn_implementation, "model.attn_implementation", ("sdpa", "eager"))
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size",
                      "max_position_embeddings"):
             check_positive(getattr(self, name), f"model.{name}")
-        check(self.hidden_size % self.num_heads == 0, "model.hidden_size",
-              f"{self.hidden_size} is not divisible by model.num_heads={self.num_heads}")
+        for name, families in _FAMILY_FIELDS.items():
+            check(getattr(self, name) is None or self.family in families, f"model.{name}",
+                  f"model.family={self.family!r} does not use it (families that do: {', '.join(families)}); "
+                  "set it to null")
+        for name in ("head_dim", "sliding_window", "sliding_window_pattern"):
+            if getattr(self, name) is not None:
+                check_positive(getattr(self, name), f"model.{name}")
+        if self.head_dim is None:
+            check(self.hidden_size % self.num_heads == 0, "model.hidden_size",
+                  f"{self.hidden_size} is not divisible by model.num_heads={self.num_heads}; or set model.head_dim")
+        if self.rope_scaling is not None:
+            check(isinstance(self.rope_scaling.get("rope_type", self.rope_scaling.get("type")), str),
+                  "model.rope_scaling", f"got {self.rope_scaling}; it needs a rope_type (e.g. llama3, linear, yarn)")
+        check(self.family != "gemma3" or self.sliding_window is not None, "model.sliding_window",
+              "model.family='gemma3' needs the local layers' window (1024 for Gemma-3 4B/12B/27B, 512 for 1B)")
+        for name in ("rope_local_theta", "final_logit_softcapping"):
+            value = getattr(self, name)
+            check(value is None or value > 0, f"model.{name}", f"got {value}; must be > 0 or null")
         if self.num_kv_heads is not None:
             check_positive(self.num_kv_heads, "model.num_kv_heads")
             check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",

@@ -1,7 +1,13 @@
 """LLaMA layout: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``.
 
-LLaMA, Mistral and Qwen2 share it; another family of this layout needs only its class added to
-``LlamaAdapter.model_classes``.
+One rotary table for every layer. The families of this layout differ inside their blocks (Qwen2's q/k/v
+biases, Qwen3's q/k RMSNorm: the block's own forward applies them) and in which mask each layer gets,
+as their forwards build it:
+
+- LLaMA (2, 3.x with ``rope_scaling`` of type llama3: the rotary module applies it): one causal mask;
+- Mistral: one mask for every layer, sliding-window where ``config.sliding_window`` is set;
+- Qwen2/2.5 and Qwen3: the mask of each layer's ``config.layer_types`` entry (sliding-window layers
+  only where ``use_sliding_window`` is set).
 """
 
 from __future__ import annotations
@@ -10,18 +16,16 @@ from typing import Optional
 
 import torch
 from torch import nn
+from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
-from fsdp_speedloader.models.adapter import BlockInputs, ModelAdapter
-
-
-def _llama_layout_classes() -> tuple[type, ...]:
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-
-    return (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)
+from fsdp_speedloader.models.adapter import FULL_ATTENTION, SLIDING_ATTENTION, BlockInputs, ModelAdapter, \
+    config_layer_types
 
 
 class LlamaAdapter(ModelAdapter):
-    model_classes = _llama_layout_classes()
+    """LLaMA: ``LlamaModel.forward`` builds one causal mask for all layers."""
+
+    model_classes = (LlamaForCausalLM,)
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -43,3 +47,25 @@ class LlamaAdapter(ModelAdapter):
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.model.norm(hidden)
+
+
+class MistralAdapter(LlamaAdapter):
+    """Mistral: ``MistralModel.forward`` gives every layer the sliding-window mask when ``config.sliding_window``
+    is set (it ignores ``layer_types``), else the causal one."""
+
+    model_classes = (MistralForCausalLM,)
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        kind = FULL_ATTENTION if getattr(self.config, "sliding_window", None) is None else SLIDING_ATTENTION
+        return (kind,) * len(self.blocks)
+
+
+class QwenAdapter(LlamaAdapter):
+    """Qwen2/2.5 and Qwen3: each layer gets the mask of its ``config.layer_types`` entry."""
+
+    model_classes = (Qwen2ForCausalLM, Qwen3ForCausalLM)
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return config_layer_types(self.config, len(self.blocks))
