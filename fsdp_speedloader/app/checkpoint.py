@@ -6,7 +6,11 @@ One checkpoint is one directory ``<checkpoint.dir>/step_NNNNNNNN/``:
   (``get_model_state_dict`` and the optimizers' ``state_dict()``, DCP's layout keyed by parameter name), so a
   checkpoint loads on another world size too;
 - ``extra_rank{r}.pt`` (``torch.save``), per rank: step, LR scheduler, data loader state and the RNG
-  states (torch CPU, CUDA when present, numpy, python ``random``).
+  states (torch CPU, CUDA when present, numpy, python ``random``);
+- what rebuilds the model without the run's config (``app/export.py``: generation from a checkpoint,
+  export to Hugging Face): ``config.json`` (the model's Hugging Face config), ``model_config.json``
+  (the run's ``ModelConfig`` as a dict and its tokenizer) and ``tokenizer/`` (the run's Hugging Face
+  tokenizer files, when it used one).
 
 Every rank writes into ``step_NNNNNNNN.tmp/``; after a barrier rank 0 renames it to
 ``step_NNNNNNNN/``. A crash therefore never leaves a directory that looks complete: resume only
@@ -17,6 +21,8 @@ All ranks must see the same ``checkpoint.dir`` (a shared file system across node
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import random
@@ -34,11 +40,20 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdp_speedloader.app.config import CheckpointConfig
+from fsdp_speedloader.app.data import build_tokenizer
+from fsdp_speedloader.models import ModelConfig
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _DCP_METADATA = ".metadata"
+HF_CONFIG_FILE = "config.json"
+"""In every step directory: the model's Hugging Face config (``PretrainedConfig.to_json_file``)."""
+MODEL_CONFIG_FILE = "model_config.json"
+"""In every step directory: ``{"model": the run's ModelConfig as a dict, "tokenizer": "bytes" or TOKENIZER_DIR,
+"tokenizer_source": the run's data.tokenizer}``."""
+TOKENIZER_DIR = "tokenizer"
+"""In every step directory of a run with a Hugging Face tokenizer: its files (``save_pretrained``)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -62,6 +77,22 @@ def find_latest_checkpoint(directory: str | os.PathLike) -> Optional[Path]:
     """The newest complete step checkpoint in ``directory``, or None."""
     found = list_checkpoints(directory)
     return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A complete step directory: ``path`` itself, or the newest complete one inside it (as ``resume`` finds
+    them); ValueError naming ``path`` otherwise."""
+    path = Path(path)
+    if path.name.endswith(".tmp"):
+        what = "is an unfinished save (*.tmp)"
+    elif (path / _DCP_METADATA).is_file():
+        return path
+    elif (latest := find_latest_checkpoint(path)) is not None:
+        return latest
+    else:
+        what = "does not exist" if not path.exists() else "is neither a complete checkpoint nor holds one"
+    raise ValueError(f"checkpoint: {str(path)!r} {what}; give a step_NNNNNNNN directory written by training, or the "
+                     "checkpoint directory holding them (its newest complete one is taken)")
 
 
 def resolve_resume_path(cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike) -> Optional[Path]:
@@ -119,11 +150,15 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike, *, rank: int,
-                 device: torch.device) -> None:
+                 device: torch.device, model_config: Optional[ModelConfig] = None, tokenizer: str = "bytes") -> None:
         self.cfg = cfg
         self.dir = Path(checkpoint_dir)
         self.rank = rank
         self.device = torch.device(device)
+        self.model_config = model_config  # written into every step with the model's own config.json
+        self.tokenizer = tokenizer  # 'bytes' or the run's Hugging Face tokenizer directory (copied into every step)
+        # Read now, at setup: a tokenizer directory that goes away during the run cannot fail a save.
+        self._hf_tokenizer = build_tokenizer(tokenizer) if rank == 0 and tokenizer != "bytes" else None
 
     def should_save(self, step: int, total_steps: int) -> bool:
         if self.cfg.every > 0 and step % self.cfg.every == 0:
@@ -143,6 +178,8 @@ class Checkpointer:
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                  "rng": _rng_state(self.device)}
         torch.save(extra, tmp / f"extra_rank{self.rank}.pt")
+        if self.rank == 0:
+            self._write_model_files(tmp, model)
         _barrier()  # every rank's files are in tmp
         if self.rank == 0:
             if final.exists():  # same step saved before (an earlier run in this dir): replace it
@@ -158,6 +195,17 @@ class Checkpointer:
             log.info("saved checkpoint %s", final)
         _barrier()  # nobody reads the directory before the rename
         return final
+
+    def _write_model_files(self, step_dir: Path, model: nn.Module) -> None:
+        """What rebuilds the model from this step alone: config.json, model_config.json, tokenizer/."""
+        model.config.to_json_file(step_dir / HF_CONFIG_FILE)
+        tokenizer = "bytes"
+        if self._hf_tokenizer is not None:
+            self._hf_tokenizer.save_pretrained(step_dir / TOKENIZER_DIR)
+            tokenizer = TOKENIZER_DIR
+        record = {"model": dataclasses.asdict(self.model_config) if self.model_config is not None else None,
+                  "tokenizer": tokenizer, "tokenizer_source": self.tokenizer}
+        (step_dir / MODEL_CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
     def _prune(self) -> None:
         checkpoints = list_checkpoints(self.dir)

@@ -11,6 +11,12 @@ Several GPUs (weights sharded; every rank generates its share of the prompts)::
 
     torchrun --standalone --nproc-per-node 8 -m fsdp_speedloader.app.generate model=opt_175b offload=params
 
+From what a training run saved (a step directory, or the checkpoint directory: its newest complete step); the
+model and the tokenizer come from the checkpoint, the ``model`` group is ignored (``app/export.py``)::
+
+    python -m fsdp_speedloader.app.generate checkpoint=outputs/DATE/TIME/checkpoints prompts.source=file \
+        prompts.path=prompts.txt
+
 Config: ``conf/generate.yaml`` (the ``model``, ``offload`` and ``logger`` groups are the training
 ones). Converted once into ``GenerateConfig``; the library sees typed objects only. Hydra and W&B
 are imported by this entry only (W&B through ``logger.build_logger``).
@@ -21,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +38,7 @@ import torch.distributed as dist
 from fsdp_speedloader import parallel
 from fsdp_speedloader.app.config import LoggerConfig, OffloadConfig
 from fsdp_speedloader.app.data import build_tokenizer
+from fsdp_speedloader.app.export import checkpoint_path_overrides, open_checkpoint
 from fsdp_speedloader.app.launch import config_path, fail, launch, rank, resolved_config
 from fsdp_speedloader.app.logger import build_logger
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype
@@ -101,8 +109,13 @@ class GenerateConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    tokenizer: str = "bytes"
-    """'bytes' or a local Hugging Face tokenizer directory (prompts from files; decoding the output)."""
+    checkpoint_path: Optional[str] = None
+    """A training checkpoint (a step_NNNNNNNN directory, or the checkpoint directory: its newest complete step;
+    ``checkpoint=PATH`` on the command line): the model and its trained weights come from it, and the model group
+    is ignored; null: the model group."""
+    tokenizer: Optional[str] = None
+    """'bytes' or a local Hugging Face tokenizer directory (prompts from files; decoding the output); null: the
+    checkpoint's tokenizer, else 'bytes'."""
     max_new_tokens: int = 32
     """New tokens per prompt."""
     num_sub_batches: int = 2
@@ -162,7 +175,7 @@ class GenerateConfig:
             check(self.max_gpu_memory_gib > 0, "max_gpu_memory_gib", "must be > 0 (or null for no cap)")
         if self.host_memory_limit_gib is not None:
             check(self.host_memory_limit_gib > 0, "host_memory_limit_gib", "must be > 0 (or null: detected)")
-        if self.prompts.source == "synthetic":
+        if self.prompts.source == "synthetic" and self.checkpoint_path is None:  # a checkpoint's model: checked in run()
             check(self.prompts.prompt_len + self.max_new_tokens <= self.model.max_position_embeddings
                   or self.model.path is not None, "max_new_tokens",
                   f"prompts.prompt_len {self.prompts.prompt_len} + max_new_tokens {self.max_new_tokens} exceeds "
@@ -245,8 +258,10 @@ def build_prompts(cfg: GenerateConfig, tokenizer: Any, vocab_size: int) -> tuple
 def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     """Builds the model, generates every prompt (each rank its share), writes the jsonl; returns the figures."""
     device_type = resolve_device_type(cfg.device)
-    hf_config = build_hf_config(cfg.model)
-    tokenizer = build_tokenizer(cfg.tokenizer)
+    checkpoint = open_checkpoint(cfg.checkpoint_path) if cfg.checkpoint_path is not None else None
+    model_cfg = checkpoint.model if checkpoint is not None else cfg.model
+    hf_config = build_hf_config(model_cfg)
+    tokenizer = build_tokenizer(cfg.tokenizer or (checkpoint.tokenizer if checkpoint is not None else "bytes"))
     texts, tokens = build_prompts(cfg, tokenizer, hf_config.vocab_size)
     longest = max(len(t) for t in tokens)
     if longest + cfg.max_new_tokens > hf_config.max_position_embeddings:
@@ -262,10 +277,15 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     dtype = resolve_param_dtype(cfg.param_dtype, device_type)
 
     # Inference keeps no fp32 master weights: parameters are stored (and offloaded) in the compute dtype.
-    model = build_model(cfg.model, device="meta").to(dtype)
+    model = build_model(model_cfg, device="meta").to(dtype)
     apply_speedloader(model, cfg.speedloader_options(), mesh=mesh)
-    materialize_model(model, cfg.model, device=device, seed=cfg.seed,
-                      param_device=torch.device("cpu") if cfg.offload.params else device)
+    param_device = torch.device("cpu") if cfg.offload.params else device
+    if checkpoint is not None:  # the trained weights (the model's entries only, never the optimizer state)
+        checkpoint.materialize(model, device=device, param_device=param_device)
+        if rank == 0:
+            log.info("loaded %s from %s", model_cfg.name, checkpoint.step_dir)
+    else:
+        materialize_model(model, cfg.model, device=device, seed=cfg.seed, param_device=param_device)
 
     # Each rank takes every world-th prompt; the share is filled up to a multiple of N with copies.
     mine = list(range(rank, len(tokens), world))
@@ -294,7 +314,7 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
                 "completion_tokens": out[row, prompt_len:].tolist()} for row, k in enumerate(mine)]
     for r in records:
         r["completion"] = tokenizer.decode(r["completion_tokens"])
-    figures = {**stats.as_dict(), "num_ranks": world, "model": cfg.model.name,
+    figures = {**stats.as_dict(), "num_ranks": world, "model": model_cfg.name,
                "num_sub_batches": cfg.num_sub_batches, "sub_batch_size": ids.shape[0] // cfg.num_sub_batches}
     if device.type == "cuda":
         figures["peak_gpu_mem_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -336,6 +356,7 @@ def main() -> None:
         except ValueError as e:  # a user error: one line, no traceback
             fail(e)
 
+    sys.argv[1:] = checkpoint_path_overrides(sys.argv[1:])  # checkpoint=PATH: the checkpoint, not the training group
     launch(_hydra_main)
 
 

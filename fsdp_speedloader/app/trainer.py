@@ -173,7 +173,8 @@ class Trainer:
                                    tokens_per_step_per_device=sched.batch_size * cfg.data.seq_len,
                                    flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops,
                                    peak_tflops=cfg.peak_tflops)
-        self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_dir, rank=self.rank, device=self.device)
+        self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_dir, rank=self.rank, device=self.device,
+                                         model_config=cfg.model, tokenizer=cfg.data.tokenizer)
         self.step = 0
         if resume_path is not None:
             self.step = self.checkpointer.load(resume_path, model=model, optimizer=self.optimizer,
