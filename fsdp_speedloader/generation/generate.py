@@ -1,41 +1,18 @@
-"""Layer-major generation (SpeedLoader inference, paper 3.2): every unit is unsharded once per step for all N sub-batches.
-
-One step (the prefill, then one per new token), inside ONE hooked call of the root (embeddings, final
-norm and LM head stay unsharded from the first step on)::
-
-    embed every sub-batch -> activation slot 0
-    for unit u = 1..U:                       one FSDP-hooked call: unshard once (prefetched by u - 1)
-        for sub-batch i = 1..N:              blocks run through their class forward, no hooks
-            fetch x[i] and the KV of (i, unit's layers); run; store x'[i] and the new positions' KV
-    final norm + LM head on the last position of every sub-batch -> pick the next tokens (whole batch)
+"""Layer-major generation: ``generate`` runs the prefill and one step per new token on a model prepared with
+``apply_speedloader``; each step is ``step.py``'s (every unit unsharded once for all N sub-batches).
 
 A decoding step with the KV cache on the device runs the loop over sub-batches once, on the whole batch
 (one "sub-batch" of N x n sequences): the sub-batches exist to bound activation memory and to overlap
 KV copies, and such a step has one token per sequence and no copies; its time is host overhead per
 decoder-layer call, which N groups would pay N times. The prefill, the host KV cache and
-``kv_cache='off'`` keep N sub-batches.
+``kv_cache='off'`` keep N sub-batches. ``kv_cache='off'`` recomputes the whole sequence every step, as
+``generate(..., use_cache=False)`` does.
 
 With one rank and the weights resident in the compute dtype, the same step runs without FSDP2's hooks, on
 the local shards themselves (``fsdp2.run_on_local_shards``): there is nothing to unshard.
 
-``_unit_step`` is the schedule: which fetch, compute and store happen when (the order per sub-batch is
-``for_each_sub_batch``'s). Activations go through the model's activation store
-(``apply_speedloader(activation_store=...)``; a decoding step with a KV cache keeps its one-token
-activations on the device), the KV cache through ``kv_cache.py``; both copy on a ``TensorExchange``'s
-streams when CUDA is present. ``generate`` is ``_prepare_generation`` (what is fixed for the call), then
-``_decode`` (the steps), then ``_report`` (``GenerationStats``).
-
-Parity with Hugging Face ``generate`` (greedy, fp32): positions are ``cumsum(mask) - 1`` as
-``generate`` computes them, the 4-D masks come from the model's own ``create_causal_mask`` (given a
-cache object that reports the same lengths as ``DynamicCache``), and attention is the block's own
-Hugging Face attention, which appends to our cache through ``Cache.update``. ``kv_cache='off'``
-recomputes the whole sequence every step, as ``generate(..., use_cache=False)`` does.
-
-CLI (Hydra, ``conf/generate.yaml``)::
-
-    python -m fsdp_speedloader.app.generate model=opt_tiny prompts.source=synthetic prompts.num_prompts=8
-    python -m fsdp_speedloader.app.generate model=llama_tiny prompts.source=file prompts.path=prompts.txt tokenizer=bytes
-    torchrun --standalone --nproc-per-node 2 -m fsdp_speedloader.app.generate model=opt_30b offload=params
+``generate`` is ``_prepare_generation`` (what is fixed for the call), then ``_decode`` (the steps), then
+``_report`` (``GenerationStats``). CLI: ``python -m fsdp_speedloader.app.generate`` (``conf/generate.yaml``).
 """
 
 from __future__ import annotations
@@ -43,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
@@ -51,22 +27,14 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import register_fsdp_forward_method
-from transformers.masking_utils import create_causal_mask
 
-from fsdp_speedloader.engine.activation_store import ActivationStore, DeviceActivationStore, for_each_sub_batch
 from fsdp_speedloader.engine.speedloader import speedloader_engine
-from fsdp_speedloader.engine.chain import Unit
 from fsdp_speedloader.fsdp2 import local_shard_params, run_on_local_shards
 from fsdp_speedloader.generation.host_attention import HostAttentionTimes, attention_on_host
-from fsdp_speedloader.generation.kv_cache import KV_CACHE_MODES, KVCache, build_kv_cache, choose_kv_mode, kv_layout_for
-from fsdp_speedloader.models import BlockInputs, ModelAdapter
-
-log = logging.getLogger(__name__)
-
-_UNIT_METHOD = "speedloader_generate"  # registered on every unit's FSDP module
-_ROOT_METHOD = "speedloader_generate_step"  # registered on the root
-_MASK_PARAMS = set(inspect.signature(create_causal_mask).parameters)
+from fsdp_speedloader.generation.kv_cache import KV_CACHE_MODES
+from fsdp_speedloader.generation.sampling import select_tokens
+from fsdp_speedloader.generation.step import ROOT_METHOD, GenerationRun, GenerationStepState, prompt_positions, \
+    register_generation_methods, root_step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,245 +73,6 @@ class GenerationStats:
         out.update(prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
                    generated_tokens_per_s=self.generated_tokens_per_s, **self.io)
         return out
-
-
-# ---------------------------------------------------------------------------------------------
-# One step's state, and the schedule
-# ---------------------------------------------------------------------------------------------
-
-
-class GenerationStepState:
-    """What one step shares between the root call and the unit calls.
-
-    A plain class, not a dataclass: it passes through FSDP-hooked calls, and FSDP rebuilds
-    containers and dataclasses it finds in forward arguments (on CUDA the root's call copies them
-    to the device), which would lose ``logits`` written into the copy. ``past`` positions are
-    cached; this step adds ``input_ids[i].shape[1]``. ``input_ids`` has one entry per group that runs
-    through a unit in one call: the N sub-batches, or one (the whole batch) in a decoding step with the
-    KV cache on the device (``KVCache.whole_batch_decode``).
-    """
-
-    def __init__(self, *, run: "_Run", input_ids: list[torch.Tensor], mask: Optional[torch.Tensor],
-                 positions: torch.Tensor, past: int) -> None:
-        self.run = run
-        self.input_ids = input_ids  # N x (n, q), or 1 x (B, q), on the device
-        self.mask = mask  # (B, past + q) on the host; None: no padding in the batch
-        self.positions = positions  # (B, q) on the host
-        self.past = past
-        self.block_inputs: list[BlockInputs] = []  # one per group, built by the root step
-        self.store = run.store  # where this step's block-boundary activations wait (set by the root step)
-        self.logits: Optional[torch.Tensor] = None  # (B, V) fp32, set by the root step
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.input_ids)
-
-
-@dataclass(eq=False)
-class _Run:
-    """Everything fixed for one ``generate`` call."""
-
-    adapter: ModelAdapter
-    units: list  # (FSDP module, Unit)
-    layers: list[list[int]]  # per unit: its blocks' layer indices
-    store: object  # the model's ActivationStore
-    device: torch.device
-    num_sub_batches: int
-    sub_batch_size: int
-    capacity: int  # prompt_len + max_new_tokens
-    kv_mode: str  # 'auto' until the first step resolves it
-    kv_device_sub_batches: Optional[int]  # 'split': sub-batches whose cache stays on the device (None: fit)
-    cpu_attention_sub_batches: int  # host sub-batches whose decoding attention runs on the host
-    host_memory_limit_bytes: Optional[int]
-    resources: "_Resources"
-    kv: Optional[KVCache] = None
-    on_local_shards: bool = False  # the modules run on their local shards: no FSDP2 hooks (one rank, resident)
-    block_kwargs: frozenset = frozenset()
-    slots_planned: bool = False
-    # Decoding steps with a KV cache: one token per sequence, whose activations stay on the device.
-    decode_store: ActivationStore = field(default_factory=DeviceActivationStore)
-
-
-@dataclass
-class _Resources:
-    """Kept on the model between calls: the host KV arena and its exchange are reused when they fit."""
-
-    kv_arena: object = None
-    kv_exchange: object = None
-
-
-def _unit_step(unit: Unit, state: GenerationStepState) -> None:
-    """Runs ``unit`` on every sub-batch: x[src][i] -> x[dst][i], appending to the KV cache. THE schedule.
-
-    Inside the unit's one FSDP-hooked call. Copies: the activation store's ``prefetch``/``put`` and the
-    KV cache's ``prefetch``/``update`` start H2D/D2H copies on the exchange streams; compute is on the
-    current stream. While sub-batch i computes, sub-batch i + 1's input and KV (or, during the last one,
-    the next unit's first input and KV) are copied in, and i - 1's outputs are copied out.
-    """
-    run = state.run
-    store, kv, n_sub = state.store, run.kv, state.num_groups
-    src, dst = (unit.index - 1) % 2, unit.index % 2
-    layers = run.layers[unit.index - 1]
-    next_layers = run.layers[unit.index] if unit.index < len(run.layers) else None
-
-    def run_sub_batch(i: int, x: torch.Tensor) -> None:
-        if i + 1 == n_sub and next_layers is not None:  # the last sub-batch: start the next unit's first inputs
-            if kv is not None:
-                kv.prefetch(0, next_layers)
-            if n_sub > 1:
-                store.prefetch(dst, 0)  # stored one sub-batch ago; N = 1 would store it only below
-        store.put(dst, i, unit.forward(run.adapter, x, state.block_inputs[i]))
-
-    kv_prefetch = None if kv is None else (lambda j: kv.prefetch(j, layers))  # right behind each input's copy
-    for_each_sub_batch(store, src, n_sub, run_sub_batch, also=kv_prefetch)
-
-
-def _root_step(state: GenerationStepState) -> None:
-    """One layer-major step inside the root's hooked call: embed, all units, head."""
-    run = state.run
-    adapter, device, n_sub = run.adapter, run.device, state.num_groups
-    act_dtype = adapter.embedding.weight.dtype  # the unsharded (compute) dtype, inside the root's call
-    n, q = state.input_ids[0].shape
-    h = adapter.config.hidden_size
-    if run.kv is None and run.kv_mode != "off":  # first step: the compute dtype is known here
-        _setup_kv(run, act_dtype)
-    # A decoding step with a KV cache moves one token per sequence between units (B x h): it stays on the
-    # device. Through the host, each sub-batch's input would wait behind the next unit's weights, queued
-    # earlier on the same link (copies run in queue order; see host_attention.py).
-    store = state.store = run.decode_store if run.kv is not None and state.past > 0 else run.store
-    if store is run.store and not run.slots_planned:
-        # Plan the activation slots for the longest step once (a re-plan would move the parameter
-        # shards that the store's arena may hold), then carve each step's geometry out of them.
-        store.begin_step(2, n_sub, (n, run.capacity if run.kv is None else q, h), act_dtype, device)
-        run.slots_planned = True
-    store.begin_step(2, n_sub, (n, q, h), act_dtype, device)
-    if run.kv is not None:
-        run.kv.begin_step(state.past, q)
-    state.block_inputs = _step_inputs(run, act_dtype, state.mask, state.positions, state.past, n_sub)
-    for i in range(n_sub):
-        store.put(0, i, adapter.embed(state.input_ids[i], state.block_inputs[i].kwargs["position_ids"]))
-    for module, unit in run.units:
-        if run.on_local_shards:
-            _unit_step(unit, state)  # the weights are whole where they lie: nothing to unshard
-        else:
-            getattr(module, _UNIT_METHOD)(state)  # one FSDP-hooked call per unit: one unshard
-    last = len(run.units) % 2
-    logits = []
-
-    def head(i: int, x: torch.Tensor) -> None:
-        # As Hugging Face: final norm on every position, LM head on the last (logits_to_keep=1).
-        hidden = adapter.final_hidden(x)[:, -1:, :]
-        logits.append(adapter.lm_head(hidden)[:, -1, :].float())  # (n, V)
-
-    for_each_sub_batch(store, last, n_sub, head)
-    store.end_step()
-    if run.kv is not None:
-        run.kv.end_step()
-    state.logits = torch.cat(logits)
-
-
-def _setup_kv(run: _Run, dtype: torch.dtype) -> None:
-    layout = kv_layout_for(run.adapter.config, num_sub_batches=run.num_sub_batches,
-                           sub_batch_size=run.sub_batch_size, capacity=run.capacity, dtype=dtype)
-    run.kv_mode, on_device = choose_kv_mode(run.kv_mode, layout, run.device,
-                                            device_sub_batches=run.kv_device_sub_batches)
-    res = run.resources
-    run.kv = build_kv_cache(run.kv_mode, layout, run.device, device_sub_batches=on_device,
-                            cpu_attention=run.cpu_attention_sub_batches, arena=res.kv_arena,
-                            exchange=res.kv_exchange, host_memory_limit_bytes=run.host_memory_limit_bytes)
-    if run.kv_mode in ("host", "split"):
-        res.kv_arena, res.kv_exchange = run.kv.arena, run.kv.exchange
-    log.debug("KV cache: %s (%d of %d sub-batches on the device), %.3f GiB %s", run.kv_mode, on_device,
-              layout.num_sub_batches, layout.nbytes / 2**30, layout.shape)
-
-
-def _registered(model: nn.Module) -> _Resources:
-    """Registers the generation forward methods on the units and the root (once per model)."""
-    res = getattr(model, "_speedloader_generation", None)
-    if res is not None:
-        return res
-    for module, unit in speedloader_engine(model).units:
-        setattr(module, _UNIT_METHOD, functools.partial(_unit_step, unit))
-        register_fsdp_forward_method(module, _UNIT_METHOD)
-    setattr(model, _ROOT_METHOD, _root_step)
-    register_fsdp_forward_method(model, _ROOT_METHOD)
-    model._speedloader_generation = res = _Resources()
-    return res
-
-
-# ---------------------------------------------------------------------------------------------
-# Masks and positions (built on the host: Hugging Face's mask code reads the padding mask's values)
-# ---------------------------------------------------------------------------------------------
-
-
-def _causal_mask(config, dtype: torch.dtype, mask: Optional[torch.Tensor], positions: torch.Tensor, past: int,
-                 cache) -> Optional[torch.Tensor]:
-    """The model's own 4-D mask (or None) for one sub-batch, built on the host as ``generate`` would:
-    ``mask`` (n, past + q) or None, ``cache`` reporting ``past`` cached positions, or None (no cache)."""
-    n, q = positions.shape
-    kwargs = dict(config=config, inputs_embeds=torch.empty((n, q, 0), dtype=dtype), attention_mask=mask,
-                  past_key_values=cache)
-    if "position_ids" in _MASK_PARAMS:
-        kwargs["position_ids"] = positions
-    if "cache_position" in _MASK_PARAMS:  # transformers < 5.20
-        kwargs["cache_position"] = torch.arange(past, past + q)
-    return create_causal_mask(**kwargs)
-
-
-def _step_inputs(run: _Run, dtype: torch.dtype, mask: Optional[torch.Tensor], positions: torch.Tensor,
-                 past: int, num_groups: int) -> list[BlockInputs]:
-    """Block keyword arguments of every group (sub-batch, or the whole batch), built once per step and
-    shared by all layers. ``mask`` (B, past + q) and ``positions`` (B, q) on the host."""
-    n, device = positions.shape[0] // num_groups, run.device
-    rotary = getattr(getattr(run.adapter.model, "model", None), "rotary_emb", None)  # LLaMA layout
-    out = []
-    for i in range(num_groups):
-        rows = slice(i * n, (i + 1) * n)
-        pos = positions[rows]
-        sub_mask = None if mask is None else mask[rows]
-        cache = None if run.kv is None else run.kv.view(i)
-        attn = _causal_mask(run.adapter.config, dtype, sub_mask, pos, past, cache)
-        pos = pos.to(device, non_blocking=True)
-        kwargs = {"attention_mask": None if attn is None else attn.to(device, non_blocking=True), "position_ids": pos}
-        if rotary is not None:
-            kwargs["position_embeddings"] = rotary(torch.empty((), dtype=dtype, device=device), position_ids=pos)
-        if cache is not None:
-            kwargs["past_key_values"] = cache
-            kwargs["use_cache"] = True
-        if "cache_position" in run.block_kwargs:
-            kwargs["cache_position"] = torch.arange(past, past + pos.shape[1], device=device)
-        out.append(BlockInputs(kwargs=kwargs))
-    return out
-
-
-def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
-    """Positions as ``generate`` computes them: ``cumsum(mask) - 1``, padding at 0. (B, s) -> (B, s)."""
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Token selection
-# ---------------------------------------------------------------------------------------------
-
-
-def select_tokens(logits: torch.Tensor, *, do_sample: bool, temperature: float, top_k: Optional[int],
-                  top_p: Optional[float], generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Next tokens of the whole batch from fp32 logits (B, V): argmax, or temperature -> top-k -> top-p
-    -> multinomial (Hugging Face's warper order)."""
-    if not do_sample:
-        return torch.argmax(logits, dim=-1)
-    scores = logits / temperature if temperature != 1.0 else logits
-    if top_k is not None and top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= 1 - top_p
-        remove[..., -1:] = False  # keep at least the most likely token
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,7 +253,7 @@ class _Timing:
 def _prepare_generation(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], *,
                         max_new_tokens: int, num_sub_batches: int, kv_cache: str,
                         kv_device_sub_batches: Optional[int], cpu_attention_sub_batches: int,
-                        host_memory_limit_bytes: Optional[int]) -> tuple[_Run, _Prompts]:
+                        host_memory_limit_bytes: Optional[int]) -> tuple[GenerationRun, _Prompts]:
     """What stays fixed for the call: the prompts' mask and positions (on the host, where the masks are
     built), each unit's layer indices, and the generation methods on the model (registered once per model).
     The KV cache comes with the first step, inside the root's call, where the compute dtype is known."""
@@ -534,12 +263,12 @@ def _prepare_generation(model: nn.Module, input_ids: torch.Tensor, attention_mas
     positions = prompt_positions(mask) if mask is not None else torch.arange(prompt_len).expand(batch, -1)
     if mask is not None and bool((mask == 1).all()):
         mask = None  # as generate: no padding, no mask (the kernels may then use their causal fast path)
-    resources = _registered(model)
+    resources = register_generation_methods(model)
     blocks = list(engine.adapter.blocks)
     layer_of = {id(b): getattr(getattr(b, "self_attn", None), "layer_idx", k) for k, b in enumerate(blocks)}
     if sorted(layer_of.values()) != list(range(len(blocks))):
         raise ValueError("the model's attention layers do not carry their block index (self_attn.layer_idx)")
-    run = _Run(adapter=engine.adapter, units=engine.units,
+    run = GenerationRun(adapter=engine.adapter, units=engine.units,
                layers=[[layer_of[id(b)] for b in u.blocks] for _, u in engine.units], store=engine.store,
                device=engine.device, num_sub_batches=num_sub_batches, sub_batch_size=batch // num_sub_batches,
                capacity=prompt_len + max_new_tokens, kv_mode=kv_cache, kv_device_sub_batches=kv_device_sub_batches,
@@ -548,7 +277,7 @@ def _prepare_generation(model: nn.Module, input_ids: torch.Tensor, attention_mas
     return run, _Prompts(ids=input_ids.to(engine.device), mask=mask, positions=positions)
 
 
-def _decode(model: nn.Module, run: _Run, prompts: _Prompts, *, max_new_tokens: int,
+def _decode(model: nn.Module, run: GenerationRun, prompts: _Prompts, *, max_new_tokens: int,
             select: Callable[[torch.Tensor], torch.Tensor], eos: list[int], pad: Optional[int], timed: bool
             ) -> tuple[list[torch.Tensor], _Timing]:
     """The prefill, then one decoding step per new token, until ``max_new_tokens`` or until every sequence
@@ -559,7 +288,7 @@ def _decode(model: nn.Module, run: _Run, prompts: _Prompts, *, max_new_tokens: i
     # whole weights into its buffers and out, every unit and step; run on the local shards instead.
     local = local_shard_params(model)
     run.on_local_shards = local is not None
-    step_call = _root_step if run.on_local_shards else getattr(model, _ROOT_METHOD)  # the root's hooked call
+    step_call = root_step if run.on_local_shards else getattr(model, ROOT_METHOD)  # the root's hooked call
     # Timing needs the GPU to finish the prefill (and the last step); without stats nothing waits for it.
     sync = (torch.cuda.current_stream(run.device).synchronize if run.device.type == "cuda" and timed
             else (lambda: None))
@@ -589,7 +318,7 @@ def _decode(model: nn.Module, run: _Run, prompts: _Prompts, *, max_new_tokens: i
     return new_tokens, _Timing(prefill_s, time.perf_counter() - start, host_times)
 
 
-def _step_state(run: _Run, prompts: _Prompts, new_tokens: list[torch.Tensor], step: int) -> GenerationStepState:
+def _step_state(run: GenerationRun, prompts: _Prompts, new_tokens: list[torch.Tensor], step: int) -> GenerationStepState:
     """Step ``step``'s inputs: the whole sequence so far (the prefill, and every step without a KV cache), or
     each sequence's last new token after ``past`` cached positions."""
     batch, prompt_len = prompts.ids.shape
@@ -617,7 +346,7 @@ def _all_ended(unfinished: torch.Tensor, distributed: bool) -> bool:
     return int(alive) == 0
 
 
-def _report(run: _Run, prompts: _Prompts, num_steps: int, timing: _Timing) -> GenerationStats:
+def _report(run: GenerationRun, prompts: _Prompts, num_steps: int, timing: _Timing) -> GenerationStats:
     """The call's figures: times, and what the KV cache, the activation store and host attention moved."""
     io = run.kv.stats() if run.kv is not None else {}
     if hasattr(run.store, "step_stats"):
