@@ -9,6 +9,7 @@ state must be restored too. World size 1 in-process, world size 2 in spawned glo
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ import torch
 
 import fsdp_speedloader.app.checkpoint as checkpoint_mod
 from dist_utils import run_distributed, tiny_config
-from fsdp_speedloader.app.checkpoint import find_latest_checkpoint, list_checkpoints, resolve_resume_path
+from fsdp_speedloader.app.checkpoint import find_latest_checkpoint, list_checkpoints, resolve_resume_path, \
+    verify_checkpoint
 from fsdp_speedloader.app.config import CheckpointConfig
 from fsdp_speedloader.app.trainer import Trainer
 
@@ -74,8 +76,11 @@ def test_resume_equals_uninterrupted_2_ranks(tmp_path):
 
 
 def _fake_step_dir(path: Path) -> Path:
-    path.mkdir(parents=True)
-    (path / ".metadata").write_bytes(b"")
+    """A small but complete step directory: a DCP checkpoint and ``extra_rank0.pt``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {"w": torch.zeros(64)}}, checkpoint_id=str(path))
+    torch.save({"step": 0}, path / "extra_rank0.pt")
     return path
 
 
@@ -176,3 +181,95 @@ def test_checkpoint_of_the_previous_layout_resumes_exactly(tmp_path, run):
     history = resumed.train()
     for key in ("loss", "lr"):
         assert [m[key] for m in history] == pytest.approx([m[key] for m in uninterrupted[2:]], rel=1e-6), key
+
+
+# --- checkpoints that never lose work: complete ones only, periodic saves, another model refused -------------
+
+
+def test_verify_checkpoint_names_what_is_wrong(tmp_path):
+    good = _fake_step_dir(tmp_path / "good")
+    assert verify_checkpoint(good) is None
+    shard = next(good.glob("*.distcp")).name
+    damages = {
+        "truncated shard": (lambda d: os.truncate(d / shard, 10), f"{shard} is truncated (10 of at least"),
+        "missing shard": (lambda d: (d / shard).unlink(), f"{shard} is missing"),
+        "garbled metadata": (lambda d: (d / ".metadata").write_bytes(b"not a pickle"), ".metadata cannot be read"),
+        "empty metadata": (lambda d: (d / ".metadata").write_bytes(b""), ".metadata cannot be read"),
+        "no metadata": (lambda d: (d / ".metadata").unlink(), "no .metadata"),
+        "truncated extra": (lambda d: os.truncate(d / "extra_rank0.pt", 20), "extra_rank0.pt cannot be read"),
+        "missing extra": (lambda d: (d / "extra_rank0.pt").unlink(), "extra_rank0.pt is missing"),
+    }
+    for name, (damage, why) in damages.items():
+        broken = shutil.copytree(good, tmp_path / name.replace(" ", "_"))
+        damage(broken)
+        assert why in (verify_checkpoint(broken) or ""), name
+
+
+def test_resume_auto_skips_an_incomplete_newest_checkpoint(tmp_path, caplog):
+    """The newest step is cut short (a full disk, a copy that stopped): resume=auto says so and takes the newest
+    complete one, and the run goes on exactly as an uninterrupted one, writing that step again."""
+    ckpt = tmp_path / "ckpt"
+
+    def config(name, **checkpoint):
+        return tiny_config(tmp_path / name, schedule={"name": "canonical"}, steps=4,
+                           checkpoint={"every": 2, "keep_last": 2, "dir": str(ckpt), **checkpoint})
+
+    uninterrupted = Trainer(config("a")).train()
+    shard = next((ckpt / "step_00000004").glob("*.distcp"))
+    os.truncate(shard, shard.stat().st_size // 2)
+    caplog.set_level("WARNING")
+    resumed = Trainer(config("b", resume="auto"))
+    assert resumed.step == 2
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "step_00000004" in skipped[0] and "is truncated" in skipped[0], skipped
+    with pytest.raises(ValueError, match=r"step_00000004.* is not a complete checkpoint: __0_0.distcp is truncated"):
+        Trainer(config("c", resume=str(ckpt / "step_00000004")))
+    history = resumed.train()
+    assert [m["loss"] for m in history] == pytest.approx([m["loss"] for m in uninterrupted[2:]], rel=1e-6)
+    assert [p.name for _, p in list_checkpoints(ckpt)] == ["step_00000002", "step_00000004"]
+    assert verify_checkpoint(ckpt / "step_00000004") is None  # saved again, complete
+
+
+def test_keep_last_never_deletes_newer_numbered_steps(tmp_path):
+    """A save prunes only the steps up to its own: a newer-numbered directory (an incomplete one that resume
+    skipped, or another run's) never pushes the new checkpoint out."""
+    for step in (1, 2, 3, 9):
+        _fake_step_dir(tmp_path / f"step_{step:08d}")
+    checkpoint_mod.Checkpointer(CheckpointConfig(keep_last=2), tmp_path, rank=0, device="cpu")._prune(3)
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [2, 3, 9]
+
+
+def test_time_based_saves(tmp_path):
+    def saved(name, minutes):
+        ckpt = tmp_path / name
+        Trainer(tiny_config(tmp_path / f"{name}_run", schedule={"name": "canonical"}, steps=3,
+                            checkpoint={"every_minutes": minutes, "keep_last": 2, "dir": str(ckpt)})).train()
+        return [step for step, _ in list_checkpoints(ckpt)]
+
+    assert saved("every_step", 1e-9) == [2, 3]  # due after every step; the last two kept
+    assert saved("never", 0) == []
+    assert saved("default", 30.0) == []  # a short run: nothing due
+
+
+def test_unwritable_checkpoint_dir_fails_before_the_model_is_built(tmp_path, monkeypatch):
+    import fsdp_speedloader.app.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    (tmp_path / "a_file").write_text("not a directory")
+    with pytest.raises(ValueError, match=r"checkpoint.dir: cannot write to .*a_file/ckpt.*is a file, not a directory"):
+        Trainer(tiny_config(tmp_path, checkpoint={"dir": str(tmp_path / "a_file" / "ckpt")}))
+
+
+@pytest.mark.parametrize("model,mismatch", [
+    ({"hidden_size": 128}, r"model.embed_tokens.weight is \(320, 64\) in the checkpoint but \(320, 128\) in the model"),
+    ({"num_layers": 3}, r"the model's model.layers.2.self_attn.q_proj.weight is not in the checkpoint"),
+    ({"num_layers": 1}, r"its model.layers.1.self_attn.q_proj.weight is not a parameter of the model"),
+], ids=["width", "deeper", "shallower"])
+def test_checkpoint_of_another_model_is_refused_before_materialising(tmp_path, monkeypatch, model, mismatch):
+    import fsdp_speedloader.app.trainer as trainer_mod
+
+    ckpt = tmp_path / "ckpt"
+    Trainer(tiny_config(tmp_path / "a", steps=1, checkpoint={"save_final": True, "dir": str(ckpt)})).train()
+    monkeypatch.setattr(trainer_mod, "materialize_model", lambda *a, **k: pytest.fail("materialised"))
+    with pytest.raises(ValueError, match=rf"checkpoint '{ckpt / 'step_00000001'}' does not fit this model: {mismatch}"):
+        Trainer(tiny_config(tmp_path / "b", model=model, checkpoint={"resume": "auto", "dir": str(ckpt)}))

@@ -8,11 +8,17 @@
 2. A checkpoint written by 1 rank loads on 2, and one written by 2 ranks loads on 1: the full
    (unsharded) model and optimizer states equal those at save time, and the data position is the
    same global position, so the new world size continues with the next unseen sequences.
+3. A preempted run (a real SIGTERM to the real entry point) saves the step it was on, then exits with
+   128 + 15 and no traceback; a signal that only one rank sees stops every rank at the same step, saved.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +27,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from dist_utils import run_distributed, tiny_config
-from fsdp_speedloader.app.checkpoint import list_checkpoints
+from fsdp_speedloader.app.checkpoint import list_checkpoints, verify_checkpoint
 from fsdp_speedloader.app.data import build_loader
 from fsdp_speedloader.app.faults import Fault, fault_from_env, parse_fault
+from fsdp_speedloader.app.launch import TrainingInterrupted
+from fsdp_speedloader.app.logger import MetricLogger
 from fsdp_speedloader.app.trainer import Trainer
 from launch_utils import TINY_OVERRIDES, clean_env, read_metrics, tail, torchrun
 
@@ -177,3 +185,63 @@ def test_oom_fault_stops_training_before_its_step(tmp_path, monkeypatch):
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         trainer.train()
     assert trainer.step == 1
+
+
+# --- SIGTERM / SIGINT: save, then exit ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_saves_then_exits(tmp_path):
+    """The real entry point gets a real SIGTERM mid-run: it saves the step it was on, exits 143 without a
+    traceback, and checkpoint.resume=auto goes on from that step."""
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "fsdp_speedloader.app.train", *TINY_OVERRIDES, "schedule=speedloader", "steps=100000",
+           f"checkpoint.dir={ckpt}", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not ((run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 2):  # in the training loop
+        assert proc.poll() is None and time.monotonic() < deadline, tail(proc.communicate()[0])
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, tail(out)
+    assert "Traceback" not in out and "SIGTERM received: saving a checkpoint" in out, tail(out)
+    last = read_metrics(run)[-1]["step"]  # the step the signal interrupted is logged and saved
+    assert [step for step, _ in list_checkpoints(ckpt)] == [last], tail(out)
+    assert verify_checkpoint(ckpt / f"step_{last:08d}") is None
+    resumed = Trainer(tiny_config(tmp_path / "resumed", schedule={"name": "speedloader"}, steps=last + 1,
+                                  checkpoint={"resume": "auto", "dir": str(ckpt)}))
+    assert resumed.step == last
+
+
+class _SignalOnRank1(MetricLogger):
+    """Rank 1 sends itself SIGTERM when it logs step 2; no other rank sees a signal."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _stopped_by_signal(rank: int, world_size: int, root: str) -> dict:
+    cfg = tiny_config(Path(root) / "run", schedule={"name": "speedloader"}, steps=50,
+                      checkpoint={"dir": str(Path(root) / "ckpt")})
+    trainer = Trainer(cfg, logger=_SignalOnRank1(rank))
+    try:
+        trainer.train()
+    except TrainingInterrupted as stop:
+        return {"code": stop.code, "signal": stop.signal_name, "step": trainer.step}
+    return {"code": None, "step": trainer.step}
+
+
+@pytest.mark.slow
+def test_a_signal_on_one_rank_stops_every_rank_saved(tmp_path):
+    results = run_distributed(_stopped_by_signal, 2, str(tmp_path), timeout_s=300)
+    # Rank 1's signal comes after step 2's agreement: every rank finishes step 3, saves it, and stops.
+    assert results == [{"code": 128 + signal.SIGTERM, "signal": "SIGTERM", "step": 3}] * 2, results
+    step_dir = tmp_path / "ckpt" / "step_00000003"
+    assert [p for _, p in list_checkpoints(tmp_path / "ckpt")] == [step_dir]
+    assert verify_checkpoint(step_dir) is None and (step_dir / "extra_rank1.pt").is_file()

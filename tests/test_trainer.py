@@ -19,7 +19,7 @@ from fsdp_speedloader.app.logger import MetricLogger, build_logger
 from fsdp_speedloader.app.metrics import StepMetrics, host_rss_gib
 from fsdp_speedloader.app.optim import build_lr_scheduler, build_optimizer, lr_factor
 from fsdp_speedloader.app.runtime import gpu_memory_fraction
-from fsdp_speedloader.app.trainer import Trainer, num_label_tokens
+from fsdp_speedloader.app.trainer import IGNORE_INDEX, Trainer, num_label_tokens
 
 SCHEDULES = ["canonical", "speedloader"]
 
@@ -55,7 +55,7 @@ def test_loss_falls(tmp_path, schedule):
     assert last["mfu"] == pytest.approx(last["tokens_per_s"] * last["flops_per_token"] / 989e12)
     # Both schedules recompute the blocks here (canonical: activation_checkpointing defaults to on).
     assert last["hfu"] > last["mfu"] > 0
-    assert last["peak_gpu_mem_allocated_gib"] == 0.0 and last["host_rss_gib"] > 0
+    assert "peak_gpu_mem_allocated_gib" not in last and last["host_rss_gib"] > 0  # no GPU, no GPU figures
     assert 0 < last["lr"] <= cfg.optim.lr and last["grad_norm"] > 0
 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -262,3 +262,94 @@ def test_speedloader_logs_exchange_and_arena_figures(tmp_path):
     assert last["exchange_d2h_bytes"] >= cfg.model.num_layers * act_bytes  # every unit's outputs stored
     assert last["exchange_h2d_bytes"] >= cfg.model.num_layers * act_bytes
     assert last["arena_requested_bytes"] == last["arena_bytes"] > 0  # exact size (page-locked only with CUDA)
+
+
+# --- what a person sees: the console line, the status lines, the progress bar ------------------------------
+
+
+def test_cpu_run_prints_no_gpu_fields(tmp_path, caplog):
+    """The console line of a CPU run has no MFU (peak_tflops is an accelerator's) and no GPU memory (there is none);
+    metrics.jsonl keeps MFU for the tools. The first status line comes before the model is built."""
+    from fsdp_speedloader.app.logger import format_metrics
+
+    caplog.set_level("INFO")
+    Trainer(tiny_config(tmp_path, steps=2, logger={"backend": "none"})).train()
+    messages = [r.getMessage() for r in caplog.records]
+    steps = [m for m in messages if m.startswith("step ")]
+    assert len(steps) == 2 and all("loss" in m and "tok/s" in m for m in steps), messages
+    assert not any("mfu" in m or "gpu" in m for m in steps), steps
+    status = [k for k, m in enumerate(messages) if m.startswith("setting up:")]
+    build = [k for k, m in enumerate(messages) if m.startswith("building the model")]
+    assert status and build and status[0] < build[0] < messages.index(steps[0])
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["mfu"] > 0 and "peak_gpu_mem_allocated_gib" not in record
+    gpu_record = {"loss": 2.0, "mfu": 0.41, "peak_gpu_mem_allocated_gib": 3.0, "peak_gpu_mem_reserved_gib": 4.0}
+    assert "mfu 41.0%" in format_metrics(gpu_record, 1) and "gpu 3.00/4.00 GiB" in format_metrics(gpu_record, 1)
+
+
+def test_progress_bar_rank0_on_a_terminal_or_forced(tmp_path, monkeypatch, capfd):
+    from fsdp_speedloader.app.logger import PROGRESS_ENV, progress_bar_enabled
+
+    monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    assert not progress_bar_enabled(0)  # pytest's stderr is not a terminal: CI logs stay clean
+    monkeypatch.setenv(PROGRESS_ENV, "1")
+    assert progress_bar_enabled(0) and not progress_bar_enabled(1)  # forced, and never on other ranks
+    monkeypatch.setenv(PROGRESS_ENV, "maybe")
+    with pytest.raises(ValueError, match=PROGRESS_ENV):
+        progress_bar_enabled(0)
+
+    monkeypatch.setenv(PROGRESS_ENV, "1")
+    capfd.readouterr()
+    Trainer(tiny_config(tmp_path / "bar", steps=3)).train()
+    err = capfd.readouterr().err
+    assert "train: 100%" in err and "3/3" in err and "loss=" in err, err[-2000:]
+    monkeypatch.delenv(PROGRESS_ENV)
+    Trainer(tiny_config(tmp_path / "plain", steps=3)).train()
+    assert "train:" not in capfd.readouterr().err
+
+
+# --- the loss where no label counts --------------------------------------------------------------------------
+
+
+def test_all_labels_ignored_gives_nan_loss_and_zero_grads_like_hugging_face(tmp_path):
+    """Every label -100: the unmodified model's loss is nan (0 / 0) and its gradients are zero; layer-major too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    trainer = Trainer(tiny_config(tmp_path, schedule={"name": "speedloader"}))
+    ids = trainer.loader.next_batch()["input_ids"]
+    ignored = torch.full_like(ids, IGNORE_INDEX)
+    loss = trainer.model(input_ids=ids, labels=ignored).loss
+    assert math.isnan(loss.item())
+    loss.backward()
+    grads = [p.grad.to_local() for p in trainer.model.parameters() if p.grad is not None]
+    assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
+
+    c = trainer.model.config
+    reference = LlamaForCausalLM(LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                                             num_hidden_layers=c.num_hidden_layers, vocab_size=c.vocab_size,
+                                             num_attention_heads=c.num_attention_heads))
+    ref_loss = reference(input_ids=ids, labels=ignored).loss
+    ref_loss.backward()
+    assert math.isnan(ref_loss.item())
+    assert all(torch.count_nonzero(p.grad) == 0 for p in reference.parameters() if p.grad is not None)
+    # One counted label: a finite loss, the same mean as before the change.
+    one = ignored.clone()
+    one[0, 5] = ids[0, 5]
+    assert math.isfinite(trainer.model(input_ids=ids, labels=one).loss.item())
+
+
+# --- the tuner's plan with N = 1 ----------------------------------------------------------------------------
+
+
+def test_tuned_plan_with_one_sub_batch_warns(tmp_path, caplog):
+    """schedule=auto capped to one sub-batch (target_batch_size = the sub-batch size) says that nothing is
+    layer-major, and which setting gives N >= 2."""
+    caplog.set_level("WARNING")
+    cfg = tiny_config(tmp_path, offload={"params": True}, steps=1,
+                      schedule={"name": "auto", "activation_store": "host", "target_batch_size": 2})
+    trainer = Trainer(cfg)
+    assert trainer.cfg.schedule.num_sub_batches == 1
+    warnings = [r.getMessage() for r in caplog.records if "N=1 sub-batch" in r.getMessage()]
+    assert len(warnings) == 1 and "schedule.gpu_memory_budget_gib" in warnings[0], warnings
+    assert "schedule.host_memory_budget_gib" in warnings[0] and "on a CPU both budgets are host memory" in warnings[0]
+    assert trainer.tune_plan.single_sub_batch_warning() is not None

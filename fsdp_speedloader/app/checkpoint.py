@@ -14,8 +14,10 @@ One checkpoint is one directory ``<checkpoint.dir>/step_NNNNNNNN/``:
 
 Every rank writes into ``step_NNNNNNNN.tmp/``; after a barrier rank 0 renames it to
 ``step_NNNNNNNN/``. A crash therefore never leaves a directory that looks complete: resume only
-ever considers names ``step_`` + 8 digits, never ``*.tmp``. Older step directories beyond
-``keep_last`` are deleted only after the new one is complete; nothing else is ever deleted.
+ever considers names ``step_`` + 8 digits, never ``*.tmp``, and only once :func:`verify_checkpoint` found every file
+its ``.metadata`` names at its full length (a checkpoint cut short by a full disk or a copy is skipped, named, for
+the newest complete one). Older step directories beyond ``keep_last`` are deleted only after the new one is
+complete; nothing else is ever deleted.
 All ranks must see the same ``checkpoint.dir`` (a shared file system across nodes).
 """
 
@@ -28,6 +30,7 @@ import os
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -73,50 +76,151 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def verify_checkpoint(path: str | os.PathLike) -> Optional[str]:
+    """None when the step directory ``path`` is complete, else why not (a phrase naming the file).
+
+    Complete: its DCP ``.metadata`` reads, every file the metadata points into is there and at least as long as
+    the last byte it points at, and ``extra_rank0.pt`` (step, scheduler, data position) is an intact archive.
+    Reads the metadata and the small extra file, never the shards.
+    """
+    path = Path(path)
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except FileNotFoundError:
+        return "it has no .metadata"
+    except Exception as e:  # truncated or not a pickle at all
+        return f"its .metadata cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, nbytes in sorted(needed.items()):
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if size < nbytes:
+            return f"{name} is truncated ({size} of at least {nbytes} bytes)"
+    extra = path / "extra_rank0.pt"
+    try:
+        with zipfile.ZipFile(extra) as archive:
+            if archive.testzip() is not None:
+                return f"{extra.name} is corrupt"
+    except FileNotFoundError:
+        return f"{extra.name} is missing"
+    except (zipfile.BadZipFile, OSError) as e:
+        return f"{extra.name} cannot be read ({e})"
+    return None
+
+
+def latest_complete_checkpoint(directory: str | os.PathLike) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+    """The newest step checkpoint in ``directory`` that :func:`verify_checkpoint` accepts (None if there is none),
+    and the newer ones it skipped, as (path, why), newest first."""
+    skipped = []
+    for _, path in reversed(list_checkpoints(directory)):
+        why = verify_checkpoint(path)
+        if why is None:
+            return path, skipped
+        skipped.append((path, why))
+    return None, skipped
+
+
 def find_latest_checkpoint(directory: str | os.PathLike) -> Optional[Path]:
-    """The newest complete step checkpoint in ``directory``, or None."""
-    found = list_checkpoints(directory)
-    return found[-1][1] if found else None
+    """The newest complete (verified) step checkpoint in ``directory``, or None."""
+    return latest_complete_checkpoint(directory)[0]
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A complete step directory: ``path`` itself, or the newest complete one inside it (as ``resume`` finds
-    them); ValueError naming ``path`` otherwise."""
+    """A complete (verified) step directory: ``path`` itself, or the newest complete one inside it (as ``resume``
+    finds them; newer incomplete ones are logged as skipped); ValueError naming ``path`` otherwise."""
     path = Path(path)
     if path.name.endswith(".tmp"):
         what = "is an unfinished save (*.tmp)"
     elif (path / _DCP_METADATA).is_file():
-        return path
-    elif (latest := find_latest_checkpoint(path)) is not None:
-        return latest
+        if (why := verify_checkpoint(path)) is None:
+            return path
+        what = f"is not a complete checkpoint: {why}"
     else:
+        latest, skipped = latest_complete_checkpoint(path)
+        for step_dir, why in skipped:
+            log.warning("skipped checkpoint %s: %s", step_dir, why)
+        if latest is not None:
+            return latest
         what = "does not exist" if not path.exists() else "is neither a complete checkpoint nor holds one"
+        if skipped:
+            what = f"holds no complete checkpoint ({skipped[0][0].name}: {skipped[0][1]})"
     raise ValueError(f"checkpoint: {str(path)!r} {what}; give a step_NNNNNNNN directory written by training, or the "
                      "checkpoint directory holding them (its newest complete one is taken)")
 
 
-def resolve_resume_path(cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike) -> Optional[Path]:
-    """Where to resume from: None (fresh start) or a complete step directory.
+def resolve_resume_path(cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike, *,
+                        skipped: Optional[list] = None) -> Optional[Path]:
+    """Where to resume from: None (fresh start) or a complete (verified) step directory.
 
     ``resume=auto`` takes the latest complete checkpoint in ``checkpoint_dir`` (None if there is
-    none); an explicit path must be a step directory, or a directory holding step directories
-    (the latest is taken). Raises ValueError before anything is built if it is not.
+    none); an explicit path must be a complete step directory, or a directory holding step directories
+    (the latest complete one is taken). Raises ValueError before anything is built if it is not.
+    ``skipped``: a list that receives (path, why) of each newer step directory passed over as incomplete.
     """
     if cfg.resume is None:
         return None
+    skipped = [] if skipped is None else skipped
     if cfg.resume == "auto":
-        return find_latest_checkpoint(checkpoint_dir)
+        latest, passed_over = latest_complete_checkpoint(checkpoint_dir)
+        skipped.extend(passed_over)
+        return latest
     path = Path(cfg.resume)
     if path.name.endswith(".tmp"):
         what = "is an unfinished save (*.tmp)"
     elif (path / _DCP_METADATA).is_file():
-        return path
-    elif (latest := find_latest_checkpoint(path)) is not None:
-        return latest
+        if (why := verify_checkpoint(path)) is None:
+            return path
+        what = f"is not a complete checkpoint: {why}"
     else:
+        latest, passed_over = latest_complete_checkpoint(path)
+        skipped.extend(passed_over)
+        if latest is not None:
+            return latest
         what = "does not exist" if not path.exists() else "is not a complete checkpoint (no .metadata)"
-    raise ValueError(f"checkpoint.resume: {str(path)!r} {what}; give a step_NNNNNNNN directory written by a "
-                     "previous run, 'auto' (latest in checkpoint.dir, fresh start if none) or null")
+        if passed_over:
+            what = f"holds no complete checkpoint ({passed_over[0][0].name}: {passed_over[0][1]})"
+    raise ValueError(f"checkpoint.resume: {str(path)!r} {what}; give a complete step_NNNNNNNN directory written by a "
+                     "previous run, 'auto' (latest complete one in checkpoint.dir, fresh start if none) or null")
+
+
+def _shape(size) -> str:
+    return "(" + ", ".join(str(d) for d in size) + ")"
+
+
+def check_checkpoint_fits(path: str | os.PathLike, model: nn.Module) -> None:
+    """ValueError naming ``path`` and the first parameter whose name or shape differs between the checkpoint
+    (its DCP ``.metadata`` alone: nothing else is read) and ``model``. Call it with the model on the meta device,
+    before any large allocation: a checkpoint of another model shape or family is refused before it costs memory.
+    """
+    path = Path(path)
+    saved = {k[len("model."):]: v for k, v in dcp.FileSystemReader(str(path)).read_metadata()
+             .state_dict_metadata.items() if k.startswith("model.")}
+    fix = ("resume with the model settings that wrote it, or start fresh: checkpoint.resume=null or another "
+           "checkpoint.dir")
+    state = model.state_dict()
+    aliases: dict[int, list[str]] = {}  # tied weights: one tensor, several names (the checkpoint may keep one)
+    for name, tensor in state.items():
+        aliases.setdefault(id(tensor), []).append(name)
+    for name, tensor in state.items():
+        entry = saved.get(name)
+        if entry is None:
+            if any(alias in saved for alias in aliases[id(tensor)]):
+                continue
+            first = next(iter(saved), None)
+            held = f" (its first parameter is {first})" if first else " (it holds no model state)"
+            raise ValueError(f"checkpoint {str(path)!r} does not fit this model: the model's {name} is not in the "
+                             f"checkpoint{held}: a checkpoint of another model family or layout; {fix}")
+        size = tuple(getattr(entry, "size", ()))
+        if size != tuple(tensor.shape):
+            raise ValueError(f"checkpoint {str(path)!r} does not fit this model: {name} is {_shape(size)} in the "
+                             f"checkpoint but {_shape(tensor.shape)} in the model (another model shape); {fix}")
+    if extra := [k for k in saved if k not in state]:
+        raise ValueError(f"checkpoint {str(path)!r} does not fit this model: its {extra[0]} is not a parameter of the "
+                         f"model ({len(extra)} such); {fix}")
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -165,6 +269,10 @@ class Checkpointer:
             return True
         return self.cfg.save_final and step == total_steps
 
+    def time_due(self, seconds_since_save: float) -> bool:
+        """Whether ``checkpoint.every_minutes`` have passed (the caller agrees across ranks: clocks differ)."""
+        return bool(self.cfg.every_minutes) and seconds_since_save >= 60.0 * self.cfg.every_minutes
+
     def save(self, step: int, *, model: nn.Module, optimizer: Stateful, scheduler: Stateful, loader: Stateful) -> Path:
         """Writes ``step_NNNNNNNN/`` (all ranks call this); returns its path."""
         final = self.dir / step_dir_name(step)
@@ -191,7 +299,7 @@ class Checkpointer:
                 shutil.rmtree(stale)
             else:
                 os.rename(tmp, final)
-            self._prune()
+            self._prune(step)
             log.info("saved checkpoint %s", final)
         _barrier()  # nobody reads the directory before the rename
         return final
@@ -207,8 +315,10 @@ class Checkpointer:
                   "tokenizer": tokenizer, "tokenizer_source": self.tokenizer}
         (step_dir / MODEL_CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
-    def _prune(self) -> None:
-        checkpoints = list_checkpoints(self.dir)
+    def _prune(self, step: int) -> None:
+        # Only steps up to the one just saved: newer-numbered directories (another run's, or an incomplete one
+        # that resume skipped) never push the new checkpoint out.
+        checkpoints = [c for c in list_checkpoints(self.dir) if c[0] <= step]
         for _, path in checkpoints[: max(0, len(checkpoints) - self.cfg.keep_last)]:
             shutil.rmtree(path)
             log.info("deleted old checkpoint %s (checkpoint.keep_last=%d)", path, self.cfg.keep_last)
@@ -218,7 +328,12 @@ class Checkpointer:
         """Restores everything saved by :meth:`save` (all ranks call this); returns the step."""
         path = Path(path)
         state = {"model": get_model_state_dict(model), "optim": optimizer.state_dict()}
-        dcp.load(state, checkpoint_id=str(path))  # in place, into this run's shards
+        try:
+            dcp.load(state, checkpoint_id=str(path))  # in place, into this run's shards
+        except Exception as e:  # damaged past what verify_checkpoint sees (bytes changed, not cut short)
+            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ValueError(f"checkpoint {str(path)!r} cannot be loaded ({type(e).__name__}: {first}); resume from "
+                             "another step directory, or start fresh: checkpoint.resume=null") from e
         set_model_state_dict(model, state["model"])
         optimizer.load_state_dict(state["optim"])
         extra_file = path / f"extra_rank{self.rank}.pt"

@@ -193,7 +193,10 @@ class CheckpointConfig:
     """torch.distributed.checkpoint saves and resume."""
 
     every: int = 0
-    """Save every k steps (0: only at the end)."""
+    """Save every k steps (0: no step-based saves)."""
+    every_minutes: Optional[float] = 30.0
+    """Also save when this many minutes have passed since the last save (or the start of the loop), all ranks
+    together; 0 or null: no time-based saves. A run also saves when it gets SIGTERM or SIGINT, then exits."""
     dir: Optional[str] = None
     """Checkpoint directory; None means <output_dir>/checkpoints."""
     resume: Optional[str] = None
@@ -205,6 +208,8 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         check_positive(self.every, "checkpoint.every", allow_zero=True)
+        check(self.every_minutes is None or self.every_minutes >= 0, "checkpoint.every_minutes",
+              f"got {self.every_minutes}; must be >= 0 (0 or null: no time-based saves)")
         check_positive(self.keep_last, "checkpoint.keep_last")
 
 

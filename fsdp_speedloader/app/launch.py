@@ -7,13 +7,21 @@ initialised and rank 0's timestamp is broadcast into ``$FSDP_SPEEDLOADER_RUN_STA
 rank 0 writes Hydra's ``.hydra/`` files and logs; every other rank runs with ``hydra.output_subdir=null`` and
 Hydra's logging set up off (warnings still reach stderr). Setting ``FSDP_SPEEDLOADER_RUN_STAMP`` yourself names
 the run directory.
+
+User errors (a ``ValueError`` raised while a run is set up, or a :class:`UserError` raised later) end the process
+with ONE line on stderr, ``error: ...``, and exit code 2: :func:`fail`. ``FSDP_SPEEDLOADER_TRACEBACK=1`` prints their
+traceback too. A run stopped by SIGTERM/SIGINT saves a checkpoint and exits with 128 + the signal number
+(:class:`TrainingInterrupted`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
+import tempfile
+import traceback
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -24,6 +32,24 @@ from fsdp_speedloader import parallel
 
 RUN_STAMP_ENV = "FSDP_SPEEDLOADER_RUN_STAMP"
 """Read by ``hydra.run.dir`` / ``hydra.sweep.dir`` in conf/config.yaml; set by :func:`main`."""
+TRACEBACK_ENV = "FSDP_SPEEDLOADER_TRACEBACK"
+"""``1``: :func:`fail` prints the traceback of a user error before its one line."""
+
+
+class UserError(ValueError):
+    """A user error found after setup (a memory budget that the first step shows to be wrong): the entry points
+    print it as one line, like any ``ValueError`` raised while the run is set up."""
+
+
+class TrainingInterrupted(SystemExit):
+    """Raised by ``Trainer.train`` after a SIGTERM or SIGINT, once every rank has saved its checkpoint: the process
+    ends with exit status 128 + the signal number (what a shell or a scheduler reads as "ended by that signal"),
+    so ``train && next`` does not go on with an unfinished model."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
 
 # Overrides for every rank but 0: no .hydra/ files, no log file (Hydra's job and own logging off).
 _NON_ZERO_RANK_OVERRIDES = {"hydra.output_subdir": "null", "hydra/job_logging": "none",
@@ -101,8 +127,44 @@ def maybe_export_submitit_env() -> bool:
     return True
 
 
+def check_writable_dir(path: str | os.PathLike, setting: str) -> None:
+    """ValueError naming ``setting`` and ``path`` unless ``path`` is, or can be created as, a writable directory.
+
+    Nothing is created: a probe file is written and removed in ``path`` or, when it does not exist yet, in its
+    nearest existing parent (where creating it needs write permission).
+    """
+    target = Path(path).absolute()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    fix = f"set {setting} to a directory you can write to"
+    if not existing.is_dir():
+        raise ValueError(f"{setting}: cannot write to {str(target)!r}: {str(existing)!r} is a file, not a directory; "
+                         f"{fix}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".fsdp_speedloader_write_test_", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{setting}: cannot write to {str(target)!r} ({e.strerror or e}); {fix}") from None
+
+
+def _run_dir_override(argv: list[str]) -> tuple[str, str]:
+    """(Hydra key, directory) of this run's output: the command line's ``hydra.run.dir=`` / ``hydra.sweep.dir=``,
+    else the root of the defaults in conf/ (``outputs/``, ``multirun/``) under the working directory."""
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    for arg in argv:
+        name, sep, value = arg.lstrip("+").partition("=")
+        if sep and name == key:
+            return key, value
+    return key, "multirun" if multirun else "outputs"
+
+
 def fail(error: ValueError) -> NoReturn:
-    """A user error: one line on stderr, no traceback, exit code 2."""
+    """A user error: one line on stderr, no traceback (unless ``FSDP_SPEEDLOADER_TRACEBACK=1``), exit code 2."""
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        traceback.print_exception(error, file=sys.stderr)
     print(f"error: {error}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()  # no barrier: other ranks may have failed differently
@@ -120,10 +182,21 @@ def launch(hydra_main: Callable[[], None]) -> None:
     # fragmentation ran full LLaMA-2-7B out of memory with 9 GiB reserved but unallocated (H200).
     # torchtitan's launcher sets the same. Before anything touches CUDA.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    is_help = any(a in ("-h", "--help", "--hydra-help", "--info", "--cfg", "-c") for a in sys.argv[1:])
     try:
         agree_on_run_stamp()
+        if not is_help:  # Hydra creates the run directory before any of our code runs: check it first
+            key, run_dir = _run_dir_override(sys.argv[1:])
+            check_writable_dir(run_dir, key)
     except ValueError as e:
         fail(e)
     sys.argv.extend(rank_overrides(sys.argv[1:]))
-    hydra_main()
+    try:
+        hydra_main()
+    except TrainingInterrupted:  # every rank saved and stops: leave the group together, then exit 128 + signal
+        parallel.destroy_process_group()
+        raise
+    except KeyboardInterrupt:  # Ctrl-C while the run was set up (the training loop saves and stops instead)
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
     parallel.destroy_process_group()  # barrier first: no rank leaves while another still checkpoints

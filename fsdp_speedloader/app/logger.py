@@ -4,16 +4,22 @@
 trainer decides when to log (every ``log_every`` steps); the logger writes every record it is given.
 W&B is imported only when ``logger.backend=wandb``: this module and the entry point are the only
 places that import it.
+
+On a terminal, rank 0 also shows a progress bar over the training steps (:class:`StepProgress`, tqdm); the
+per-step lines go on to the log and ``metrics.jsonl``, written above the bar.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import math
+import netrc
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
@@ -42,12 +48,15 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def format_metrics(metrics: dict, step: int) -> str:
-    """One console line with the figures a person watches."""
+def format_metrics(metrics: dict, step: int, *, show_mfu: bool = True) -> str:
+    """One console line with the figures a person watches. ``show_mfu``: False where MFU means nothing (a CPU
+    run: ``peak_tflops`` is an accelerator's); GPU memory appears only when the record has it (CUDA)."""
     parts = [f"step {step}"]
     fmt = {"loss": "loss {:.4f}", "lr": "lr {:.2e}", "grad_norm": "grad_norm {:.3f}",
            "tokens_per_s": "{:,.0f} tok/s", "mfu": "mfu {:.1%}", "step_time_s": "{:.3f} s/step",
            "data_wait_s": "data {:.3f} s"}
+    if not show_mfu:
+        del fmt["mfu"]
     for key, spec in fmt.items():
         value = metrics.get(key)
         if isinstance(value, (int, float)) and math.isfinite(value):
@@ -63,14 +72,15 @@ def format_metrics(metrics: dict, step: int) -> str:
 class Rank0Logger(MetricLogger):
     """Console line + ``<output_dir>/metrics.jsonl`` + an optional W&B run."""
 
-    def __init__(self, output_dir: str | os.PathLike, wandb_run: Any = None) -> None:
+    def __init__(self, output_dir: str | os.PathLike, wandb_run: Any = None, *, show_mfu: bool = True) -> None:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(output_dir) / METRICS_FILE
         self._file = open(self.path, "a", buffering=1)  # line-buffered: readable while the run goes on
         self.wandb_run = wandb_run
+        self.show_mfu = show_mfu
 
     def log(self, metrics: dict, step: int) -> None:
-        log.info(format_metrics(metrics, step))
+        log.info(format_metrics(metrics, step, show_mfu=self.show_mfu))
         record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
@@ -118,6 +128,32 @@ def wandb_server_reachable(timeout_s: float = WANDB_PROBE_TIMEOUT_S) -> bool:
         return False
 
 
+def _wandb_host() -> str:
+    return urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+
+
+def wandb_credentials_found() -> bool:
+    """Whether W&B would find an API key without asking: ``WANDB_API_KEY`` (or ``WANDB_IDENTITY_TOKEN_FILE``), or a
+    login for the W&B host in the netrc file (``$NETRC``, else ``~/.netrc``) that ``wandb login`` writes."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(_wandb_host())
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
+
+
+def check_wandb_credentials(cfg: LoggerConfig) -> None:
+    """``logger.mode=online`` needs an API key: ValueError before anything is built when W&B has none (it would
+    otherwise prompt for one, or fail, once the model is built)."""
+    if cfg.backend == "wandb" and cfg.mode == "online" and not wandb_credentials_found():
+        raise ValueError(f"logger.mode=online: no W&B API key (WANDB_API_KEY is not set and no netrc login for "
+                         f"{_wandb_host()}); set WANDB_API_KEY (or run `wandb login`), or use logger.mode=offline "
+                         "or logger.mode=auto")
+
+
 def resolve_wandb_mode(mode: str) -> str:
     """``auto``: online when ``WANDB_API_KEY`` is set and the server answers within a few seconds, else offline
     (sync later with ``wandb sync``): a run never waits on an unreachable server."""
@@ -133,10 +169,11 @@ def resolve_wandb_mode(mode: str) -> str:
 
 
 def build_logger(cfg: LoggerConfig, run_config: dict, output_dir: str | os.PathLike,
-                 rank: int) -> MetricLogger:
+                 rank: int, *, show_mfu: bool = True) -> MetricLogger:
     """The metric logger of this rank: rank 0 logs, every other rank gets a no-op logger.
 
-    ``run_config`` (the full resolved config) goes to ``wandb.init(config=...)``.
+    ``run_config`` (the full resolved config) goes to ``wandb.init(config=...)``. ``show_mfu``: MFU in the
+    console line (False on a CPU; ``metrics.jsonl`` and W&B keep it).
     """
     if rank != 0:
         return MetricLogger()
@@ -159,4 +196,69 @@ def build_logger(cfg: LoggerConfig, run_config: dict, output_dir: str | os.PathL
             mode = "offline"
             wandb_run = init(mode=mode)
         log.info("W&B run %s (mode %s) in %s", wandb_run.name, mode, output_dir)
-    return Rank0Logger(output_dir, wandb_run)
+    return Rank0Logger(output_dir, wandb_run, show_mfu=show_mfu)
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress bar
+# ---------------------------------------------------------------------------------------------
+
+PROGRESS_ENV = "FSDP_SPEEDLOADER_PROGRESS"
+"""``1``: show the progress bar even when stderr is not a terminal; ``0``: never show it."""
+
+
+def progress_bar_enabled(rank: int) -> bool:
+    """Rank 0 only; when stderr is a terminal (CI logs and redirected runs stay clean), unless
+    ``FSDP_SPEEDLOADER_PROGRESS`` says otherwise."""
+    value = os.environ.get(PROGRESS_ENV, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"{PROGRESS_ENV}={value!r}; use 1 (always show the progress bar), 0 (never) or unset it "
+                         "(on a terminal only)")
+    if rank != 0 or value in ("0", "false", "no", "off"):
+        return False
+    return bool(value) or sys.stderr.isatty()
+
+
+def _has_console_handler(logger: logging.Logger) -> bool:
+    return any(type(h) is logging.StreamHandler and h.stream in (sys.stdout, sys.stderr) for h in logger.handlers)
+
+
+class StepProgress:
+    """A tqdm bar over the training steps (steps done / total, loss and tokens/s beside it) on stderr, when
+    ``enabled``; otherwise it does nothing. While it shows, console log lines are written above it
+    (``tqdm.contrib.logging.logging_redirect_tqdm``); the log file and ``metrics.jsonl`` are untouched."""
+
+    def __init__(self, *, total: int, initial: int = 0, enabled: bool) -> None:
+        self._bar = None
+        self._stack = contextlib.ExitStack()
+        if not enabled:
+            return
+        from tqdm import tqdm  # a dependency of transformers, declared in pyproject.toml
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        if _has_console_handler(logging.getLogger()):
+            self._stack.enter_context(logging_redirect_tqdm())
+        self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, step: int, metrics: dict) -> None:
+        if self._bar is None:
+            return
+        postfix = {}
+        if isinstance(metrics.get("loss"), float) and math.isfinite(metrics["loss"]):
+            postfix["loss"] = f"{metrics['loss']:.4f}"
+        if isinstance(metrics.get("tokens_per_s"), float):
+            postfix["tok/s"] = f"{metrics['tokens_per_s']:,.0f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self._stack.close()
+
+    def __enter__(self) -> "StepProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -53,7 +53,8 @@ class StepMetrics:
     """Measures one optimizer step at a time: ``start_step()``, ``mark_data_ready()``, ``end_step(...)``.
 
     Args:
-        device: the compute device (CUDA peak memory is read and reset for it; 0 elsewhere).
+        device: the compute device (CUDA peak memory is read and reset for it; elsewhere the metrics have no
+            GPU memory keys).
         world_size: number of ranks (each processes ``tokens_per_step_per_device`` tokens).
         tokens_per_step_per_device: input tokens one rank processes per optimizer step.
         flops_per_token: model FLOPs per token, forward + backward (``adapter.flops_per_token``).
@@ -95,13 +96,8 @@ class StepMetrics:
         # Per device: tokens/s/device x FLOPs/token over one device's peak (= global / (peak x world)).
         mfu = tokens_per_s_per_device * self.flops_per_token / self.peak_flops
         hfu = tokens_per_s_per_device * self.hardware_flops_per_token / self.peak_flops
-        if self._is_cuda:
-            mem_alloc = torch.cuda.max_memory_allocated(self.device) / GIB
-            mem_reserved = torch.cuda.max_memory_reserved(self.device) / GIB
-        else:
-            mem_alloc = mem_reserved = 0.0
         self._t0 = None
-        return {
+        metrics = {
             "loss": float(loss),
             "lr": float(lr),
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
@@ -113,7 +109,9 @@ class StepMetrics:
             "hardware_flops_per_token": self.hardware_flops_per_token,
             "mfu": mfu,
             "hfu": hfu,
-            "peak_gpu_mem_allocated_gib": mem_alloc,
-            "peak_gpu_mem_reserved_gib": mem_reserved,
             "host_rss_gib": host_rss_gib(),
         }
+        if self._is_cuda:  # no GPU, no GPU memory figures (not zeros)
+            metrics["peak_gpu_mem_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
+            metrics["peak_gpu_mem_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GIB
+        return metrics

@@ -19,7 +19,7 @@ def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduc
     sched = cfg.schedule
     gib = lambda v: None if v is None else int(v * GIB)  # noqa: E731
     gpu_name, gpu_budget = ("schedule.gpu_memory_budget_gib", sched.gpu_memory_budget_gib)
-    if gpu_budget is None:
+    if gpu_budget is None and cfg.max_gpu_memory_gib is not None:  # else the setting to name is the schedule's
         gpu_name, gpu_budget = "max_gpu_memory_gib", cfg.max_gpu_memory_gib
     options = speedloader_options(cfg, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return tune(cfg.model, options, seq_len=cfg.data.seq_len, gpu_memory_budget_bytes=gib(gpu_budget),

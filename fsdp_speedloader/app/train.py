@@ -28,7 +28,8 @@ from omegaconf import DictConfig
 
 from fsdp_speedloader import parallel
 from fsdp_speedloader.app.config import TrainConfig
-from fsdp_speedloader.app.launch import config_path, fail, launch, maybe_export_submitit_env, rank, resolved_config
+from fsdp_speedloader.app.launch import UserError, config_path, fail, launch, maybe_export_submitit_env, rank, \
+    resolved_config
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """The Hydra config, resolved once into the typed config (``output_dir`` is Hydra's run directory)."""
@@ -46,7 +47,10 @@ def _hydra_main(cfg: DictConfig) -> None:
         trainer = Trainer(to_train_config(cfg))
     except ValueError as e:  # a user error found during setup: one line, no traceback
         fail(e)
-    trainer.train()
+    try:
+        trainer.train()
+    except UserError as e:  # a memory budget that the first step showed to be wrong: one line as well
+        fail(e)
     if under_submitit:  # main() (which tears the group down) runs on the submitting host, not here
         parallel.destroy_process_group()
 

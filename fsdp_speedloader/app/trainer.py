@@ -17,6 +17,11 @@ One optimizer step processes ``num_sub_batches x sub_batch_size`` sequences per 
 began (the clock starts after the model, optimizer, data and logger are built); every step's
 metrics carry ``elapsed_s`` on that clock.
 
+Work is never lost to a stop: checkpoints are written every ``checkpoint.every`` steps and every
+``checkpoint.every_minutes``, and a SIGTERM or SIGINT seen by any rank makes every rank save after the step in
+flight and stop (``launch.TrainingInterrupted``: exit status 128 + the signal). Rank 0 shows a progress bar on a
+terminal (``logger.StepProgress``).
+
 Library code: no Hydra, no W&B (``logger.build_logger`` imports W&B only when asked to).
 """
 
@@ -25,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -35,11 +42,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_speedloader import parallel
-from fsdp_speedloader.app.checkpoint import Checkpointer, resolve_resume_path
+from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits, resolve_resume_path
 from fsdp_speedloader.app.config import TrainConfig
 from fsdp_speedloader.app.data import build_loader, validate_data
 from fsdp_speedloader.app.faults import fault_from_env
-from fsdp_speedloader.app.logger import MetricLogger, build_logger
+from fsdp_speedloader.app.launch import TrainingInterrupted, UserError, check_writable_dir
+from fsdp_speedloader.app.launch import rank as launch_rank
+from fsdp_speedloader.app.logger import MetricLogger, StepProgress, build_logger, check_wandb_credentials, \
+    progress_bar_enabled
 from fsdp_speedloader.app.metrics import StepMetrics, num_block_params, recompute_flops_per_token
 from fsdp_speedloader.models import build_hf_config, build_model, get_adapter, materialize_model
 from fsdp_speedloader.app.optim import build_lr_scheduler, build_optimizer
@@ -47,6 +57,7 @@ from fsdp_speedloader.app.planning import planned_schedule, tune_train_config
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
     seed_everything, speedloader_options
 from fsdp_speedloader.engine.speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.memory.arena import ArenaPlan, HostMemoryBudget, check_plan, host_memory_limit_from_env
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +102,35 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
     parallel.set_forward_prefetch(model, unit_modules, sched.forward_prefetch)
 
 
+def check_host_memory_plan(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *,
+                           param_dtype: torch.dtype) -> None:
+    """The pinned host arena's budget check (``memory.arena.check_plan``) for a layer-major model that is sharded but
+    not yet materialised: ValueError, naming what to lower, when the activation slots of one step (U + 1 slots of
+    N x n x s x h) and the offloaded shards, their gradients and transfer copies that the arena will hold exceed the
+    host budget now. The arena checks again at the first step, to the byte (sizes here leave out its alignment)."""
+    engine = speedloader_engine(model, missing_ok=True)
+    if engine is None or not engine.options.uses_arena_store:
+        return
+    options, sched, s = engine.options, cfg.schedule, cfg.data.seq_len
+    plan = ArenaPlan().add("activations", "activations", (len(engine.units) + 1, sched.num_sub_batches,
+                                                          sched.sub_batch_size, s, model.config.hidden_size),
+                           param_dtype)
+    if options.offload_params and options.pin_memory:  # the arena then holds the shards and their gradients
+        shards = dict(zip(mesh.mesh_dim_names, mesh.shape)).get("dp_shard", 1)
+        params = list(model.parameters() if options.offload_root else get_adapter(model).blocks.parameters())
+        padded = sum(-(-p.shape[0] // shards) * math.prod(p.shape[1:]) for p in params if p.dim() > 0)
+        plan.add("param_shards", "param_shards", (padded,), params[0].dtype)
+        plan.add("grad_shards", "grad_shards", (sum(p.numel() for p in params) // shards,), params[0].dtype)
+        if options.param_transfer_dtype is not None:
+            plan.add("param_transfer", "param_transfer", (padded,), options.param_transfer_dtype)
+    hint = (f"lower schedule.num_sub_batches (N={sched.num_sub_batches}), schedule.sub_batch_size "
+            f"(n={sched.sub_batch_size}) or data.seq_len (s={s}), or raise schedule.blocks_per_unit")
+    if options.offload_params and options.pin_memory:
+        hint += ("; the offloaded parameter shards and their gradients shrink only with more ranks, or leave the "
+                 "arena with offload.pin_memory=false")
+    check_plan(plan, HostMemoryBudget.detect(), hint=hint)
+
+
 def num_label_tokens(labels: torch.Tensor) -> int:
     """Label tokens that count in the loss, shifted as Hugging Face does (position 0 predicts nothing)."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
@@ -124,17 +164,30 @@ class Trainer:
         sched = cfg.schedule
 
         # 1. User errors first: nothing is allocated yet.
+        if launch_rank() == 0:  # the first line of a run, within seconds (the model build can take minutes)
+            log.info("setting up: model %s, schedule %s, %d steps, run directory %s", cfg.model.name, sched.name,
+                     cfg.steps, cfg.output_dir)
         device_type = resolve_device_type(cfg.device)
         vocab_size = build_hf_config(cfg.model).vocab_size
         validate_data(cfg.data, vocab_size=vocab_size)
+        host_memory_limit_from_env()  # a malformed FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB fails here, not at step 1
         checkpoint_dir = Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
-        resume_path = resolve_resume_path(cfg.checkpoint, checkpoint_dir)
+        check_writable_dir(cfg.output_dir, "output_dir")  # before the model, not at the first save
+        check_writable_dir(checkpoint_dir, "checkpoint.dir")
+        if launch_rank() == 0:  # only rank 0 logs
+            check_wandb_credentials(cfg.logger)
+        skipped: list[tuple[Path, str]] = []
+        resume_path = resolve_resume_path(cfg.checkpoint, checkpoint_dir, skipped=skipped)
 
         # 2. Processes, seeds, memory cap.
         parallel.maybe_init_process_group(device_type)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = parallel.compute_device(device_type)
         resume_path = self._agree(resume_path)  # rank 0's view of the checkpoint directory wins
+        for path, why in skipped:
+            self._warning("checkpoint.resume=%s: skipped %s: %s", cfg.checkpoint.resume, path, why)
+        if resume_path is not None:  # another model's checkpoint fails here, from its metadata, before any allocation
+            check_checkpoint_fits(resume_path, build_model(cfg.model, device="meta"))
         self._fault = fault_from_env(rank=self.rank, batch_size=sched.batch_size)  # tests of fault tolerance
         # Same seed on every rank; ranks differ through their data, and weights come from named seeds.
         seed_everything(cfg.seed)
@@ -144,12 +197,14 @@ class Trainer:
         reduce_dtype = DTYPES[cfg.reduce_dtype]
         self.tune_plan = None
         if sched.name == "auto":  # two trial steps on a throw-away model, then the plan's layer-major schedule
+            self._info("schedule=auto: tuning n and N from trial steps")
             self.tune_plan = tune_train_config(cfg, mesh=self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
             self._info("schedule=auto:\n%s", self.tune_plan.summary())
             cfg = self.cfg = dataclasses.replace(cfg, schedule=planned_schedule(self.tune_plan, sched))
             sched = cfg.schedule
 
         # 3. The model: meta -> schedule (sharding) -> materialise this rank's shards.
+        self._info("building the model: %s schedule, %d rank(s) on %s", sched.name, self.world_size, self.device)
         model = build_model(cfg.model, device="meta")
         model.train()
         self.adapter = get_adapter(model)
@@ -160,6 +215,7 @@ class Trainer:
             hidden_size=model.config.hidden_size, seq_len=cfg.data.seq_len) if recompute else 0.0
         self.num_params = sum(p.numel() for p in model.parameters())
         apply_schedule(model, cfg, self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        check_host_memory_plan(model, cfg, self.mesh, param_dtype=param_dtype)  # before the shards take host memory
         param_device = torch.device("cpu") if cfg.offload.params else self.device
         materialize_model(model, cfg.model, device=self.device, seed=cfg.seed, param_device=param_device)
         self.model = model
@@ -183,19 +239,26 @@ class Trainer:
             if (engine := speedloader_engine(model, missing_ok=True)) is not None:
                 engine.refresh_param_transfer(force=True)  # loaded in place: recast whatever the checks missed
         elif cfg.checkpoint.resume == "auto":
-            self._info("checkpoint.resume=auto: no checkpoint in %s, starting fresh", checkpoint_dir)
+            self._info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", checkpoint_dir)
         self.logger = logger if logger is not None else build_logger(
-            cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg), cfg.output_dir, self.rank)
+            cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg), cfg.output_dir, self.rank,
+            show_mfu=self.device.type != "cpu")  # peak_tflops is an accelerator's: no MFU on a CPU console
         if self.tune_plan is not None:
             self.logger.log(self.tune_plan.as_metrics(), step=self.step)
         self._info("%s schedule: %s params, %d rank(s) on %s, mesh %s, param_dtype %s, batch %d x %d x %d tokens, "
                    "%d steps", sched.name, f"{self.num_params:,}", self.world_size, self.device,
                    dict(zip(self.mesh.mesh_dim_names, self.mesh.shape)), param_dtype,
                    sched.num_sub_batches, sched.sub_batch_size, cfg.data.seq_len, cfg.steps)
+        if sched.compile_blocks:
+            self._info("schedule.compile_blocks: the first step compiles the blocks (minutes for a large model)")
 
     def _info(self, msg: str, *args: Any) -> None:
         if self.rank == 0:
             log.info(msg, *args)
+
+    def _warning(self, msg: str, *args: Any) -> None:
+        if self.rank == 0:
+            log.warning(msg, *args)
 
     def _agree(self, value: Any) -> Any:
         if self.world_size == 1:
@@ -264,60 +327,117 @@ class Trainer:
         ``elapsed_s``: seconds from the start of the loop to the end of that step (data, forward,
         backward, optimizer, the step-boundary sync, and earlier steps' logging and checkpoints).
 
-        Saves checkpoints on ``checkpoint.every`` and after the last step (``checkpoint.save_final``;
-        a run stopped by its time budget saves then too), logs the final step (``cfg.steps``, or the one
-        that crossed the budget) whatever ``log_every`` is, finishes the logger and stops an overlapped
-        optimizer's worker: a Trainer trains once.
+        Saves checkpoints on ``checkpoint.every``, every ``checkpoint.every_minutes`` and after the last step
+        (``checkpoint.save_final``; a run stopped by its time budget saves then too), logs the final step
+        (``cfg.steps``, or the one that crossed the budget) whatever ``log_every`` is, finishes the logger and
+        stops an overlapped optimizer's worker: a Trainer trains once.
+
+        A SIGTERM or SIGINT (on any rank) ends the loop after the step in flight: every rank saves that step,
+        then ``launch.TrainingInterrupted`` (a ``SystemExit`` with code 128 + the signal number) is raised.
         """
         last = self.cfg.steps if max_steps is None else min(max_steps, self.cfg.steps)
         budget = self.cfg.time_budget_s
         history = []
-        loop_start = time.perf_counter()
+        loop_start = last_save = time.perf_counter()
+        stop = StopSignals(announce=self.rank == 0)
+        progress = StepProgress(total=self.cfg.steps, initial=self.step, enabled=progress_bar_enabled(self.rank))
+        stopped_by = 0
         try:
-            while self.step < last:
-                if self._fault is not None and self._fault.step == self.step + 1:
-                    self._fault.trigger()
-                try:
-                    metrics = self.train_step()
-                except (torch.OutOfMemoryError, ValueError) as e:  # a tuned plan: name the budget that was wrong
-                    error = self.tune_plan.memory_error(e) if self.tune_plan is not None else None
-                    if error is None:
-                        raise
-                    raise error from e
-                if self.tune_plan is not None and self.step == 1:  # the plan next to the first step's measured peak
-                    metrics.update(self.tune_plan.first_step_metrics(metrics))
-                metrics["elapsed_s"] = elapsed = time.perf_counter() - loop_start
-                metrics["step"] = self.step
-                history.append(metrics)
-                out_of_time = budget is not None and self._any_rank(elapsed >= budget)
-                if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps or out_of_time:
-                    self.logger.log({k: v for k, v in metrics.items() if k != "step"}, step=self.step)
-                if not math.isfinite(metrics["loss"]):
-                    raise RuntimeError(f"loss is {metrics['loss']} at step {self.step}; "
-                                       "lower optim.lr or check the data")
-                if (self.checkpointer.should_save(self.step, self.cfg.steps)
-                        or out_of_time and self.cfg.checkpoint.save_final):
-                    self.save_checkpoint()
-                if out_of_time:
-                    self._info("time_budget_s=%g reached: stopping after step %d (%.1f s into the loop, %d tokens)",
-                               budget, self.step, elapsed, metrics["tokens"])
-                    break
+            with stop, progress:
+                while self.step < last:
+                    if self._fault is not None and self._fault.step == self.step + 1:
+                        self._fault.trigger()
+                    try:
+                        metrics = self.train_step()
+                    except (torch.OutOfMemoryError, ValueError) as e:
+                        if (error := self._memory_error(e)) is e:
+                            raise
+                        raise error from e
+                    if self.tune_plan is not None and self.step == 1:  # the plan next to the first measured peak
+                        metrics.update(self.tune_plan.first_step_metrics(metrics))
+                    now = time.perf_counter()
+                    metrics["elapsed_s"] = elapsed = now - loop_start
+                    metrics["step"] = self.step
+                    history.append(metrics)
+                    # One agreement per step (ranks' clocks and signals differ; all must save and stop together).
+                    out_of_time, save_due, stopped_by = self._any_rank(
+                        budget is not None and elapsed >= budget, self.checkpointer.time_due(now - last_save),
+                        stop.signum)
+                    if (self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps or out_of_time
+                            or stopped_by):
+                        self.logger.log({k: v for k, v in metrics.items() if k != "step"}, step=self.step)
+                    progress.update(self.step, metrics)
+                    if not math.isfinite(metrics["loss"]):
+                        raise RuntimeError(f"loss is {metrics['loss']} at step {self.step}; "
+                                           "lower optim.lr or check the data")
+                    if (self.checkpointer.should_save(self.step, self.cfg.steps) or save_due or stopped_by
+                            or out_of_time and self.cfg.checkpoint.save_final):
+                        self.save_checkpoint()
+                        last_save = time.perf_counter()
+                    if stopped_by:
+                        self._info("%s: saved step %d in %s; stopping (checkpoint.resume=auto with the same "
+                                   "checkpoint.dir goes on from there)", signal.Signals(stopped_by).name, self.step,
+                                   self.checkpointer.dir)
+                        break
+                    if out_of_time:
+                        self._info("time_budget_s=%g reached: stopping after step %d (%.1f s into the loop, %d "
+                                   "tokens)", budget, self.step, elapsed, metrics["tokens"])
+                        break
         finally:
             self.logger.finish()
             self.optimizer.close()  # an overlapped optimizer's worker thread
+        if stopped_by:
+            raise TrainingInterrupted(stopped_by)
         return history
 
-    def _any_rank(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on any (ranks' clocks differ; all must stop together)."""
+    def _memory_error(self, error: BaseException) -> BaseException:
+        """A step's error as the user error it is when a memory budget was wrong (a tuned plan's, or the host arena's
+        at its first step: :class:`launch.UserError`, one line at the entry point); else ``error`` itself."""
+        tuned = self.tune_plan.memory_error(error) if self.tune_plan is not None else None
+        if isinstance(tuned, torch.OutOfMemoryError):  # the GPU budget: an out-of-memory error still
+            return tuned
+        if tuned is not None or (isinstance(error, ValueError) and "pinned host arena needs" in str(error)):
+            return UserError(str(tuned or error))
+        return error
+
+    def _any_rank(self, *flags: int) -> tuple[int, ...]:
+        """Each flag's maximum over ranks, the same on every rank (a flag true on one rank is true on all)."""
         if self.world_size == 1:
-            return flag
-        box = torch.tensor([int(flag)], device=self.device)
+            return tuple(int(f) for f in flags)
+        box = torch.tensor([int(f) for f in flags], device=self.device)
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return bool(box.item())
+        return tuple(int(v) for v in box.tolist())
 
     def save_checkpoint(self) -> Path:
         return self.checkpointer.save(self.step, model=self.model, optimizer=self.optimizer,
                                       scheduler=self.scheduler, loader=self.loader)
+
+
+class StopSignals:
+    """While entered (in the main thread): SIGTERM and SIGINT only record the signal (``signum``; 0: none), so the
+    loop can save and stop at the next step boundary. Repeats are recorded too (torchrun forwards the signal it
+    got): the save is never cut short by them; ``kill -9`` still stops the process at once."""
+
+    def __init__(self, *, announce: bool) -> None:
+        self.signum = 0
+        self._announce = announce
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.signum and self._announce:
+            log.warning("%s received: saving a checkpoint after this step, then stopping", signal.Signals(signum).name)
+        self.signum = self.signum or signum
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: installed outside Python
+        self._previous.clear()
 
 
 def train(cfg: TrainConfig, **kwargs: Any) -> list[dict]:

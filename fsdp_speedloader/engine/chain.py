@@ -229,7 +229,7 @@ class HeadLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         state: TrainStepState = ctx.state
         store, last = state.store, state.num_units
-        scale = grad_loss / state.num_label_tokens
+        scale = grad_loss / state.num_label_tokens.clamp_min(1.0)  # no targets: zero gradients, as Hugging Face's
 
         def backprop(i: int, x_i: torch.Tensor) -> None:
             x, labels = x_i.flatten(0, 1), state.shift_labels[i]
@@ -253,7 +253,8 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def num_label_tokens(shifted: torch.Tensor, override: Optional[torch.Tensor | int] = None) -> torch.Tensor:
-    """Denominator of the mean loss: the counted targets of the whole effective batch."""
+    """Denominator of the mean loss: the counted targets of the whole effective batch. With none (every label
+    -100) the loss is 0 / 0 = nan, as the unmodified Hugging Face model's (and its gradients are zero)."""
     if override is not None:
         return torch.as_tensor(override, dtype=torch.float32, device=shifted.device)
-    return (shifted != -100).sum().to(torch.float32).clamp_min(1.0)
+    return (shifted != -100).sum().to(torch.float32)

@@ -152,6 +152,22 @@ def _cgroup_limit_and_usage() -> Optional[tuple[int, int, str]]:
     return None
 
 
+def host_memory_limit_from_env() -> Optional[int]:
+    """``$FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB`` in bytes; None when unset or empty. ValueError naming the
+    variable when it is not a positive number of GiB."""
+    value = os.environ.get(LIMIT_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise ValueError(f"{LIMIT_ENV}={value!r} is not a number of GiB > 0; set it to the host memory this machine "
+                         f"may use (e.g. {LIMIT_ENV}=64) or unset it (the limit is then detected)")
+    return int(gib * GIB)
+
+
 @dataclass(frozen=True)
 class HostMemoryBudget:
     """How much host memory a new arena may take: ``(limit * (1 - margin) - used) / processes``.
@@ -185,8 +201,8 @@ class HostMemoryBudget:
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         meminfo = _meminfo()
         system_used = max(0, meminfo.get("MemTotal", 0) - meminfo.get("MemAvailable", meminfo.get("MemTotal", 0)))
-        if limit_bytes is None and os.environ.get(LIMIT_ENV):
-            limit_bytes, source = int(float(os.environ[LIMIT_ENV]) * GIB), LIMIT_ENV
+        if limit_bytes is None and (from_env := host_memory_limit_from_env()) is not None:
+            limit_bytes, source = from_env, LIMIT_ENV
         else:
             source = "host_memory_limit_bytes"
         if limit_bytes is not None:

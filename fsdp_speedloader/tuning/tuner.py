@@ -280,6 +280,19 @@ class TunePlan:
     def _name(self) -> str:
         return f"n={self.sub_batch_size} x N={self.num_sub_batches}, blocks_per_unit={self.blocks_per_unit}"
 
+    def single_sub_batch_warning(self, budget_names: tuple[str, str] = ("gpu_memory_budget_bytes",
+                                                                        "host_memory_budget_bytes")) -> Optional[str]:
+        """When the plan has N = 1 (no layer-major reuse: each unit is loaded for a single sub-batch, as without
+        SpeedLoader), what to change for N >= 2; None for N >= 2. ``budget_names``: the settings of the two budgets."""
+        if self.num_sub_batches != 1:
+            return None
+        cpu = "; on a CPU both budgets are host memory" if self.device == "cpu" else ""
+        return (f"the tuned plan has N=1 sub-batch (n={self.sub_batch_size}; N limited by "
+                f"{self.limited_by.get('num_sub_batches', '?')}): no layer-major reuse, each unit is loaded for one "
+                f"sub-batch as without SpeedLoader. For N >= 2 lower {budget_names[0]} (smaller sub-batches, more of "
+                f"them) or raise {budget_names[1]}{cpu}; or set the schedule by hand (schedule=speedloader with "
+                "schedule.num_sub_batches >= 2)")
+
     def _gpu_error(self, error: BaseException) -> Exception:
         predicted, needed = self.predicted_gpu_bytes, None
         fix = "Lower schedule.gpu_memory_budget_gib"
@@ -596,11 +609,15 @@ def tune(
                       host_memory_budget_bytes=host_memory_budget_bytes, budget_names=budget_names)
     start = time.perf_counter()
     measurements = _run_trials(model, trials, seq_len, build_optimizer=build_optimizer or default_optimizer, seed=seed)
-    return plan_from_measurements(
+    plan = plan_from_measurements(
         measurements, num_layers=model_num_layers(model), gpu_margin=gpu_margin,
         blocks_per_unit=[o.blocks_per_unit for o in trials.options], max_sub_batch_size=max_sub_batch_size,
         max_num_sub_batches=max_num_sub_batches, target_batch_size=target_batch_size,
         trial_s=time.perf_counter() - start, **trials.budgets.plan_fields(), **_device_fields(trials.device))
+    warning = plan.single_sub_batch_warning(budget_names)
+    if warning is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        log.warning(warning)
+    return plan
 
 
 @dataclass(frozen=True)
