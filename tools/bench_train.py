@@ -25,9 +25,8 @@ norm and LM head of a speedloader contender on the GPU):
   python tools/bench_train.py --model llama2_7b --layers 8 --seq-len 4096 --max-gpu-memory-gib 40 \
       --contender speedloader-overlap:4x2 --contender speedloader-overlap:4x2:transfer=bf16 --steps 3 --warmup 1
 The speedloader contenders are built from one ``SpeedLoaderOptions``; the FSDP2 contenders are the trainer's
-canonical schedule (``fsdp_speedloader.app.trainer.apply_schedule``), and their step is the trainer's canonical
-forward/backward (``canonical_forward_backward`` keeps it identical to ``Trainer._forward_backward`` until the
-trainer exposes it as a function).
+canonical schedule (``fsdp_speedloader.app.trainer.apply_schedule``), and their step is the trainer's own
+(``fsdp_speedloader.app.trainer.canonical_forward_backward``).
 
 Writes bench/results/<name>.json (tools/harness.py's header: device, torch version, commit, command; then
 config and every figure; a contender out of memory is recorded as ``status: oom``) and prints a markdown table.
@@ -207,30 +206,12 @@ def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, 
                        offload=OffloadConfig(params=name != "ondevice"), device="cuda", param_dtype="bfloat16")
 
 
-def canonical_forward_backward(model, input_ids, labels, *, sub_batch_size: int, num_tokens: int,
-                               gradient_sync: str):
-    """The canonical branch of the trainer's ``Trainer._forward_backward``, which app/trainer.py has no
-    function for yet (keep the two identical): each micro-batch's token-sum loss over the ``num_tokens`` label
-    tokens of the whole batch, so the summed losses are the batch mean; returns that mean, detached."""
-    import torch
-
-    total = torch.zeros((), device=input_ids.device)
-    micro_batches = list(zip(input_ids.split(sub_batch_size), labels.split(sub_batch_size)))
-    for k, (ids, lab) in enumerate(micro_batches):
-        if gradient_sync == "last":  # no reduce-scatter until the last micro-batch's backward
-            model.set_requires_gradient_sync(k == len(micro_batches) - 1)
-        loss = model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False).loss
-        loss.backward()
-        total += loss.detach()
-    return total
-
-
 def run_worker(args: argparse.Namespace) -> dict:
     """One contender, one process: build, warm up, time ``--steps`` steps, return the figures."""
     import torch
 
     from fsdp_speedloader import SpeedLoaderOptions, apply_speedloader, fsdp2, speedloader_engine
-    from fsdp_speedloader.app.trainer import apply_schedule, num_label_tokens
+    from fsdp_speedloader.app.trainer import apply_schedule, canonical_forward_backward, num_label_tokens
     from fsdp_speedloader.models import build_model, get_adapter, materialize_model
     from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 

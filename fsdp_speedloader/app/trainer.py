@@ -136,6 +136,23 @@ def num_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
+def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
+                               sub_batch_size: int, num_tokens: int, gradient_sync: str = "every") -> torch.Tensor:
+    """The canonical schedule's step (FSDP2 gradient accumulation): one forward and backward per micro-batch of
+    ``sub_batch_size``; returns the effective-batch mean loss, detached. ``gradient_sync='last'`` reduce-scatters
+    only after the last micro-batch (unsharded gradients accumulate on the device meanwhile)."""
+    total = torch.zeros((), device=input_ids.device)
+    micro_batches = list(zip(input_ids.split(sub_batch_size), labels.split(sub_batch_size)))
+    for k, (ids, lab) in enumerate(micro_batches):
+        if gradient_sync == "last":  # no reduce-scatter until the last micro-batch's backward
+            model.set_requires_gradient_sync(k == len(micro_batches) - 1)
+        # Token sum / T of the whole batch: the micro-batch losses add up to the batch mean.
+        loss = model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False).loss
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -275,16 +292,8 @@ class Trainer:
             loss = self.model(input_ids=input_ids, labels=labels).loss
             loss.backward()
             return loss.detach()
-        total = torch.zeros((), device=self.device)
-        micro_batches = list(zip(input_ids.split(sched.sub_batch_size), labels.split(sched.sub_batch_size)))
-        for k, (ids, lab) in enumerate(micro_batches):
-            if sched.gradient_sync == "last":  # no reduce-scatter until the last micro-batch's backward
-                self.model.set_requires_gradient_sync(k == len(micro_batches) - 1)
-            # Token sum / T of the whole batch: the micro-batch losses add up to the batch mean.
-            loss = self.model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False).loss
-            loss.backward()
-            total += loss.detach()
-        return total
+        return canonical_forward_backward(self.model, input_ids, labels, sub_batch_size=sched.sub_batch_size,
+                                          num_tokens=num_tokens, gradient_sync=sched.gradient_sync)
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics (the loss averaged over ranks)."""
