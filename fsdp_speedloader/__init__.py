@@ -8,7 +8,8 @@ layer-major, ``speedloader_engine`` is its engine, ``generate`` runs layer-major
 from fsdp_speedloader.engine.speedloader import apply_speedloader, speedloader_engine
 from fsdp_speedloader.generation.generate import generate
 from fsdp_speedloader.options import SpeedLoaderOptions
-from fsdp_speedloader.tuning.tuner import TunePlan, tune
+from fsdp_speedloader.tuning.plan import TunePlan
+from fsdp_speedloader.tuning.tuner import tune
 
 __all__ = ["SpeedLoaderOptions", "TunePlan", "apply_speedloader", "generate", "speedloader_engine", "tune"]
 __version__ = "0.1.0"

@@ -30,8 +30,8 @@ from fsdp_speedloader.app.planning import planned_schedule, tune_train_config
 from fsdp_speedloader.app.runtime import speedloader_options
 from fsdp_speedloader.app.trainer import Trainer
 from fsdp_speedloader.tuning.trial import Measurement, TrialModel, slot_host_bytes
-from fsdp_speedloader.tuning.tuner import (HOST_METHOD, GpuPlanMemoryError, HostPlanMemoryError, TunePlan, fit_host,
-                                           fit_linear, plan_from_measurements)
+from fsdp_speedloader.tuning.fit import HOST_METHOD, fit_host, fit_linear
+from fsdp_speedloader.tuning.plan import GpuPlanMemoryError, HostPlanMemoryError, TunePlan, plan_from_measurements
 
 GIB = 1 << 30
 MIB = 1 << 20

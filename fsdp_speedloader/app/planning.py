@@ -9,7 +9,9 @@ import torch
 from fsdp_speedloader.app.config import ScheduleConfig, TrainConfig
 from fsdp_speedloader.app.optim import build_optimizer
 from fsdp_speedloader.app.runtime import speedloader_options
-from fsdp_speedloader.tuning.tuner import GIB, TunePlan, tune
+from fsdp_speedloader.tuning.fit import GIB
+from fsdp_speedloader.tuning.plan import TunePlan
+from fsdp_speedloader.tuning.tuner import tune
 
 
 def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> TunePlan:

@@ -35,7 +35,7 @@ from fsdp_speedloader.app.logger import build_logger
 from fsdp_speedloader.app.planning import tune_train_config
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
     seed_everything
-from fsdp_speedloader.tuning.tuner import TunePlan
+from fsdp_speedloader.tuning.plan import TunePlan
 
 log = logging.getLogger("fsdp_speedloader.app.tune")
 
