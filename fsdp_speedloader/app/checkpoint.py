@@ -129,27 +129,34 @@ def find_latest_checkpoint(directory: str | os.PathLike) -> Optional[Path]:
     return latest_complete_checkpoint(directory)[0]
 
 
+def _complete_step(path: Path, skipped: list) -> tuple[Optional[Path], str]:
+    """``path`` if it is a complete step directory, else the newest complete one inside it; or (None, why not).
+    ``skipped`` receives (path, why) of each newer step directory passed over as incomplete."""
+    if path.name.endswith(".tmp"):
+        return None, "is an unfinished save (*.tmp)"
+    if (path / _DCP_METADATA).is_file():
+        why = verify_checkpoint(path)
+        return (path, "") if why is None else (None, f"is not a complete checkpoint: {why}")
+    latest, passed_over = latest_complete_checkpoint(path)
+    skipped.extend(passed_over)
+    if latest is not None:
+        return latest, ""
+    if passed_over:
+        return None, f"holds no complete checkpoint ({passed_over[0][0].name}: {passed_over[0][1]})"
+    return None, "does not exist" if not path.exists() else "is not a complete checkpoint (no .metadata)"
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A complete (verified) step directory: ``path`` itself, or the newest complete one inside it (as ``resume``
     finds them; newer incomplete ones are logged as skipped); ValueError naming ``path`` otherwise."""
-    path = Path(path)
-    if path.name.endswith(".tmp"):
-        what = "is an unfinished save (*.tmp)"
-    elif (path / _DCP_METADATA).is_file():
-        if (why := verify_checkpoint(path)) is None:
-            return path
-        what = f"is not a complete checkpoint: {why}"
-    else:
-        latest, skipped = latest_complete_checkpoint(path)
-        for step_dir, why in skipped:
-            log.warning("skipped checkpoint %s: %s", step_dir, why)
-        if latest is not None:
-            return latest
-        what = "does not exist" if not path.exists() else "is neither a complete checkpoint nor holds one"
-        if skipped:
-            what = f"holds no complete checkpoint ({skipped[0][0].name}: {skipped[0][1]})"
-    raise ValueError(f"checkpoint: {str(path)!r} {what}; give a step_NNNNNNNN directory written by training, or the "
-                     "checkpoint directory holding them (its newest complete one is taken)")
+    skipped: list[tuple[Path, str]] = []
+    found, what = _complete_step(Path(path), skipped)
+    for step_dir, why in skipped:
+        log.warning("skipped checkpoint %s: %s", step_dir, why)
+    if found is not None:
+        return found
+    raise ValueError(f"checkpoint: {str(Path(path))!r} {what}; give a step_NNNNNNNN directory written by training, "
+                     "or the checkpoint directory holding them (its newest complete one is taken)")
 
 
 def resolve_resume_path(cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike, *,
@@ -169,20 +176,9 @@ def resolve_resume_path(cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike
         skipped.extend(passed_over)
         return latest
     path = Path(cfg.resume)
-    if path.name.endswith(".tmp"):
-        what = "is an unfinished save (*.tmp)"
-    elif (path / _DCP_METADATA).is_file():
-        if (why := verify_checkpoint(path)) is None:
-            return path
-        what = f"is not a complete checkpoint: {why}"
-    else:
-        latest, passed_over = latest_complete_checkpoint(path)
-        skipped.extend(passed_over)
-        if latest is not None:
-            return latest
-        what = "does not exist" if not path.exists() else "is not a complete checkpoint (no .metadata)"
-        if passed_over:
-            what = f"holds no complete checkpoint ({passed_over[0][0].name}: {passed_over[0][1]})"
+    found, what = _complete_step(path, skipped)
+    if found is not None:
+        return found
     raise ValueError(f"checkpoint.resume: {str(path)!r} {what}; give a complete step_NNNNNNNN directory written by a "
                      "previous run, 'auto' (latest complete one in checkpoint.dir, fresh start if none) or null")
 
