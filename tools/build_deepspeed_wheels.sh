@@ -12,7 +12,7 @@
 # ninja on the GPU machine on first use. The other requirements of deepspeed that the GPU image
 # already has (einops, msgpack, ninja, numpy, packaging, psutil, py-cpuinfo, torch, tqdm,
 # nvidia-ml-py: /work/.library/device/KINDS.md's package list) are not carried. pydantic and its
-# dependencies are pinned to the versions in .wheels/ (../shared/tools/device-wheels.sh, for wandb),
+# dependencies are pinned to the versions in .wheels/ (tools/device_wheels.sh, for wandb),
 # so installing both wheelhouses never puts two versions of one package on the machine.
 # Other wheels in .whl/ (flexgen, ...) are left alone.
 set -euo pipefail

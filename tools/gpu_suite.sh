@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as run on the GPU machine: every `gpu`-marked test, then (optionally) a benchmark.
 #   usage: bash tools/gpu_suite.sh OUT_DIR [pytest args...]
-# Installs the carried wheels (.wheels/, from ../shared/tools/device-wheels.sh) when hydra is missing.
+# Installs the carried wheels (.wheels/, from tools/device_wheels.sh) when hydra is missing.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [pytest args]}; shift
 mkdir -p "$out"

@@ -179,8 +179,8 @@ def launch(hydra_main: Callable[[], None]) -> None:
     """
     # Expandable segments unless the user chose: layer-major steps allocate sub-batch-sized blocks
     # whose sizes change between the forward, the head and the backward, and the default allocator's
-    # fragmentation ran full LLaMA-2-7B out of memory with 9 GiB reserved but unallocated (H200).
-    # torchtitan's launcher sets the same. Before anything touches CUDA.
+    # fragmentation can leave GiBs reserved but unallocated (docs/results.md: full LLaMA-2-7B ran out of
+    # memory that way). torchtitan's launcher sets the same. Before anything touches CUDA.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     is_help = any(a in ("-h", "--help", "--hydra-help", "--info", "--cfg", "-c") for a in sys.argv[1:])
     try:

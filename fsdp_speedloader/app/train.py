@@ -13,7 +13,7 @@ Two nodes of 8 GPUs (run on each node; HSDP: shard within a node, replicate acro
 ``checkpoint.dir`` must be on a file system both nodes see)::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 \\
-        --rdzv-id $JOB_ID -m fsdp_speedloader.app.train dp_replicate=2 checkpoint.dir=/shared/ckpt checkpoint.resume=auto
+        --rdzv-id $JOB_ID -m fsdp_speedloader.app.train dp_replicate=2 checkpoint.dir=/nfs/ckpt checkpoint.resume=auto
 
 ``fsdp-speedloader-train`` (the console script) is :func:`main`; ``app/launch.py`` says how ranks agree on
 one run directory.

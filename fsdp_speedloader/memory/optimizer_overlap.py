@@ -13,7 +13,7 @@ backward). The trainer and the tuner's trials hold either without asking which (
 - ``close()``: the overlapped one's worker thread stops (a no-op for the plain one).
 
 Overlap. With parameters offloaded, AdamW runs on the host and, done after backward, adds its whole time to
-the step (DESIGN.md section 4). In layer-major backward, unit l's gradient is final once FSDP's post-backward
+the step (docs/design.md §4). In layer-major backward, unit l's gradient is final once FSDP's post-backward
 for unit l has reduce-scattered it and copied it to the host; units l-1 .. 1 still have their backward to
 run on the GPU. ``OverlappedOptimizer`` steps unit l's parameters in a worker thread right then, so only the
 first unit and the root (embeddings, final norm, LM head) remain after ``loss.backward()``.

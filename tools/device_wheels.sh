@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Builds a wheelhouse (.wheels/ at the project root) of the Python packages that the GPU
+# machine lacks (hydra-core, omegaconf, antlr4 runtime, wandb and their dependencies),
+# for Python 3.12 on x86-64, so it can be carried to a machine with no network.
+#   usage (from the project root):  bash tools/device_wheels.sh [extra packages...]
+#   then carry [".wheels"] and, on the GPU machine, first run:
+#   python3 -m pip install -q --no-index --find-links .wheels hydra-core wandb && python3 -m pip install -q --no-deps --no-build-isolation -e .
+set -euo pipefail
+out=${WHEELS_DIR:-.wheels}
+mkdir -p "$out"
+mkdir -p .git/info; grep -qxF "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude
+# antlr4-python3-runtime 4.9.x (needed by hydra-core 1.3) ships only as a source archive: build it here.
+pip wheel -q --no-deps -w "$out" antlr4-python3-runtime==4.9.3
+pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any \
+  --find-links "$out" -d "$out" "hydra-core==1.3.*" "omegaconf>=2.3" wandb "$@"
+du -sh "$out"
