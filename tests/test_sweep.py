@@ -172,3 +172,28 @@ def test_summary_of_a_plain_hydra_multirun(tmp_path):
     assert summary["axes"] == ["schedule.sub_batch_size"]
     assert [(p["params"], p["status"]) for p in summary["points"]] == [
         ({"schedule.sub_batch_size": "1"}, "ok"), ({"schedule.sub_batch_size": "2"}, "failed")]
+
+
+def test_progress_bar_over_the_points_with_the_lines_above_it(tmp_path, monkeypatch, capfd):
+    """The driver shows a bar over the points (terminal only, or ``FSDP_SPEEDLOADER_PROGRESS=1``) and prints a first
+    line before Hydra composes; the per-point lines still go to stdout."""
+    import fsdp_speedloader.app.sweep as sweep_mod
+    from fsdp_speedloader.app.logger import PROGRESS_ENV
+
+    fake = {"returncode": 0, "status": "ok", "error": None, "wall_s": 0.0, "metrics": {"tokens_per_s": 100.0}}
+    monkeypatch.setattr(sweep_mod, "run_point", lambda *a, **k: dict(fake))
+    monkeypatch.setenv("FSDP_SPEEDLOADER_RUN_STAMP", "2000-01-01/00-00-00")
+    argv = ["--no-heatmap", "sweep=sub_batches", "schedule.sub_batch_size=1,2", "schedule.num_sub_batches=2",
+            "logger=none"]
+    monkeypatch.setenv(PROGRESS_ENV, "1")
+    capfd.readouterr()
+    assert sweep_mod.main([*argv, f"hydra.sweep.dir={tmp_path / 'bar'}"]) == 0
+    out, err = capfd.readouterr()
+    assert out.splitlines()[0] == "sweep: composing the config ..."
+    assert "sweep: [1/2] n1 ... ok, 100 tokens/s" in out and "sweep: [2/2] n2 ... ok" in out
+    assert "sweep: 100%" in err and "2/2" in err and "point" in err, err[-2000:]
+
+    monkeypatch.delenv(PROGRESS_ENV)  # pytest's stderr is not a terminal: no bar, the same lines
+    assert sweep_mod.main([*argv, f"hydra.sweep.dir={tmp_path / 'plain'}"]) == 0
+    out, err = capfd.readouterr()
+    assert "sweep: [1/2] n1 ... ok, 100 tokens/s" in out and "sweep:" not in err

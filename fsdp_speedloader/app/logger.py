@@ -5,8 +5,9 @@ trainer decides when to log (every ``log_every`` steps); the logger writes every
 W&B is imported only when ``logger.backend=wandb``: this module and the entry point are the only
 places that import it.
 
-On a terminal, rank 0 also shows a progress bar over the training steps (:class:`StepProgress`, tqdm); the
-per-step lines go on to the log and ``metrics.jsonl``, written above the bar.
+On a terminal, rank 0 also shows a progress bar (:class:`StepProgress`, tqdm) over the training steps, the points
+of a sweep (``app/sweep.py``) or the decoding steps of a generation (``app/generate.py``); the per-step lines go on
+to the log and ``metrics.jsonl``, written above the bar.
 """
 
 from __future__ import annotations
@@ -224,11 +225,13 @@ def _has_console_handler(logger: logging.Logger) -> bool:
 
 
 class StepProgress:
-    """A tqdm bar over the training steps (steps done / total, loss and tokens/s beside it) on stderr, when
-    ``enabled``; otherwise it does nothing. While it shows, console log lines are written above it
-    (``tqdm.contrib.logging.logging_redirect_tqdm``); the log file and ``metrics.jsonl`` are untouched."""
+    """A tqdm bar over ``total`` steps (training steps by default; ``desc`` and ``unit`` name others: sweep points,
+    decoding steps) on stderr, when ``enabled``; otherwise it does nothing. While it shows, console log lines are
+    written above it (``tqdm.contrib.logging.logging_redirect_tqdm``) and :meth:`write` prints above it too; the log
+    file and ``metrics.jsonl`` are untouched."""
 
-    def __init__(self, *, total: int, initial: int = 0, enabled: bool) -> None:
+    def __init__(self, *, total: int, initial: int = 0, enabled: bool, desc: str = "train",
+                 unit: str = "step") -> None:
         self._bar = None
         self._stack = contextlib.ExitStack()
         if not enabled:
@@ -238,18 +241,37 @@ class StepProgress:
 
         if _has_console_handler(logging.getLogger()):
             self._stack.enter_context(logging_redirect_tqdm())
-        self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=sys.stderr)
 
-    def update(self, step: int, metrics: dict) -> None:
+    @property
+    def enabled(self) -> bool:
+        return self._bar is not None
+
+    def update(self, step: int, metrics: Optional[dict] = None, **postfix: str) -> None:
+        """The bar at ``step`` done; beside it the loss and tokens/s of ``metrics`` and any ``postfix`` fields."""
         if self._bar is None:
             return
-        postfix = {}
+        fields = {}
+        metrics = metrics or {}
         if isinstance(metrics.get("loss"), float) and math.isfinite(metrics["loss"]):
-            postfix["loss"] = f"{metrics['loss']:.4f}"
+            fields["loss"] = f"{metrics['loss']:.4f}"
         if isinstance(metrics.get("tokens_per_s"), float):
-            postfix["tok/s"] = f"{metrics['tokens_per_s']:,.0f}"
-        self._bar.set_postfix(postfix, refresh=False)
-        self._bar.update(step - self._bar.n)
+            fields["tok/s"] = f"{metrics['tokens_per_s']:,.0f}"
+        fields.update(postfix)
+        if fields:
+            self._bar.set_postfix(fields, refresh=False)
+        if step != self._bar.n:
+            self._bar.update(step - self._bar.n)
+        elif fields:  # the same step, new fields (a sweep point starting): show them now
+            self._bar.refresh()
+
+    def write(self, line: str) -> None:
+        """``line`` on stdout, above the bar while it shows (a plain ``print`` otherwise)."""
+        if self._bar is None:
+            print(line, flush=True)
+        else:
+            self._bar.write(line, file=sys.stdout)
+            sys.stdout.flush()
 
     def close(self) -> None:
         if self._bar is not None:

@@ -23,7 +23,8 @@ on. Each point's output is in ``<sweep dir>/<index>/console.log``.
 After every point ``summary.json`` and ``summary.md`` are rewritten in the sweep directory
 (``hydra.sweep.dir``, default ``multirun/DATE/TIME``); at the end ``heatmap.png`` (matplotlib, optional)
 and, when ``logger=wandb``, a ``<group>-summary`` W&B run in the same group with the table and the
-heatmap. Exit status: 0 when at least one point ran, 1 when none did.
+heatmap. Exit status: 0 when at least one point ran, 1 when none did. On a terminal (or with
+``FSDP_SPEEDLOADER_PROGRESS=1``) a progress bar counts the points done, the per-point lines printed above it.
 
 ``python -m fsdp_speedloader.app.train sweep=NAME`` (Hydra's own multirun, in one process, one point
 after another) also works for quick single-process sweeps; ``python -m fsdp_speedloader.app.sweep_report
@@ -46,6 +47,7 @@ from typing import Optional, Sequence
 from omegaconf import OmegaConf
 
 from fsdp_speedloader.app.config import LoggerConfig
+from fsdp_speedloader.app.logger import StepProgress, progress_bar_enabled
 from fsdp_speedloader.app.sweep_report import classify, read_metrics, summarize_metrics, write_report
 
 RUN_LOG = "console.log"
@@ -193,6 +195,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args([a for a in argv if a not in _MULTIRUN_FLAGS])  # every point is one run
     if args.nproc_per_node < 1:
         parser.error("--nproc-per-node must be >= 1")
+    try:
+        show_bar = progress_bar_enabled(0) and not args.dry_run  # the driver is one process: rank 0's rule
+    except ValueError as e:  # FSDP_SPEEDLOADER_PROGRESS not understood
+        parser.error(str(e))
+    print("sweep: composing the config ...", flush=True)  # the first line, before Hydra composes
 
     fixed, cli_swept = split_overrides(args.overrides)
     cfg = _compose(fixed)
@@ -212,21 +219,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "command": ["python", "-m", "fsdp_speedloader.app.sweep", *argv],
                "nproc_per_node": args.nproc_per_node, "points": []}
     print(f"sweep: {len(points)} points over {', '.join(axes)} -> {sweep_dir} (group {group})", flush=True)
-    for index, point in enumerate(points):
-        run_dir = sweep_dir / str(index)
-        command = point_command(prefix, fixed, point, run_dir=run_dir, group=group,
-                                name=None if user_named else f"{group}-{point_label(point)}")
-        if args.dry_run:
-            print(shlex.join(command))
-            continue
-        print(f"sweep: [{index + 1}/{len(points)}] {point_label(point)} ...", end=" ", flush=True)
-        record = {"index": index, "params": point, "run_dir": str(run_dir), "command": command,
-                  **run_point(command, run_dir, timeout_s=args.timeout)}
-        summary["points"].append(record)
-        tps = record["metrics"].get("tokens_per_s")
-        print(record["status"] + (f", {tps:,.0f} tokens/s" if record["status"] == "ok" and tps else
-                                  f" (exit {record['returncode']}; see {run_dir / RUN_LOG})"), flush=True)
-        write_report(summary, sweep_dir, heatmap=False)  # a sweep cut short still leaves its table
+    with StepProgress(total=len(points), enabled=show_bar, desc="sweep", unit="point") as progress:
+        for index, point in enumerate(points):
+            run_dir = sweep_dir / str(index)
+            command = point_command(prefix, fixed, point, run_dir=run_dir, group=group,
+                                    name=None if user_named else f"{group}-{point_label(point)}")
+            if args.dry_run:
+                print(shlex.join(command))
+                continue
+            progress.update(index, point=point_label(point))
+            if not progress.enabled:  # the point's line is finished below; a bar shows the point meanwhile
+                print(f"sweep: [{index + 1}/{len(points)}] {point_label(point)} ...", end=" ", flush=True)
+            record = {"index": index, "params": point, "run_dir": str(run_dir), "command": command,
+                      **run_point(command, run_dir, timeout_s=args.timeout)}
+            summary["points"].append(record)
+            tps = record["metrics"].get("tokens_per_s")
+            outcome = record["status"] + (f", {tps:,.0f} tokens/s" if record["status"] == "ok" and tps else
+                                          f" (exit {record['returncode']}; see {run_dir / RUN_LOG})")
+            if progress.enabled:
+                progress.write(f"sweep: [{index + 1}/{len(points)}] {point_label(point)} ... {outcome}")
+            else:
+                print(outcome, flush=True)
+            progress.update(index + 1, point=point_label(point), last=record["status"])
+            write_report(summary, sweep_dir, heatmap=False)  # a sweep cut short still leaves its table
     if args.dry_run:
         return 0
 
