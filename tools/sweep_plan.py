@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,22 +43,14 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
-from bench_train import SHAPES  # noqa: E402  (the contenders' model shapes)
+import bench_train  # noqa: E402  (the contenders' model shapes)
+import harness  # noqa: E402
 
 GIB = float(1 << 30)
-OOM_MARKERS = ("OutOfMemoryError", "out of memory")
 
 
 def _ints(text: str) -> list[int]:
     return sorted({int(v) for v in text.split(",") if v.strip()})
-
-
-def _model_config(args):
-    from fsdp_speedloader.app.config import ModelConfig
-
-    hidden, inter, heads, kv, vocab = SHAPES[args.model]
-    return ModelConfig(name=args.model, hidden_size=hidden, intermediate_size=inter, num_layers=args.layers,
-                       num_heads=heads, num_kv_heads=kv, vocab_size=vocab, max_position_embeddings=args.seq_len)
 
 
 def _align(nbytes: int) -> int:
@@ -86,7 +77,7 @@ def run_tune_worker(args) -> dict:
     options = fsdp_speedloader.SpeedLoaderOptions(offload_params=True, activation_store=args.activation_store,
                                                   param_dtype=torch.bfloat16, forward_prefetch=args.prefetch)
     plan = fsdp_speedloader.tune(
-        _model_config(args), options, seq_len=args.seq_len, gpu_memory_budget_bytes=int(args.max_gpu_memory_gib * GIB),
+        bench_train.model_config(args), options, seq_len=args.seq_len, gpu_memory_budget_bytes=int(args.max_gpu_memory_gib * GIB),
         max_sub_batch_size=max(ns), max_num_sub_batches=max(Ns),
         build_optimizer=lambda m: OptimizersContainer(
             m, lambda params: torch.optim.AdamW(params, lr=1e-5, fused=True)))  # bench_train's
@@ -105,22 +96,13 @@ def run_tune_worker(args) -> dict:
 
 
 def _run(cmd: list[str], timeout: float) -> tuple[str, dict]:
-    """(status, the worker's RESULT/PLAN record or {'error': tail})."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    except subprocess.TimeoutExpired:
-        return "timeout", {"error": f"timeout after {timeout:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(("RESULT ", "PLAN "))]
-    if proc.returncode == 0 and lines:
-        return "ok", json.loads(lines[-1].split(" ", 1)[1])
-    output = proc.stderr + proc.stdout
-    tail = " | ".join(output.strip().splitlines()[-3:])
-    if any(m in output for m in OOM_MARKERS):
-        return "oom", {"error": tail}
-    if "pinned host arena needs" in output:
-        return "host_budget", {"error": tail}
-    return "failed", {"error": tail}
+    """(status, the worker's RESULT record or {'error': ...}); a run refused by the host arena's budget check is
+    'host_budget' (the tuner's host line was too generous), not a failure."""
+    outcome = harness.launch_worker(cmd, timeout=timeout, cwd=REPO)
+    if outcome.ok:
+        return "ok", outcome.result
+    refused = outcome.status == "failed" and any("pinned host arena needs" in line for line in outcome.output_tail)
+    return ("host_budget" if refused else outcome.status), {"error": outcome.error}
 
 
 def _fit_r2(xs: list[float], ys: list[float]) -> dict:
@@ -155,7 +137,7 @@ def _table(points: list[dict], plan_key: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama2_7b", choices=sorted(SHAPES))
+    parser.add_argument("--model", default="llama2_7b", choices=sorted(bench_train.SHAPES))
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--max-gpu-memory-gib", type=float, default=40.0)
@@ -174,10 +156,8 @@ def main() -> None:
     parser.add_argument("--tune-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tune_worker:
-        print("PLAN " + json.dumps(run_tune_worker(args)), flush=True)
+        harness.print_result(run_tune_worker(args))
         return
-
-    import torch
 
     start = time.time()
     remaining = lambda: args.time_budget_s - (time.time() - start)  # noqa: E731
@@ -254,21 +234,16 @@ def main() -> None:
                               "gib_per_sequence": tuner["plan"]["gpu_fit"]["coef"][1] / GIB,
                               "r2": tuner["plan"]["gpu_fit"]["r2"], "points": tuner["plan"]["gpu_fit"]["num_points"]}
 
-    commit = os.environ.get("FSL_COMMIT") or subprocess.run(  # the GPU machine's copy has no .git
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    record = {"benchmark": "sweep_plan", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "torch": torch.__version__, "commit": commit,
-              "command": " ".join(["tools/sweep_plan.py"] + sys.argv[1:]),
+    record = {**harness.record_header("sweep_plan", __file__),
               "host_memory_limit_gib": os.environ.get("FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB"),
-              "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
               "config": {k: v for k, v in vars(args).items() if k != "tune_worker"}, "tuner": tuner,
               "points": points, "comparison": comparison, "linearity": linearity, "wall_s": time.time() - start}
     name = args.name or f"sweep_plan_{args.model}_L{args.layers}_s{args.seq_len}"
     os.makedirs(args.out_dir, exist_ok=True)
-    Path(args.out_dir, f"{name}.json").write_text(json.dumps(record, indent=2))
+    harness.write_record(Path(args.out_dir, f"{name}.json"), record)
     table = _table(points, plan_key)
     lines = [f"# {name}", "", f"`{record['command']}` on {record['device']} (torch {record['torch']}, "
-             f"commit {commit[:10]}), {record['wall_s']:.0f} s", ""]
+             f"commit {record['commit'][:10]}), {record['wall_s']:.0f} s", ""]
     if comparison.get("ratio") is not None:
         lines.append(f"Plan {plan_key} (tuned in {tuner['tune_s']:.0f} s from two trial steps; limited by "
                      f"{comparison['plan_limited_by']}): {comparison['plan_tokens_per_s']:.0f} tokens/s = "
