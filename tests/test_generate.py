@@ -9,6 +9,7 @@ left-padded to different lengths. World size 2 (gloo): each rank generates on it
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import os
@@ -95,6 +96,19 @@ def test_parity_with_offload_and_larger_units(family, offload, blocks_per_unit):
         assert torch.equal(got, want), kv_cache
 
 
+def test_on_step_is_called_once_per_step_and_nothing_is_printed(capfd):
+    """The library prints nothing; a caller's progress display counts the steps through ``on_step``."""
+    ids, mask = _prompts(2, seed=2)
+    model = _prepared("llama", 2)
+    capfd.readouterr()
+    steps = []
+    got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, on_step=steps.append)
+    assert steps == list(range(1, NEW + 1))
+    assert torch.equal(got, generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2))
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+
+
 def test_no_mask_and_unpadded_prompts():
     ids, _ = _prompts(2, seed=2)
     model = _prepared("llama", 2)
@@ -124,8 +138,11 @@ def test_stops_early_when_every_sequence_ended():
     eos = int(free[0, 2])
     first = int((free[0] == eos).nonzero()[0])  # the first time it appears (maybe before position 2)
     model = _prepared("opt", 2)
-    got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, eos_token_id=[eos, VOCAB - 1])
+    steps = []
+    got = generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=2, eos_token_id=[eos, VOCAB - 1],
+                   on_step=steps.append)
     assert got.shape == (2, PROMPT_LEN + first + 1)
+    assert steps == list(range(1, first + 2))  # one call per step run, the prefill first
     assert torch.equal(got, _reference(_tiny("opt"), ids, mask, eos=[eos, VOCAB - 1], pad=eos))
 
 
@@ -459,6 +476,7 @@ def test_cli_generates_prompts_from_a_file(tmp_path):
            "CUDA_VISIBLE_DEVICES": ""}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    env["FSDP_SPEEDLOADER_PROGRESS"] = "1"  # the bar over the decoding steps, though stderr is a pipe
     proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.app.generate", *CLI_TINY, "prompts.source=file",
                            f"prompts.path={prompts}", "kv_cache=host", "cpu_attention_sub_batches=1",
                            f"hydra.run.dir={tmp_path / 'run'}"],
@@ -470,6 +488,37 @@ def test_cli_generates_prompts_from_a_file(tmp_path):
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["prefill_tokens_per_s"] > 0 and metrics["decode_tokens_per_s"] > 0
     assert "decode" in proc.stderr + proc.stdout  # the throughput line
+    out = proc.stdout + proc.stderr
+    order = [out.find(s) for s in ("setting up:", "building the model:", "generating:", "generate: ")]
+    assert -1 not in order and order == sorted(order), out[-3000:]  # status lines first, then the bar
+    assert "token" in proc.stderr[proc.stderr.find("generate: "):], proc.stderr[-2000:]
+
+
+def test_wandb_online_without_a_key_fails_before_the_model_in_generate_and_tune(tmp_path, monkeypatch):
+    """The training entry's check (one line at the entry point), before any model is built."""
+    import fsdp_speedloader.app.generate as generate_mod
+    import fsdp_speedloader.app.planning as planning_mod
+    import fsdp_speedloader.app.tune as tune_mod
+    from fsdp_speedloader.app.config import LoggerConfig
+    from fsdp_speedloader.app.generate import GenerateConfig
+    from dist_utils import tiny_config
+
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(generate_mod, "build_model", no_model)
+    monkeypatch.setattr(tune_mod, "tune_train_config", no_model)
+    monkeypatch.setattr(planning_mod, "tune", no_model)
+    online = LoggerConfig(backend="wandb", mode="online")
+    message = r"^logger\.mode=online: no W&B API key .*use logger\.mode=offline or logger\.mode=auto$"
+    with pytest.raises(ValueError, match=message):
+        generate_mod.run(GenerateConfig(logger=online, output_dir=str(tmp_path / "gen")))
+    with pytest.raises(ValueError, match=message):
+        tune_mod.run(dataclasses.replace(tiny_config(tmp_path / "tune"), logger=online))
 
 
 def test_prompt_files_and_left_padding(tmp_path):

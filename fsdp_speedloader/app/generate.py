@@ -40,7 +40,8 @@ from fsdp_speedloader.app.config import LoggerConfig, OffloadConfig
 from fsdp_speedloader.app.data import build_tokenizer
 from fsdp_speedloader.app.export import checkpoint_path_overrides, open_checkpoint
 from fsdp_speedloader.app.launch import config_path, fail, launch, rank, resolved_config
-from fsdp_speedloader.app.logger import build_logger
+from fsdp_speedloader.app.launch import rank as launch_rank
+from fsdp_speedloader.app.logger import StepProgress, build_logger, check_wandb_credentials, progress_bar_enabled
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype
 from fsdp_speedloader.engine.speedloader import apply_speedloader
 from fsdp_speedloader.generation.generate import generate
@@ -256,7 +257,17 @@ def build_prompts(cfg: GenerateConfig, tokenizer: Any, vocab_size: int) -> tuple
 
 
 def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
-    """Builds the model, generates every prompt (each rank its share), writes the jsonl; returns the figures."""
+    """Builds the model, generates every prompt (each rank its share), writes the jsonl; returns the figures.
+
+    Rank 0 says what it does within seconds (setting up, building the model, loading the checkpoint) and, on a
+    terminal (or with ``FSDP_SPEEDLOADER_PROGRESS=1``), shows a progress bar over the decoding steps."""
+    first = launch_rank() == 0
+    if first:  # the first line, before the checkpoint is read and the model built
+        log.info("setting up: %s, %d new tokens per prompt, run directory %s",
+                 f"checkpoint {cfg.checkpoint_path}" if cfg.checkpoint_path is not None else f"model {cfg.model.name}",
+                 cfg.max_new_tokens, cfg.output_dir)
+        check_wandb_credentials(cfg.logger)  # logger.mode=online without a key: one line, before the model
+    show_bar = progress_bar_enabled(launch_rank())  # a malformed FSDP_SPEEDLOADER_PROGRESS fails here, not later
     device_type = resolve_device_type(cfg.device)
     checkpoint = open_checkpoint(cfg.checkpoint_path) if cfg.checkpoint_path is not None else None
     model_cfg = checkpoint.model if checkpoint is not None else cfg.model
@@ -276,11 +287,15 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     mesh = parallel.build_mesh(device_type, cfg.dp_replicate)
     dtype = resolve_param_dtype(cfg.param_dtype, device_type)
 
+    if rank == 0:
+        log.info("building the model: %s, %d rank(s) on %s, %s", model_cfg.name, world, device, dtype)
     # Inference keeps no fp32 master weights: parameters are stored (and offloaded) in the compute dtype.
     model = build_model(model_cfg, device="meta").to(dtype)
     apply_speedloader(model, cfg.speedloader_options(), mesh=mesh)
     param_device = torch.device("cpu") if cfg.offload.params else device
     if checkpoint is not None:  # the trained weights (the model's entries only, never the optimizer state)
+        if rank == 0:
+            log.info("loading the checkpoint %s", checkpoint.step_dir)
         checkpoint.materialize(model, device=device, param_device=param_device)
         if rank == 0:
             log.info("loaded %s from %s", model_cfg.name, checkpoint.step_dir)
@@ -303,11 +318,16 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
                   top_p=cfg.sampling.top_p, eos_token_id=eos, pad_token_id=pad_id, seed=cfg.seed + rank,
                   host_memory_limit_bytes=None if cfg.host_memory_limit_gib is None
                   else int(cfg.host_memory_limit_gib * 2**30))
+    if rank == 0:
+        log.info("generating: %d prompt(s), %d on this rank in %d sub-batch(es), %d new tokens%s", len(tokens),
+                 len(mine), cfg.num_sub_batches, cfg.max_new_tokens, " (after a 2-token warm-up)" if cfg.warmup else "")
     if cfg.warmup:
         generate(model, ids, mask, **{**kwargs, "max_new_tokens": min(2, cfg.max_new_tokens)})
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    out, stats = generate(model, ids, mask, return_stats=True, **kwargs)
+    with StepProgress(total=cfg.max_new_tokens, enabled=show_bar and rank == 0, desc="generate",
+                      unit="token") as progress:  # a step is one new token per prompt
+        out, stats = generate(model, ids, mask, return_stats=True, on_step=progress.update, **kwargs)
 
     prompt_len = ids.shape[1]
     records = [{"index": k, "prompt": texts[k], "prompt_tokens": tokens[k],

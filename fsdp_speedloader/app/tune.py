@@ -31,7 +31,8 @@ import torch.distributed as dist
 from fsdp_speedloader import parallel
 from fsdp_speedloader.app.config import TrainConfig
 from fsdp_speedloader.app.launch import config_path, fail, launch
-from fsdp_speedloader.app.logger import build_logger
+from fsdp_speedloader.app.launch import rank as launch_rank
+from fsdp_speedloader.app.logger import build_logger, check_wandb_credentials
 from fsdp_speedloader.app.planning import tune_train_config
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
     seed_everything
@@ -49,6 +50,10 @@ def _commit() -> str:
 
 def run(cfg: TrainConfig, *, run_config: Optional[dict] = None) -> TunePlan:
     """Tunes ``cfg`` (its schedule is planned whatever its name) on this process group; rank 0 reports."""
+    if launch_rank() == 0:  # the first line, within seconds; a missing W&B key fails before any trial model
+        log.info("setting up: tuning n and N for model %s from two trial steps, run directory %s", cfg.model.name,
+                 cfg.output_dir)
+        check_wandb_credentials(cfg.logger)
     device_type = resolve_device_type(cfg.device)
     parallel.maybe_init_process_group(device_type)
     rank = dist.get_rank()

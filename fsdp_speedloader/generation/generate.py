@@ -175,6 +175,7 @@ def generate(
     seed: Optional[int] = None,
     host_memory_limit_bytes: Optional[int] = None,
     return_stats: bool = False,
+    on_step: Optional[Callable[[int], None]] = None,
 ):
     """Generates ``max_new_tokens`` tokens per prompt, layer-major, on a model prepared with ``apply_speedloader``.
 
@@ -204,6 +205,8 @@ def generate(
         seed: seeds sampling (a private generator: the global RNG is untouched); None: global RNG.
         host_memory_limit_bytes: host budget of the KV arena (default: detected, see ``arena.py``).
         return_stats: also return a ``GenerationStats``.
+        on_step: called once per step (the prefill is step 1) with the number of steps done, from the host,
+            without waiting for the device; for a progress display (``generate`` itself prints nothing).
     Returns:
         (B, prompt_len + new tokens) LongTensor on ``input_ids``' device, as Hugging Face ``generate``.
     """
@@ -223,7 +226,7 @@ def generate(
     model.eval()
     try:
         new_tokens, timing = _decode(model, run, prompts, max_new_tokens=max_new_tokens, select=select, eos=eos,
-                                     pad=pad, timed=return_stats)
+                                     pad=pad, timed=return_stats, on_step=on_step)
     finally:
         if run.kv is not None:
             run.kv.close()
@@ -278,8 +281,8 @@ def _prepare_generation(model: nn.Module, input_ids: torch.Tensor, attention_mas
 
 
 def _decode(model: nn.Module, run: GenerationRun, prompts: _Prompts, *, max_new_tokens: int,
-            select: Callable[[torch.Tensor], torch.Tensor], eos: list[int], pad: Optional[int], timed: bool
-            ) -> tuple[list[torch.Tensor], _Timing]:
+            select: Callable[[torch.Tensor], torch.Tensor], eos: list[int], pad: Optional[int], timed: bool,
+            on_step: Optional[Callable[[int], None]] = None) -> tuple[list[torch.Tensor], _Timing]:
     """The prefill, then one decoding step per new token, until ``max_new_tokens`` or until every sequence
     has ended on every rank. Returns the new tokens ((B,) per step) and the host clock."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -309,6 +312,8 @@ def _decode(model: nn.Module, run: GenerationRun, prompts: _Prompts, *, max_new_
             if step == 0:
                 sync()
                 prefill_s = time.perf_counter() - start
+            if on_step is not None:
+                on_step(step + 1)
             # Ranks step together (FSDP's all-gathers are collective): with several ranks every rank
             # votes each step, also one without EOS ids, so a rank that passed none cannot hang the others.
             vote = (eos_t is not None or distributed) and step + 1 < max_new_tokens
