@@ -23,6 +23,7 @@ from dist_utils import tiny_config
 from fsdp_speedloader import SpeedLoaderOptions
 from fsdp_speedloader.memory.arena import ArenaPlan, HostMemoryBudget, check_plan
 from fsdp_speedloader.app.config import ModelConfig, OptimConfig, TrainConfig
+from fsdp_speedloader.app.launch import UserError, fail
 from fsdp_speedloader.models import build_model
 from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 from fsdp_speedloader.app.optim import build_optimizer
@@ -387,7 +388,7 @@ def _auto_config(tmp_path, *, steps=3, **schedule) -> TrainConfig:
                        schedule={"name": "auto", "activation_store": "host", **schedule})
 
 
-def test_trainer_auto_runs_the_plan(tmp_path):
+def test_trainer_auto_runs_the_plan(tmp_path, capsys, monkeypatch):
     # Budgets set from the fits so that the plan is n = 2, N = 3: between the predictions at 2 and 3
     # sequences (GPU) and between 3 and 4 sub-batches of 2 (host).
     probe = tune_train_config(_auto_config(tmp_path / "probe"), mesh=_cpu_mesh(), param_dtype=torch.float32,
@@ -417,8 +418,18 @@ def test_trainer_auto_runs_the_plan(tmp_path):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
     trainer.train_step = oom
-    with pytest.raises(GpuPlanMemoryError, match=r"n=2 x N=3.*the GPU memory budget was wrong"):
-        trainer.train()
+    with pytest.raises(UserError, match=r"n=2 x N=3.*the GPU memory budget was wrong") as raised:
+        trainer.train()  # a UserError: the entry point prints it in one line and exits 2
+    assert isinstance(raised.value.__cause__, GpuPlanMemoryError) and raised.value.__cause__.budget == "gpu"
+    assert isinstance(raised.value.__cause__.__cause__, torch.OutOfMemoryError)
+    assert "\n" not in str(raised.value) and "out of memory" in str(raised.value)  # a sweep's point: 'oom'
+    capsys.readouterr()
+    monkeypatch.setattr("fsdp_speedloader.app.launch.dist.destroy_process_group", lambda: None)  # keep the group
+    with pytest.raises(SystemExit) as exited:  # what app/train.py does with it
+        fail(raised.value)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and err.startswith("error: out of GPU memory with the tuned "
+                                                                             "plan (n=2 x N=3"), err
 
 
 def test_trainer_auto_host_budget_too_small(tmp_path):

@@ -359,9 +359,9 @@ class Trainer:
                     try:
                         metrics = self.train_step()
                     except (torch.OutOfMemoryError, ValueError) as e:
-                        if (error := self._memory_error(e)) is e:
+                        if (error := self._memory_error(e)) is None:
                             raise
-                        raise error from e
+                        raise error from (error.__cause__ or e)
                     if self.tune_plan is not None and self.step == 1:  # the plan next to the first measured peak
                         metrics.update(self.tune_plan.first_step_metrics(metrics))
                     now = time.perf_counter()
@@ -399,15 +399,21 @@ class Trainer:
             raise TrainingInterrupted(stopped_by)
         return history
 
-    def _memory_error(self, error: BaseException) -> BaseException:
-        """A step's error as the user error it is when a memory budget was wrong (a tuned plan's, or the host arena's
-        at its first step: :class:`launch.UserError`, one line at the entry point); else ``error`` itself."""
+    def _memory_error(self, error: BaseException) -> Optional[UserError]:
+        """A step's error as the user error it is when a memory budget was wrong: a tuned plan's GPU or host budget
+        (``TunePlan.memory_error`` names it and by how much), or the host arena's at its first step. A
+        :class:`launch.UserError` (one line and exit code 2 at the entry point) whose ``__cause__`` is the plan's
+        ``GpuPlanMemoryError`` / ``HostPlanMemoryError`` (caused by ``error``) or ``error``; None for any other error.
+        The GPU case keeps the allocator's 'out of memory' in its text (sweeps classify the point as ``oom``)."""
         tuned = self.tune_plan.memory_error(error) if self.tune_plan is not None else None
-        if isinstance(tuned, torch.OutOfMemoryError):  # the GPU budget: an out-of-memory error still
-            return tuned
-        if tuned is not None or (isinstance(error, ValueError) and "pinned host arena needs" in str(error)):
-            return UserError(str(tuned or error))
-        return error
+        if tuned is None and not (isinstance(error, ValueError) and "pinned host arena needs" in str(error)):
+            return None
+        cause = tuned if tuned is not None else error
+        if tuned is not None:
+            tuned.__cause__ = error
+        user_error = UserError(" ".join(str(cause).split()))  # one line, whatever the allocator's text holds
+        user_error.__cause__ = cause
+        return user_error
 
     def _any_rank(self, *flags: int) -> tuple[int, ...]:
         """Each flag's maximum over ranks, the same on every rank (a flag true on one rank is true on all)."""
