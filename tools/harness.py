@@ -319,7 +319,7 @@ def pyplot(tool: str):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"{tool}: matplotlib is not installed, no plot (pip install matplotlib)", file=sys.stderr)
+        print(f"{tool}: matplotlib is not installed, no plot (pip install -e '.[plots]')", file=sys.stderr)
         return None
     return plt
 

@@ -172,7 +172,7 @@ def plot_heatmap(summary: dict, path: str | Path) -> Optional[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("sweep: matplotlib is not installed, so no heatmap.png (pip install matplotlib); "
+        print("sweep: matplotlib is not installed, so no heatmap.png (pip install -e '.[plots]'); "
               f"the table is in {SUMMARY_MD}", file=sys.stderr, flush=True)
         return None
     points, axes = summary["points"], summary["axes"]
