@@ -79,13 +79,13 @@ def test_bad_time_budget_is_named(tmp_path, budget):
 
 def _any_rank(rank: int, world_size: int) -> list[bool]:
     this = SimpleNamespace(world_size=world_size, device=torch.device("cpu"))
-    return [Trainer._any_rank(this, rank == 1), Trainer._any_rank(this, False)]
+    return [Trainer._any_rank(this, rank == 1, False), Trainer._any_rank(this, False, rank == 0)]
 
 
 @pytest.mark.slow
 def test_ranks_stop_together():
-    """One rank past the budget stops every rank (their clocks differ)."""
-    assert run_distributed(_any_rank, 2) == [[True, False], [True, False]]
+    """One rank past the budget (or signalled) stops every rank (their clocks and signals differ)."""
+    assert run_distributed(_any_rank, 2) == [[(1, 0), (0, 1)], [(1, 0), (0, 1)]]  # each flag's max, on every rank
 
 
 # --- schedule.gradient_sync --------------------------------------------------------------------
