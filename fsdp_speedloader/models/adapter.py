@@ -211,3 +211,22 @@ def _build_mask(builder: Callable, config, hidden: torch.Tensor, attention_mask:
     if "cache_position" in params:  # transformers < 5.20 names the query positions so
         kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
     return builder(**kwargs)
+
+
+class DecoderLayoutAdapter(ModelAdapter):
+    """The layout most Hugging Face decoders share: ``model.embed_tokens``, ``model.layers``, ``model.norm``,
+    ``lm_head`` (LLaMA, Mistral, Qwen, Gemma-3); a family adds its masks and rotary tables in ``block_inputs``."""
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.model.model.layers
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.model.model.embed_tokens
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(input_ids)  # Gemma-3's scales by sqrt(hidden) inside
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.model.norm(hidden)

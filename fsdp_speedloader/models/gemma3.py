@@ -22,10 +22,10 @@ import torch
 from torch import nn
 from transformers import Gemma3ForCausalLM
 
-from fsdp_speedloader.models.adapter import BlockInputs, ModelAdapter, config_layer_types
+from fsdp_speedloader.models.adapter import BlockInputs, DecoderLayoutAdapter, config_layer_types
 
 
-class Gemma3Adapter(ModelAdapter):
+class Gemma3Adapter(DecoderLayoutAdapter):
     model_classes = (Gemma3ForCausalLM,)
 
     def __init__(self, model: nn.Module) -> None:
@@ -38,19 +38,8 @@ class Gemma3Adapter(ModelAdapter):
                              "(rotary_emb(x, position_ids, layer_type)); install transformers >= 5.0")
 
     @property
-    def blocks(self) -> nn.ModuleList:
-        return self.model.model.layers
-
-    @property
-    def embedding(self) -> nn.Embedding:
-        return self.model.model.embed_tokens
-
-    @property
     def layer_types(self) -> tuple[str, ...]:
         return config_layer_types(self.config, len(self.blocks))
-
-    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.model.embed_tokens(input_ids)  # scaled by sqrt(hidden) inside
 
     def block_inputs(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
                      position_ids: torch.Tensor) -> BlockInputs:
@@ -61,5 +50,3 @@ class Gemma3Adapter(ModelAdapter):
             kwargs["position_embeddings"] = rotary(hidden, position_ids, layer_type)
         return inputs
 
-    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.model.norm(hidden)

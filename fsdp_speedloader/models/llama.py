@@ -15,28 +15,16 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import nn
 from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
-from fsdp_speedloader.models.adapter import FULL_ATTENTION, SLIDING_ATTENTION, BlockInputs, ModelAdapter, \
+from fsdp_speedloader.models.adapter import FULL_ATTENTION, SLIDING_ATTENTION, BlockInputs, DecoderLayoutAdapter, \
     config_layer_types
 
 
-class LlamaAdapter(ModelAdapter):
+class LlamaAdapter(DecoderLayoutAdapter):
     """LLaMA: ``LlamaModel.forward`` builds one causal mask for all layers."""
 
     model_classes = (LlamaForCausalLM,)
-
-    @property
-    def blocks(self) -> nn.ModuleList:
-        return self.model.model.layers
-
-    @property
-    def embedding(self) -> nn.Embedding:
-        return self.model.model.embed_tokens
-
-    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.model.embed_tokens(input_ids)
 
     def block_inputs(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
                      position_ids: torch.Tensor) -> BlockInputs:
@@ -45,8 +33,6 @@ class LlamaAdapter(ModelAdapter):
         inputs.kwargs["position_embeddings"] = self.model.model.rotary_emb(hidden, position_ids=position_ids)
         return inputs
 
-    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.model.norm(hidden)
 
 
 class MistralAdapter(LlamaAdapter):
