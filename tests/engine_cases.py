@@ -115,7 +115,7 @@ def is_fsdp(module: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tiny models of every dense family (tests/test_families.py): each exercises what its family adds
+# Tiny models of every family (tests/test_families.py): each exercises what its family adds
 # ---------------------------------------------------------------------------------------------
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -133,6 +133,14 @@ FAMILY_CASES = {
     "gemma3": dict(family="gemma3", num_kv_heads=2, head_dim=32, sliding_window=4, sliding_window_pattern=2,
                    rope_theta=1e6, rope_local_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
                    final_logit_softcapping=0.5, tie_word_embeddings=True),
+    # Mixture of experts (tests/test_moe.py), 4 experts top-2, with the router's load-balancing loss at a large
+    # weight (0.5) so that its full-batch statistic and its gradient show in every parity check
+    "mixtral": dict(family="mixtral", num_kv_heads=2, num_experts=4, num_experts_per_tok=2,
+                    output_router_logits=True, router_aux_loss_coef=0.5),
+    # + q/k RMSNorm, narrower experts than the dense MLP width, renormalised top-k weights
+    "qwen3_moe": dict(family="qwen3_moe", num_kv_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=48, norm_topk_prob=True, output_router_logits=True,
+                      router_aux_loss_coef=0.5),
 }
 
 

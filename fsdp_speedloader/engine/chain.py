@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_speedloader.engine.activation_store import ActivationStore, for_each_sub_batch, grad_slot
+from fsdp_speedloader.engine.router_loss import RouterLoss
 from fsdp_speedloader.models import BlockInputs, ModelAdapter
 from fsdp_speedloader.fsdp2 import fold_unsharded_grads, fsdp_params_of
 
@@ -41,7 +42,8 @@ class TrainStepState:
     def __init__(self, *, adapter: ModelAdapter, store: ActivationStore, num_units: int,
                  input_ids: list[torch.Tensor], position_ids: list[torch.Tensor], shift_labels: list[torch.Tensor],
                  block_inputs: list[BlockInputs], num_label_tokens: torch.Tensor, loss_chunk_tokens: int,
-                 replay_rng: bool, grad_ready_hook: Optional[Callable[[int], None]] = None) -> None:
+                 replay_rng: bool, grad_ready_hook: Optional[Callable[[int], None]] = None,
+                 router_loss: Optional[RouterLoss] = None) -> None:
         self.adapter = adapter
         self.store = store
         self.num_units = num_units
@@ -54,6 +56,7 @@ class TrainStepState:
         self.replay_rng = replay_rng  # dropout: recompute must see the forward's random numbers
         self.rng_states: dict = {}
         self.grad_ready_hook = grad_ready_hook  # called with l once unit l's gradients are final
+        self.router_loss = router_loss  # MoE with the load-balancing loss: its full-batch statistics
 
     def unit_grads_ready(self, index: int) -> None:
         """Unit ``index``'s FSDP post-backward (reduce-scatter, copy to host) has been issued."""
@@ -68,6 +71,15 @@ class TrainStepState:
     def root_fsdp_params(self) -> list:
         """Embedding, final norm and LM head: their per-sub-batch gradients are folded in fp32 too."""
         return fsdp_params_of(self.adapter.model)
+
+    @contextlib.contextmanager
+    def router_logits(self) -> Iterator[list[torch.Tensor]]:
+        """The router logits of the blocks run inside, in order (always empty without the load-balancing loss)."""
+        if self.router_loss is None:
+            yield []
+            return
+        with self.adapter.capture_router_logits() as logits:
+            yield logits
 
     @contextlib.contextmanager
     def rng(self, key: tuple[int, int], *, replay: bool) -> Iterator[None]:
@@ -162,8 +174,10 @@ class UnitFunction(torch.autograd.Function):
         store, src, dst = state.store, unit.index - 1, unit.index
 
         def run(i: int, x: torch.Tensor) -> None:
-            with state.rng((unit.index, i), replay=False):
+            with state.rng((unit.index, i), replay=False), state.router_logits() as router_logits:
                 y = unit.forward(state.adapter, x, state.block_inputs[i], compiled=True)
+            if router_logits:
+                state.router_loss.add(i, router_logits)
             store.put(dst, i, y)
 
         for_each_sub_batch(store, src, state.num_sub_batches, run)
@@ -180,9 +194,13 @@ class UnitFunction(torch.autograd.Function):
 
         def backprop(i: int, x: torch.Tensor, g: torch.Tensor) -> None:  # x = x_{l-1}[i], g = dL/dx_l[i]
             x = x.detach().requires_grad_(True)
-            with torch.enable_grad(), state.rng((unit.index, i), replay=True):
+            with torch.enable_grad(), state.rng((unit.index, i), replay=True), state.router_logits() as router_logits:
                 y = unit.forward(state.adapter, x, state.block_inputs[i], compiled=True)
-            torch.autograd.backward(y, g)
+                outputs, grads = [y], [g]
+                if router_logits:  # this (unit, sub-batch)'s share of the load-balancing loss's gradient
+                    outputs.append(state.router_loss.backward_term(i, router_logits))
+                    grads.append(None)
+            torch.autograd.backward(outputs, grads)
             fold_unsharded_grads(unit.fsdp_params)
             store.put(g_out, i, x.grad)
 
@@ -223,13 +241,18 @@ class HeadLossFunction(torch.autograd.Function):
 
         for_each_sub_batch(store, last, state.num_sub_batches, add_loss)
         ctx.state = state
-        return total / state.num_label_tokens
+        loss = total / state.num_label_tokens
+        if state.router_loss is not None:  # as the MoE families' forwards: loss += coef * aux (whole batch)
+            loss = loss + state.router_loss.coef * state.router_loss.value()
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         state: TrainStepState = ctx.state
         store, last = state.store, state.num_units
         scale = grad_loss / state.num_label_tokens.clamp_min(1.0)  # no targets: zero gradients, as Hugging Face's
+        if state.router_loss is not None:  # the units' backwards, which run after this one, read dL/dP
+            state.router_loss.backward_from(grad_loss)
 
         def backprop(i: int, x_i: torch.Tensor) -> None:
             x, labels = x_i.flatten(0, 1), state.shift_labels[i]

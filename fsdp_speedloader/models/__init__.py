@@ -8,9 +8,11 @@ from fsdp_speedloader.models.build import (build_hf_config, build_model, init_we
                                            materialize_model)
 from fsdp_speedloader.models.gemma3 import Gemma3Adapter
 from fsdp_speedloader.models.llama import LlamaAdapter, MistralAdapter, QwenAdapter
+from fsdp_speedloader.models.moe import MoeAdapter
 from fsdp_speedloader.models.opt import OPTAdapter
 
-ADAPTERS: tuple[type[ModelAdapter], ...] = (LlamaAdapter, MistralAdapter, QwenAdapter, Gemma3Adapter, OPTAdapter)
+ADAPTERS: tuple[type[ModelAdapter], ...] = (LlamaAdapter, MistralAdapter, QwenAdapter, Gemma3Adapter, MoeAdapter,
+                                            OPTAdapter)
 
 
 def get_adapter(model: nn.Module) -> ModelAdapter:
@@ -25,5 +27,5 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
 
 
 __all__ = ["ADAPTERS", "BlockInputs", "Gemma3Adapter", "LlamaAdapter", "MistralAdapter", "ModelAdapter", "ModelConfig",
-           "OPTAdapter", "QwenAdapter", "build_hf_config", "build_model", "get_adapter", "init_weights",
+           "MoeAdapter", "OPTAdapter", "QwenAdapter", "build_hf_config", "build_model", "get_adapter", "init_weights",
            "load_safetensors", "materialize_model"]

@@ -106,6 +106,11 @@ class ModelAdapter(ABC):
         return self.config.max_position_embeddings
 
     @property
+    def router_aux_loss(self) -> bool:
+        """True when the family's forward adds a router load-balancing loss (mixture of experts: models/moe.py)."""
+        return False
+
+    @property
     def has_dropout(self) -> bool:
         """True when training would draw random numbers inside blocks (recompute must replay them)."""
         return any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.blocks.modules()) or any(

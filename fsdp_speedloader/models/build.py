@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from pathlib import Path
 from typing import Optional
@@ -18,14 +19,14 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, OPTConfig,
-                          PretrainedConfig, Qwen2Config, Qwen3Config)
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                          OPTConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from fsdp_speedloader.models.config import ModelConfig
 
 # Hugging Face model_type of a checkpoint -> the ModelConfig family that runs it.
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                         "gemma3_text": "gemma3", "opt": "opt"}
+                         "gemma3_text": "gemma3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "opt": "opt"}
 
 
 def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
@@ -55,7 +56,7 @@ def build_hf_config(cfg: ModelConfig) -> PretrainedConfig:
 
 
 def _llama_layout_config(cfg: ModelConfig) -> PretrainedConfig:
-    """LLaMA, Mistral, Qwen2, Qwen3 and Gemma-3 text configs from ``cfg``'s shapes (the legacy ``rope_theta`` /
+    """LLaMA, Mistral, Qwen2, Qwen3, Gemma-3 text, Mixtral and Qwen3-MoE configs from ``cfg``'s shapes (the legacy ``rope_theta`` /
     ``rope_scaling`` / ``rope_local_base_freq`` keys, which every transformers 5.x turns into its rope parameters)."""
     kwargs = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                   num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -71,6 +72,8 @@ def _llama_layout_config(cfg: ModelConfig) -> PretrainedConfig:
         return LlamaConfig(**kwargs)
     if cfg.family == "mistral":  # MistralConfig's default window is 4096: say None explicitly
         return MistralConfig(sliding_window=cfg.sliding_window, **kwargs)
+    if cfg.family in ("mixtral", "qwen3_moe"):
+        return _moe_config(cfg, kwargs)
     if cfg.family in ("qwen2", "qwen3"):
         config_cls = Qwen2Config if cfg.family == "qwen2" else Qwen3Config
         return config_cls(use_sliding_window=False, sliding_window=None, **kwargs)
@@ -81,6 +84,19 @@ def _llama_layout_config(cfg: ModelConfig) -> PretrainedConfig:
     if cfg.rope_local_theta is not None:
         gemma["rope_local_base_freq"] = cfg.rope_local_theta
     return Gemma3TextConfig(**gemma, **kwargs)
+
+
+def _moe_config(cfg: ModelConfig, kwargs: dict) -> PretrainedConfig:
+    moe = dict(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=cfg.output_router_logits)
+    if cfg.router_aux_loss_coef is not None:
+        moe["router_aux_loss_coef"] = cfg.router_aux_loss_coef
+    if cfg.family == "mixtral":  # its experts are intermediate_size wide
+        return MixtralConfig(num_local_experts=cfg.num_experts, sliding_window=cfg.sliding_window, **moe, **kwargs)
+    if cfg.moe_intermediate_size is not None:
+        moe["moe_intermediate_size"] = cfg.moe_intermediate_size
+    if cfg.norm_topk_prob is not None:
+        moe["norm_topk_prob"] = cfg.norm_topk_prob
+    return Qwen3MoeConfig(num_experts=cfg.num_experts, use_sliding_window=False, sliding_window=None, **moe, **kwargs)
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "meta", seed: int = 0) -> nn.Module:
@@ -121,11 +137,12 @@ def initial_value(module: nn.Module, name: str, shape: tuple, *, seed: int, std:
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The full initial value of parameter ``name`` (owned by ``module``), seeded by (seed, name).
 
-    As Hugging Face initialises these families: N(0, std) for matrices, zeros for biases, ones for norm
-    scales, zeros for Gemma's zero-centred norms (they multiply by 1 + weight).
+    As Hugging Face initialises these families: N(0, std) for matrices (linear and embedding weights, routers, the
+    experts' stacked (E, out, in) projections), zeros for biases, ones for norm scales, zeros for Gemma's
+    zero-centred norms (they multiply by 1 + weight).
     """
     full = torch.empty(shape, dtype=dtype)
-    if isinstance(module, (nn.Linear, nn.Embedding)) and name.endswith("weight"):
+    if len(shape) >= 2:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full.normal_(0.0, std, generator=gen)
         if isinstance(module, nn.Embedding) and module.padding_idx is not None:
@@ -194,16 +211,74 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+# Mixture-of-experts checkpoints as published store each expert's projections apart (Mixtral:
+# block_sparse_moe.experts.<e>.w1/w3/w2 and block_sparse_moe.gate; Qwen3-MoE: mlp.experts.<e>.gate_proj/up_proj/
+# down_proj); Hugging Face's modules hold them stacked: experts.gate_up_proj (E, 2I, H) = [gate; up] per expert,
+# experts.down_proj (E, H, I), and the router as mlp.gate.
+_EXPERT_KEY = re.compile(r"^(?P<layer>.*layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<expert>\d+)\."
+                         r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_ROUTER_KEY = re.compile(r"^(?P<layer>.*layers\.\d+)\.block_sparse_moe\.gate\.weight$")
+# projection -> (stacked parameter, which half of the gate_up rows; None: all rows)
+_STACKED = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+            "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
+
+
+class _ExpertStacks:
+    """Assembles stacked expert parameters from per-expert checkpoint tensors; each is copied into its (sharded)
+    parameter as soon as every piece has arrived, so at most a few layers' stacks are held at once."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.params = params
+        self.pending: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (full tensor, pieces still missing)
+
+    def name_of(self, key: str, prefix: str) -> Optional[str]:
+        """The parameter a checkpoint key belongs to, or None when it is not an expert or router tensor."""
+        router = _ROUTER_KEY.match(key)
+        if router:
+            return self._param_name(f"{router['layer']}.mlp.gate.weight", prefix)
+        expert = _EXPERT_KEY.match(key)
+        if expert:
+            return self._param_name(f"{expert['layer']}.mlp.experts.{_STACKED[expert['proj']][0]}", prefix)
+        return None
+
+    def _param_name(self, name: str, prefix: str) -> Optional[str]:
+        return name if name in self.params else prefix + name if prefix + name in self.params else None
+
+    def add(self, key: str, name: str, tensor: torch.Tensor) -> bool:
+        """Places ``tensor`` into parameter ``name``; True once that parameter is complete and copied."""
+        expert = _EXPERT_KEY.match(key)
+        if expert is None:  # a renamed router
+            copy_full_tensor_(self.params[name], tensor)
+            return True
+        param = self.params[name]
+        full, missing = self.pending.get(name) or (torch.empty(param.shape, dtype=tensor.dtype),
+                                                    param.shape[0] * (2 if name.endswith("gate_up_proj") else 1))
+        e, half = int(expert["expert"]), _STACKED[expert["proj"]][1]
+        rows = full[e] if half is None else full[e].chunk(2, dim=0)[half]
+        if rows.shape != tensor.shape:
+            raise ValueError(f"shape mismatch: checkpoint tensor {key} {tuple(tensor.shape)} vs its place in "
+                             f"{name} {tuple(rows.shape)}")
+        rows.copy_(tensor)
+        if missing > 1:
+            self.pending[name] = (full, missing - 1)
+            return False
+        self.pending.pop(name, None)
+        copy_full_tensor_(param, full)
+        return True
+
+
 @torch.no_grad()
 def load_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
     """Fills the (possibly sharded) parameters from a local Hugging Face safetensors checkpoint.
 
-    Tensors are read one at a time (memory-mapped), so a rank never holds the whole model.
+    Tensors are read one at a time (memory-mapped), so a rank never holds the whole model; a mixture of experts'
+    per-expert tensors are stacked into Hugging Face's (E, ...) parameters one parameter at a time.
     """
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
     prefix = getattr(model, "base_model_prefix", "model") + "."
+    stacks = _ExpertStacks(params)
     loaded: set[str] = set()
     for file in _checkpoint_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -212,6 +287,9 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike) -> None:
                 if name in params:
                     copy_full_tensor_(params[name], f.get_tensor(key))
                     loaded.add(name)
+                elif (stacked := stacks.name_of(key, prefix)) is not None:  # per-expert MoE layout
+                    if stacks.add(key, stacked, f.get_tensor(key)):
+                        loaded.add(stacked)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"model.path: checkpoint {path} lacks {len(missing)} parameter(s), e.g. {missing[:3]}")

@@ -7,15 +7,22 @@ from typing import Optional
 
 from fsdp_speedloader.validation import check, check_choice, check_positive
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "opt")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen3_moe", "opt")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+_DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", *MOE_FAMILIES)
 # Fields that only some families read: setting one for another family is refused, not ignored.
 _FAMILY_FIELDS = {
-    "head_dim": ("llama", "mistral", "qwen2", "qwen3", "gemma3"),
-    "rope_scaling": ("llama", "mistral", "qwen2", "qwen3", "gemma3"),
-    "sliding_window": ("mistral", "gemma3"),
+    "head_dim": _DECODERS,
+    "rope_scaling": _DECODERS,
+    "sliding_window": ("mistral", "gemma3", "mixtral"),
     "sliding_window_pattern": ("gemma3",),
     "rope_local_theta": ("gemma3",),
     "final_logit_softcapping": ("gemma3",),
+    "num_experts": MOE_FAMILIES,
+    "num_experts_per_tok": MOE_FAMILIES,
+    "moe_intermediate_size": ("qwen3_moe",),
+    "norm_topk_prob": ("qwen3_moe",),
+    "router_aux_loss_coef": MOE_FAMILIES,
 }
 
 
@@ -27,7 +34,7 @@ class ModelConfig:
     """Label used in logs and run names."""
     family: str = "llama"
     """Architecture (its Hugging Face class): 'llama' (LLaMA 2/3.x), 'mistral', 'qwen2' (Qwen2/2.5), 'qwen3',
-    'gemma3' (Gemma-3 text) or 'opt'."""
+    'gemma3' (Gemma-3 text), 'mixtral', 'qwen3_moe' (Qwen3-MoE, e.g. Qwen3-30B-A3B) or 'opt'."""
     path: Optional[str] = None
     """Local Hugging Face checkpoint directory (config.json + safetensors); overrides the shapes."""
     hidden_size: int = 256
@@ -59,6 +66,23 @@ class ModelConfig:
     """Gemma-3: rotary base of the sliding-window layers; None: Hugging Face's default (10000)."""
     final_logit_softcapping: Optional[float] = None
     """Gemma-3: logits = c * tanh(logits / c); None: off (as in the released Gemma-3 models)."""
+    num_experts: Optional[int] = None
+    """Mixture of experts: experts per layer (Mixtral ``num_local_experts``, Qwen3-MoE ``num_experts``); required for
+    'mixtral' and 'qwen3_moe'."""
+    num_experts_per_tok: Optional[int] = None
+    """Mixture of experts: experts each token is routed to (top-k); required for 'mixtral' and 'qwen3_moe'."""
+    moe_intermediate_size: Optional[int] = None
+    """Qwen3-MoE: one expert's MLP width (``intermediate_size`` is then the dense MLP's); Mixtral's experts use
+    ``intermediate_size``."""
+    norm_topk_prob: Optional[bool] = None
+    """Qwen3-MoE: renormalise the top-k routing weights to sum to 1 (true in Qwen3-30B-A3B); None: Hugging Face's
+    default (false)."""
+    output_router_logits: bool = False
+    """Mixture of experts: add the router's load-balancing loss (``router_aux_loss_coef`` x Switch Transformer's
+    auxiliary loss over the whole effective batch) to the training loss, as Hugging Face's forward does with
+    ``config.output_router_logits``."""
+    router_aux_loss_coef: Optional[float] = None
+    """Weight of the load-balancing loss; None: Hugging Face's default (Mixtral 0.02, Qwen3-MoE 0.001)."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm / LayerNorm."""
     tie_word_embeddings: bool = False
@@ -98,5 +122,19 @@ class ModelConfig:
             check_positive(self.num_kv_heads, "model.num_kv_heads")
             check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
                   f"model.num_heads={self.num_heads} must be a multiple of it")
+        if self.family in MOE_FAMILIES:
+            for name in ("num_experts", "num_experts_per_tok"):
+                check(getattr(self, name) is not None, f"model.{name}",
+                      f"model.family={self.family!r} is a mixture of experts and needs it")
+                check_positive(getattr(self, name), f"model.{name}")
+            check(self.num_experts_per_tok <= self.num_experts, "model.num_experts_per_tok",
+                  f"got {self.num_experts_per_tok}; a token is routed to at most model.num_experts={self.num_experts}")
+            if self.moe_intermediate_size is not None:
+                check_positive(self.moe_intermediate_size, "model.moe_intermediate_size")
+            check(self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0, "model.router_aux_loss_coef",
+                  f"got {self.router_aux_loss_coef}; must be >= 0 or null")
+        else:
+            check(not self.output_router_logits, "model.output_router_logits",
+                  f"model.family={self.family!r} has no router; set it to false")
         check(0.0 <= self.dropout < 1.0, "model.dropout", f"got {self.dropout}; use a value in [0, 1)")
         check(self.init_std > 0, "model.init_std", f"got {self.init_std}; must be > 0")
