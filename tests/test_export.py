@@ -56,6 +56,9 @@ def _train(root: Path, family: str) -> dict:
     """2 layer-major steps with a checkpoint after each; the trained weights and the trained model's loss on BATCH."""
     overrides = {"model": {"family": family, "tie_word_embeddings": family == "opt", "dropout": 0.0}, "steps": 2,
                  "checkpoint": {"every": 1, "keep_last": 2, "dir": str(root / "ckpt")}}
+    if family == "qwen3_moe":  # a mixture of experts, its load-balancing loss on: HF's fused expert layout out
+        overrides["model"].update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                  output_router_logits=True, router_aux_loss_coef=0.1)
     if family == "llama":  # a run with a Hugging Face tokenizer: its files travel with the checkpoint
         (root / "corpus.txt").write_text(TEXT)
         overrides["data"] = {"source": "text", "path": str(root / "corpus.txt"),
@@ -72,7 +75,7 @@ def trained(tmp_path_factory) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {f: _train(tmp_path_factory.mktemp(f), f) for f in ("llama", "opt")}
+        return {f: _train(tmp_path_factory.mktemp(f), f) for f in ("llama", "opt", "qwen3_moe")}
     finally:
         torch.set_num_threads(threads)
 
@@ -127,7 +130,7 @@ def test_checkpoint_without_its_model_is_refused_naming_it(trained, tmp_path):
 # --- export ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("family", ["llama", "opt", "qwen3_moe"])
 def test_export_loads_in_hugging_face_with_the_trained_weights(trained, tmp_path, family):
     run = trained[family]
     out = export_checkpoint(run["ckpt"], tmp_path / "hf")
@@ -136,7 +139,8 @@ def test_export_loads_in_hugging_face_with_the_trained_weights(trained, tmp_path
     assert "model.safetensors" in names and "model.safetensors.index.json" not in names
     assert set(tokenizer_files) <= set(names) if family == "llama" else not set(tokenizer_files) & set(names)
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == [{"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM"}[family]]
+    assert config["architectures"] == [{"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM",
+                                        "qwen3_moe": "Qwen3MoeForCausalLM"}[family]]
     assert config["dtype"] == "float32"
 
     model = _assert_weights(out, run["state"])
