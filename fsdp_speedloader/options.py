@@ -50,10 +50,15 @@ class SpeedLoaderOptions:
     offload_root: bool = True
     """With offload_params, also offload the root's states (embeddings, final norm, LM head); False keeps
     them on the GPU (no load, gradient copy or CPU optimizer step for them in each step)."""
+    keep_activations: int = 0
+    """(unit, sub-batch) pairs, counted from the last unit back, whose activations inside the unit stay on
+    the GPU from forward to backward, so that their backward skips the recompute (exact). Each costs one
+    sub-batch's activations of one unit in GPU memory; 0: every pair is recomputed; more than units x
+    num_sub_batches: none is. ``tune`` sizes it to the GPU memory left over."""
 
     def __post_init__(self) -> None:
         for name, low in (("num_sub_batches", 1), ("blocks_per_unit", 1), ("forward_prefetch", 0),
-                          ("loss_chunk_tokens", 1)):
+                          ("loss_chunk_tokens", 1), ("keep_activations", 0)):
             value = getattr(self, name)
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
             check(ok, name, f"got {value!r}; it must be an integer >= {low}")

@@ -191,3 +191,34 @@ def test_offloaded_parameter_loads_run_off_the_compute_stream(monkeypatch):
     # The engine's stats show the fast path ran: every staged load was read by FSDP2, none fell back.
     assert after["num_staged_loads"] - before["num_staged_loads"] == len(streams) > 0
     assert after["num_staged_load_fallbacks"] == before["num_staged_load_fallbacks"]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_kept_activations_skip_the_recompute_within_noise(compiled):
+    """keep_activations on the fastest setting (offloaded, host store, staged loads, transfer copies): the kept
+    graphs survive FSDP2's reshard and the next unshard, gradients stay within bf16 noise of the recomputing
+    schedule, and the peak grows by about the kept pairs' measured bytes."""
+    maybe_init_process_group("cuda")
+    torch._dynamo.reset()
+    n_sub, base = 4, _model()
+    ids, labels = _batch(8, 256)
+    truth = copy.deepcopy(base).cuda()
+    truth(input_ids=ids.cuda(), labels=labels.cuda()).loss.backward()
+    truth_grads = {n: p.grad.float().cpu() for n, p in truth.named_parameters()}
+    del truth
+    errs, peaks, pair_bytes = {}, {}, 0
+    for keep in (0, 16):
+        model = apply_speedloader(copy.deepcopy(base), num_sub_batches=n_sub, param_dtype=BF16, offload_params=True,
+                                  activation_store="host", compile_blocks=compiled, param_transfer_dtype=BF16,
+                                  keep_activations=keep)
+        for _ in range(2):  # the second step: kept graphs must see the weights re-loaded into the same storage
+            model.zero_grad(set_to_none=True)
+            torch.cuda.reset_peak_memory_stats()
+            model(input_ids=ids, labels=labels).loss.backward()
+        torch.cuda.synchronize()
+        errs[keep], peaks[keep] = _rel_err(_grads(model), truth_grads), torch.cuda.max_memory_allocated()
+        if keep:
+            pair_bytes = speedloader_engine(model).stats()["kept_pair_bytes"]
+        del model
+    assert errs[16] <= max(1.5 * errs[0], 5e-3), errs
+    assert pair_bytes > 0 and peaks[16] - peaks[0] >= 0.5 * 16 * pair_bytes, (peaks, pair_bytes)

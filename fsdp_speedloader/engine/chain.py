@@ -43,7 +43,7 @@ class TrainStepState:
                  input_ids: list[torch.Tensor], position_ids: list[torch.Tensor], shift_labels: list[torch.Tensor],
                  block_inputs: list[BlockInputs], num_label_tokens: torch.Tensor, loss_chunk_tokens: int,
                  replay_rng: bool, grad_ready_hook: Optional[Callable[[int], None]] = None,
-                 router_loss: Optional[RouterLoss] = None) -> None:
+                 router_loss: Optional[RouterLoss] = None, keep_activations: int = 0) -> None:
         self.adapter = adapter
         self.store = store
         self.num_units = num_units
@@ -57,6 +57,10 @@ class TrainStepState:
         self.rng_states: dict = {}
         self.grad_ready_hook = grad_ready_hook  # called with l once unit l's gradients are final
         self.router_loss = router_loss  # MoE with the load-balancing loss: its full-batch statistics
+        # (unit, sub-batch) pairs whose forward keeps its autograd graph, so their backward needs no recompute.
+        self.keep_pairs = kept_pairs(num_units, len(input_ids), keep_activations if torch.is_grad_enabled() else 0)
+        self.kept: dict[tuple[int, int], tuple] = {}  # pair -> (input leaf, output, router logits) of its graph
+        self.kept_pair_bytes = 0  # CUDA: the most GPU memory one kept pair held (its graph, input copy, output)
 
     def unit_grads_ready(self, index: int) -> None:
         """Unit ``index``'s FSDP post-backward (reduce-scatter, copy to host) has been issued."""
@@ -101,6 +105,13 @@ class TrainStepState:
             yield
 
 
+def kept_pairs(num_units: int, num_sub_batches: int, count: int) -> frozenset[tuple[int, int]]:
+    """The ``count`` (unit, sub-batch) pairs that keep their activations: every sub-batch of the last unit, then
+    of the one before, ... (the first pairs the backward reaches, so their memory is the first freed)."""
+    pairs = [(unit, i) for unit in range(num_units, 0, -1) for i in range(num_sub_batches)]
+    return frozenset(pairs[:count])
+
+
 @dataclass(eq=False)
 class Unit:
     """``blocks_per_unit`` consecutive blocks: one FSDP group, one chain step. ``index`` is 1-based."""
@@ -117,6 +128,10 @@ class Unit:
         for block in self.blocks:
             x = adapter.run_block(block, x, inputs, compiled=compiled)
         return x
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def _placeholder(like: torch.Tensor) -> torch.Tensor:
@@ -161,7 +176,9 @@ class UnitFunction(torch.autograd.Function):
 
     Shapes: x (n, s, h) per sub-batch, in the parameters' compute dtype.
     Saved for backward: nothing on the GPU. The inputs x_{l-1}[i] stay in the store and the unit
-    is recomputed per sub-batch in backward (activation memory: one sub-batch of one unit).
+    is recomputed per sub-batch in backward (activation memory: one sub-batch of one unit), except for
+    the pairs in ``state.keep_pairs`` (``keep_activations``): their forward runs with grad and keeps
+    its graph on the GPU until their backward, which then only backpropagates.
     Backward, per sub-batch: fetch x_{l-1}[i] and dL/dx_l[i], recompute the unit with grad,
     backpropagate, fold the parameter gradients into FSDP's fp32 accumulator (reduce-scattered
     once by FSDP's post-backward), and write dL/dx_{l-1}[i] to the slot that held x_l[i].
@@ -174,10 +191,19 @@ class UnitFunction(torch.autograd.Function):
         store, src, dst = state.store, unit.index - 1, unit.index
 
         def run(i: int, x: torch.Tensor) -> None:
-            with state.rng((unit.index, i), replay=False), state.router_logits() as router_logits:
+            keep = (unit.index, i) in state.keep_pairs
+            if keep:  # the graph saves its input: a copy, as the store may reuse x's buffer for the next fetch
+                before = _allocated(x.device)
+                x = x.detach().clone().requires_grad_(True)
+            rng = contextlib.nullcontext() if keep else state.rng((unit.index, i), replay=False)
+            with torch.set_grad_enabled(keep), rng, state.router_logits() as router_logits:
                 y = unit.forward(state.adapter, x, state.block_inputs[i], compiled=True)
             if router_logits:
                 state.router_loss.add(i, router_logits)
+            if keep:
+                state.kept[unit.index, i] = (x, y, router_logits)
+                state.kept_pair_bytes = max(state.kept_pair_bytes, _allocated(x.device) - before)
+                y = y.detach()
             store.put(dst, i, y)
 
         for_each_sub_batch(store, src, state.num_sub_batches, run)
@@ -193,13 +219,19 @@ class UnitFunction(torch.autograd.Function):
         g_in, g_out = grad_slot(unit.index, state.num_units), grad_slot(src, state.num_units)
 
         def backprop(i: int, x: torch.Tensor, g: torch.Tensor) -> None:  # x = x_{l-1}[i], g = dL/dx_l[i]
-            x = x.detach().requires_grad_(True)
-            with torch.enable_grad(), state.rng((unit.index, i), replay=True), state.router_logits() as router_logits:
-                y = unit.forward(state.adapter, x, state.block_inputs[i], compiled=True)
-                outputs, grads = [y], [g]
-                if router_logits:  # this (unit, sub-batch)'s share of the load-balancing loss's gradient
+            kept = state.kept.pop((unit.index, i), None)
+            if kept is None:  # recompute
+                x = x.detach().requires_grad_(True)
+                with torch.enable_grad(), state.rng((unit.index, i), replay=True), \
+                        state.router_logits() as router_logits:
+                    y = unit.forward(state.adapter, x, state.block_inputs[i], compiled=True)
+            else:  # the forward's graph (the fetched x is not needed)
+                x, y, router_logits = kept
+            outputs, grads = [y], [g]
+            if router_logits:  # this (unit, sub-batch)'s share of the load-balancing loss's gradient
+                with torch.enable_grad():
                     outputs.append(state.router_loss.backward_term(i, router_logits))
-                    grads.append(None)
+                grads.append(None)
             torch.autograd.backward(outputs, grads)
             fold_unsharded_grads(unit.fsdp_params)
             store.put(g_out, i, x.grad)

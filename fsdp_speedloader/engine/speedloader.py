@@ -17,10 +17,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import register_fsdp_forward_method
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from fsdp_speedloader.engine.activation_store import ActivationStore, ExchangeActivationStore, build_activation_store
 from fsdp_speedloader.engine.chain import EmbedFunction, HeadLossFunction, TrainStepState, Unit, UnitFunction, num_label_tokens, shift_labels
+from fsdp_speedloader.engine.router_loss import RouterLoss
 from fsdp_speedloader.fsdp2 import check_torch_version, enable_single_rank_prefetch, fast_path_stats, fsdp_params_of, \
     refresh_param_transfer, require_fsdp2_internals
 from fsdp_speedloader.models import ModelAdapter, get_adapter
@@ -47,8 +48,12 @@ class SpeedLoader:
         self.num_sub_batches = options.num_sub_batches
         self.device = device
         self.loss_chunk_tokens = options.loss_chunk_tokens
+        self.kept_pair_bytes = 0  # keep_activations: the most GPU memory one kept pair held in the last step
         # Called with l once unit l's gradients are final in backward (OverlappedOptimizer sets it).
         self.grad_ready_hook = None
+        # Called with l just before unit l's FSDP-hooked forward call, which unshards unit l and prefetches the
+        # next forward_prefetch units (OverlappedOptimizer sets it to wait for their deferred steps).
+        self.unit_forward_hook = None
 
     def unit_fsdp_params(self, index: int) -> list:
         """FSDP2's parameters of unit ``index`` (1 .. U), or of the root for ``index == U + 1``."""
@@ -67,9 +72,10 @@ class SpeedLoader:
         return sum(refresh_param_transfer(self.unit_fsdp_params(i), force=force) for i in indices)
 
     def stats(self) -> dict:
-        """The store's figures of the last finished step (``store.step_stats()``) and how often each FSDP2
-        fast path engaged or fell back (``fsdp2.fast_path_stats()``: counts since the process started)."""
-        return {**self.store.step_stats(), **fast_path_stats()}
+        """The store's figures of the last finished step (``store.step_stats()``), how often each FSDP2
+        fast path engaged or fell back (``fsdp2.fast_path_stats()``: counts since the process started), and
+        ``kept_pair_bytes``: with ``keep_activations``, the GPU memory one kept (unit, sub-batch) held (CUDA)."""
+        return {**self.store.step_stats(), **fast_path_stats(), "kept_pair_bytes": self.kept_pair_bytes}
 
     def _check_inputs(self, input_ids, attention_mask, labels, kwargs) -> None:
         if input_ids is None or input_ids.dim() != 2:
@@ -112,21 +118,32 @@ class SpeedLoader:
         else:
             block_inputs = [adapter.block_inputs(probe, m, p) for m, p in zip(masks, position_ids)]
 
+        router_loss = None
+        if adapter.router_aux_loss:  # MoE: the load-balancing loss of the whole effective batch
+            router_loss = RouterLoss(num_experts=adapter.num_experts, top_k=adapter.num_experts_per_tok,
+                                     coef=adapter.router_aux_loss_coef, masks=masks, device=device)
         state = TrainStepState(
             adapter=adapter, store=self.store, num_units=len(self.units), input_ids=list(input_ids.split(sub)),
             position_ids=position_ids, shift_labels=[t.reshape(-1) for t in shifted.split(sub)],
             block_inputs=block_inputs, num_label_tokens=num_label_tokens(shifted, num_items_in_batch),
             loss_chunk_tokens=self.loss_chunk_tokens, grad_ready_hook=self.grad_ready_hook,
-            replay_rng=adapter.model.training and adapter.has_dropout and torch.is_grad_enabled())
+            replay_rng=adapter.model.training and adapter.has_dropout and torch.is_grad_enabled(),
+            router_loss=router_loss, keep_activations=self.options.keep_activations)
         self.store.begin_step(len(self.units) + 1, n_sub, (sub, input_ids.shape[1], adapter.config.hidden_size),
                               act_dtype, device)
 
         p = EmbedFunction.apply(adapter.embedding.weight, state)
         for unit_module, unit in self.units:
+            if self.unit_forward_hook is not None:
+                self.unit_forward_hook(unit.index)
             p = getattr(unit_module, _UNIT_METHOD)(p, state)  # one FSDP-hooked call per unit
         loss = HeadLossFunction.apply(p, state)
+        if state.keep_pairs:
+            self.kept_pair_bytes = state.kept_pair_bytes
         if not loss.requires_grad:  # no backward will come to release the slots
             self.store.end_step()
+        if router_loss is not None:
+            return MoeCausalLMOutputWithPast(loss=loss, aux_loss=router_loss.value())
         return CausalLMOutputWithPast(loss=loss)
 
 
