@@ -271,8 +271,12 @@ def _prepare_generation(model: nn.Module, input_ids: torch.Tensor, attention_mas
     layer_of = {id(b): getattr(getattr(b, "self_attn", None), "layer_idx", k) for k, b in enumerate(blocks)}
     if sorted(layer_of.values()) != list(range(len(blocks))):
         raise ValueError("the model's attention layers do not carry their block index (self_attn.layer_idx)")
+    layer_types = [""] * len(blocks)
+    for block, layer_type in zip(blocks, engine.adapter.layer_types):
+        layer_types[layer_of[id(block)]] = layer_type
     run = GenerationRun(adapter=engine.adapter, units=engine.units,
-               layers=[[layer_of[id(b)] for b in u.blocks] for _, u in engine.units], store=engine.store,
+               layers=[[layer_of[id(b)] for b in u.blocks] for _, u in engine.units], layer_types=tuple(layer_types),
+               store=engine.store,
                device=engine.device, num_sub_batches=num_sub_batches, sub_batch_size=batch // num_sub_batches,
                capacity=prompt_len + max_new_tokens, kv_mode=kv_cache, kv_device_sub_batches=kv_device_sub_batches,
                cpu_attention_sub_batches=cpu_attention_sub_batches, host_memory_limit_bytes=host_memory_limit_bytes,

@@ -1,14 +1,19 @@
 """The KV cache of layer-major generation: where each sub-batch's keys and values live between steps.
 
-Layout of the host cache (one tensor; the device cache orders it for views, see ``DeviceKVCache``)::
+Layout of the host cache (one tensor per group of layers that keep as many positions, ``kv_layout.py``;
+the device cache orders it for views, see ``DeviceKVCache``)::
 
-    kv[i, l, t, c, j, k, d]     i sub-batch (N)   l layer (L)   t position (capacity T)
+    kv[i, l, t, c, j, k, d]     i sub-batch (N)   l layer (L)   t position (capacity T, or a window's W)
                                 c 0 = key, 1 = value          j sequence of the sub-batch (n)
                                 k key/value head (H_kv)       d head dimension
 
 so ``kv[i, l]`` -- everything layer ``l`` of sub-batch ``i`` has seen -- is ONE contiguous block
 (one host-to-device copy per layer per sub-batch and step), and ``kv[i, l, t]`` -- the keys and
 values of position ``t`` of every sequence of the sub-batch -- is one small contiguous write.
+
+Sliding-window layers keep only their window: a ring of W slots, position ``t`` in slot ``t mod W``
+(``kv_layout.py`` says where each position lies and which ones attention reads, as Hugging Face's
+``DynamicSlidingWindowLayer`` hands them to it).
 
 Modes:
 - ``DeviceKVCache``: the cache lives on the compute device, laid out ``kv[l, t, c, b, k, d]`` with
@@ -41,11 +46,14 @@ queued so far (one event per step; stores of one token are tiny, prefill stores 
 before). Without CUDA the exchange copies synchronously and the same code runs.
 
 The object attention sees is ``SubBatchCache``: the part of Hugging Face's ``Cache`` interface that
-the LLaMA and OPT attention layers and ``create_causal_mask`` use (``update``, ``get_seq_length``,
-``get_mask_sizes``, ``get_query_offset``), for transformers 5.x (both the ``cache_position`` and the
-query-length forms of ``get_mask_sizes``). It is not a ``transformers.Cache`` subclass: its storage
-is this module's layout, which no ``Cache`` layer type describes, and its per-layer state is one
-integer shared by all layers (every layer has seen the same positions at the same step).
+the attention layers and the mask functions (``create_causal_mask``, ``create_sliding_window_causal_mask``)
+use (``update``, ``get_seq_length``, ``get_mask_sizes``, ``get_query_offset``), for transformers 5.x (both
+the ``cache_position`` and the query-length forms of ``get_mask_sizes``). It is not a ``transformers.Cache``
+subclass: its storage is this module's layout, which no ``Cache`` layer type describes, and its per-layer
+state is one integer shared by all layers (every layer has seen the same positions at the same step). The
+mask functions pick the layer whose sizes they read by looking into a ``Cache`` (its ``is_sliding``), which
+differs between transformers versions; the view handed to them is pinned to one layer of the mask's type
+instead (``KVCache.view(i, sized_as=layer)``).
 """
 
 from __future__ import annotations
@@ -53,51 +61,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+# kv_layout_for is re-exported: it was this module's before the layout had a file of its own.
+from fsdp_speedloader.generation.kv_layout import KVLayout, gather_runs, kv_layout_for  # noqa: F401
 from fsdp_speedloader.memory.arena import DEFAULT_MARGIN, ArenaPlan, HostMemoryBudget, PinnedArena
 from fsdp_speedloader.memory.exchange import FetchHandle, TensorExchange
 
 KV_CACHE_MODES = ("auto", "device", "split", "host", "off")
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Geometry of one generation's cache."""
-
-    num_sub_batches: int
-    num_layers: int
-    capacity: int  # positions: prompt length + max_new_tokens
-    sub_batch_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.num_sub_batches, self.num_layers, self.capacity, 2, self.sub_batch_size, self.num_kv_heads,
-                self.head_dim)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def position_bytes(self) -> int:
-        """Bytes of one position of one layer of one sub-batch (keys and values of n sequences)."""
-        return 2 * self.sub_batch_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
-
-def kv_layout_for(config, *, num_sub_batches: int, sub_batch_size: int, capacity: int,
-                  dtype: torch.dtype) -> KVLayout:
-    """The layout for a Hugging Face decoder config (grouped-query attention included)."""
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return KVLayout(num_sub_batches, config.num_hidden_layers, capacity, sub_batch_size, num_kv_heads, head_dim, dtype)
 
 
 def _as_positions(key: torch.Tensor) -> torch.Tensor:
@@ -139,8 +112,13 @@ class KVCache(ABC):
     def end_step(self) -> None:
         pass
 
-    def view(self, i: int) -> "SubBatchCache":
-        return SubBatchCache(self, i)
+    def view(self, i: int, *, sized_as: Optional[int] = None) -> "SubBatchCache":
+        """What attention sees of sub-batch ``i``; ``sized_as``: the layer whose mask sizes it reports whatever
+        layer a mask function asks for (one view per layer type, for that type's mask)."""
+        return SubBatchCache(self, i, sized_as)
+
+    def mask_sizes(self, layer: int, query: int) -> tuple[int, int]:
+        return self.layout.mask_sizes(layer, self.past, query)
 
     def _check(self, i: int, layer: int, key: torch.Tensor, rows: Optional[int] = None) -> None:
         lay = self.layout
@@ -150,7 +128,12 @@ class KVCache(ABC):
 
     @abstractmethod
     def update(self, i: int, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Appends this step's keys/values (n, H_kv, q, d) of (i, layer); returns all (n, H_kv, past + q, d)."""
+        """Appends this step's keys/values (n, H_kv, q, d) of (i, layer); returns those attention reads,
+        (n, H_kv, kv_length, d) (``mask_sizes``: every position, or a sliding layer's window)."""
+
+    @abstractmethod
+    def positions_kept(self, layer: int) -> int:
+        """Positions the storage of ``layer`` holds, read from its tensors (a sliding layer: its window)."""
 
     def stats(self) -> dict:
         return {"kv_cache_bytes": self.layout.nbytes, "kv_h2d_bytes": self.h2d_bytes, "kv_d2h_bytes": self.d2h_bytes}
@@ -171,26 +154,33 @@ class DeviceKVCache(KVCache):
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         super().__init__(layout, device)
         lay = layout
-        # (L, T, 2, B, H_kv, d): the batch's rows adjacent, so any group of sub-batches is a view.
-        shape = (lay.num_layers, lay.capacity, 2, lay.num_sub_batches * lay.sub_batch_size, lay.num_kv_heads,
-                 lay.head_dim)
-        self.buffer = torch.empty(shape, dtype=lay.dtype, device=device)
+        # Per group (L_g, span, 2, B, H_kv, d): the batch's rows adjacent, so any group of sub-batches is a view.
+        self.buffers = [torch.empty((len(layers), span, 2, lay.num_sub_batches * lay.sub_batch_size,
+                                     lay.num_kv_heads, lay.head_dim), dtype=lay.dtype, device=device)
+                        for layers, span in lay.groups]
+        self._where = {layer: (g, j) for g, (layers, _) in enumerate(lay.groups) for j, layer in enumerate(layers)}
 
     def update(self, i, layer, key, value):
         k = key.shape[0]
         whole = k == self.layout.num_sub_batches * self.layout.sub_batch_size  # every sub-batch at once
         assert i == 0 or not whole, f"sub-batch {i} of a whole-batch call"
         self._check(i, layer, key, rows=k if whole else None)
-        block = self.buffer[layer, :, :, i * k : (i + 1) * k]  # (T, 2, k, H_kv, d)
-        new = block[self.past : self.past + self.query]
-        new[:, 0].copy_(_as_positions(key))
-        new[:, 1].copy_(_as_positions(value))
+        g, j = self._where[layer]
+        block = self.buffers[g][j, :, :, i * k : (i + 1) * k]  # (span, 2, k, H_kv, d)
+        keys, values = _as_positions(key), _as_positions(value)
+        for slot, offset, n in self.layout.kept_runs(layer, self.past, self.query):
+            block[slot : slot + n, 0].copy_(keys[offset : offset + n])
+            block[slot : slot + n, 1].copy_(values[offset : offset + n])
         if self.past == 0:
             return key, value  # prefill: exactly what attention would use without a cache
-        return _as_attention(block[: self.past + self.query])
+        return _as_attention(gather_runs(block, self.layout.visible_runs(layer, self.past, self.query)))
+
+    def positions_kept(self, layer: int) -> int:
+        g, j = self._where[layer]
+        return self.buffers[g][j].shape[0]
 
     def close(self) -> None:
-        self.buffer = None
+        self.buffers = None
 
 
 class HostKVCache(KVCache):
@@ -214,14 +204,21 @@ class HostKVCache(KVCache):
         if arena is None or self.SLOT not in arena or arena.capacity(self.SLOT) < layout.nbytes:
             if arena is not None:
                 arena.close()
-            plan = ArenaPlan().add(self.SLOT, "kv_cache", layout.shape, layout.dtype)
+            plan = ArenaPlan().add(self.SLOT, "kv_cache", (layout.numel,), layout.dtype)
             budget = HostMemoryBudget.detect(host_memory_limit_bytes, margin=host_memory_margin)
             hint = (f"lower the batch ({layout.num_sub_batches} sub-batches x {layout.sub_batch_size} sequences), "
                     f"the prompt length or max_new_tokens (capacity {layout.capacity} positions), or use "
                     "kv_cache='off' (recompute) or 'device'")
             arena = PinnedArena(plan, budget=budget, hint=hint, pin=device.type == "cuda")
         self.arena = arena
-        self.host = arena.slot(self.SLOT, layout.shape, layout.dtype)
+        # One slot, carved into one (N, L_g, span, 2, n, H_kv, d) tensor per group of layers.
+        flat, start = arena.slot(self.SLOT, (layout.numel,), layout.dtype), 0
+        self.host: dict[int, torch.Tensor] = {}  # layer -> (N, span, 2, n, H_kv, d)
+        for layers, span in layout.groups:
+            shape = layout.group_shape(len(layers), span)
+            group = flat[start : start + math.prod(shape)].view(shape)
+            start += math.prod(shape)
+            self.host.update({layer: group[:, j] for j, layer in enumerate(layers)})
         self.exchange = exchange if exchange is not None else TensorExchange(device)
         self._pending: dict[tuple[int, int], FetchHandle] = {}
         self._prefill_stores_unread = False  # host attention's first reads must wait for the prefill's stores
@@ -255,30 +252,45 @@ class HostKVCache(KVCache):
                 return
         for layer in layers:
             if (i, layer) not in self._pending:
-                src = self.host[i, layer, : self.past + self.query]
-                self.h2d_bytes += (self.past + self.query) * self.layout.position_bytes
-                self._pending[i, layer] = self.exchange.fetch(src)
+                # Every position this step reads, and the slots of the new ones (stale until written on the device).
+                length = min(self.past + self.query, self.layout.span(layer))
+                self.h2d_bytes += length * self.layout.position_bytes
+                self._pending[i, layer] = self.exchange.fetch(self.host[layer][i, :length])
 
     def update(self, i, layer, key, value):
         self._check(i, layer, key)
-        new_host = self.host[i, layer, self.past : self.past + self.query]
-        self.d2h_bytes += self.query * self.layout.position_bytes
-        if self.past == 0:
-            # (q, 2, n, H_kv, d): one contiguous tensor, one D2H copy.
-            self.exchange.store(torch.stack((_as_positions(key), _as_positions(value)), dim=1), new_host)
+        lay, past, host = self.layout, self.past, self.host[layer][i]  # host: (span, 2, n, H_kv, d)
+        kept = lay.kept_runs(layer, past, self.query)
+        self.d2h_bytes += sum(n for _, _, n in kept) * lay.position_bytes
+        if past == 0:
+            # (q, 2, n, H_kv, d): one contiguous tensor, one D2H copy (two where a window's ring wraps).
+            new = torch.stack((_as_positions(key), _as_positions(value)), dim=1)
+            for slot, offset, n in kept:
+                self.exchange.store(new[offset : offset + n], host[slot : slot + n])
             return key, value
+        visible = lay.visible_runs(layer, past, self.query)
         if i < self.cpu_attention:
             # Written on the compute stream: host attention waits for that stream before reading.
-            new_host.copy_(torch.stack((_as_positions(key), _as_positions(value)), dim=1), non_blocking=True)
-            self.cpu_read_bytes += (self.past + self.query) * self.layout.position_bytes
-            return _as_attention(self.host[i, layer, : self.past + self.query])
+            new = torch.stack((_as_positions(key), _as_positions(value)), dim=1)
+            for slot, offset, n in kept:
+                host[slot : slot + n].copy_(new[offset : offset + n], non_blocking=True)
+            if len(visible) > 1 and new.is_cuda:
+                # A wrapped window is joined by a copy on the host, now: it must read the new position too.
+                torch.cuda.current_stream(new.device).synchronize()
+            self.cpu_read_bytes += sum(n for _, _, n in visible) * lay.position_bytes
+            return _as_attention(gather_runs(host, visible))
         self.prefetch(i, (layer,))  # no-op when the schedule prefetched it
-        block = self.exchange.wait(self._pending.pop((i, layer)))  # (past + q, 2, n, H_kv, d) on the device
-        new = block[self.past :]
-        new[:, 0].copy_(_as_positions(key))
-        new[:, 1].copy_(_as_positions(value))
-        self.exchange.store(new, new_host)
-        return _as_attention(block)
+        block = self.exchange.wait(self._pending.pop((i, layer)))  # (min(past + q, span), 2, n, H_kv, d), device
+        keys, values = _as_positions(key), _as_positions(value)
+        for slot, offset, n in kept:
+            new = block[slot : slot + n]
+            new[:, 0].copy_(keys[offset : offset + n])
+            new[:, 1].copy_(values[offset : offset + n])
+            self.exchange.store(new, host[slot : slot + n])
+        return _as_attention(gather_runs(block, visible))
+
+    def positions_kept(self, layer: int) -> int:
+        return self.host[layer].shape[1]
 
     def end_step(self) -> None:
         self._pending.clear()
@@ -326,6 +338,9 @@ class SplitKVCache(KVCache):
         part, j = self._part(i)
         return part.update(j, layer, key, value)
 
+    def positions_kept(self, layer: int) -> int:
+        return max(self.on_host.positions_kept(layer), self.on_device.positions_kept(layer))
+
     def end_step(self) -> None:
         self.on_device.end_step()
         self.on_host.end_step()
@@ -344,9 +359,10 @@ class SubBatchCache:
 
     is_compileable = False
 
-    def __init__(self, cache: KVCache, i: int) -> None:
+    def __init__(self, cache: KVCache, i: int, sized_as: Optional[int] = None) -> None:
         self._cache = cache
         self._i = i
+        self._sized_as = sized_as
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,7 +377,7 @@ class SubBatchCache:
     def get_mask_sizes(self, query, layer_idx: Optional[int] = 0) -> tuple[int, int]:
         # transformers < 5.20 passes cache_position (a tensor of the query positions), later the query length.
         q = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
-        return self._cache.past + q, 0
+        return self._cache.mask_sizes(self._sized_as if self._sized_as is not None else (layer_idx or 0), q)
 
 
 def device_sub_batches_that_fit(layout: KVLayout, device: torch.device, *, device_fraction: float = 0.5) -> int:

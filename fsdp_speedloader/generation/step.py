@@ -16,9 +16,11 @@ norm and LM head stay unsharded from the first step on)::
 token selection and the figures are ``generate.py``'s.
 
 Parity with Hugging Face ``generate`` (greedy, fp32): positions are ``cumsum(mask) - 1`` as ``generate``
-computes them, the 4-D masks come from the model's own ``create_causal_mask`` (given a cache object that
-reports the same lengths as ``DynamicCache``), and attention is the block's own Hugging Face attention,
-which appends to our cache through ``Cache.update``.
+computes them; each layer type's 4-D mask comes from the model's own mask function (``create_causal_mask``,
+``create_sliding_window_causal_mask`` for sliding-window layers), given a cache object that reports the same
+lengths as ``DynamicCache``'s layer of that type; each layer type gets its rotary table (one shared table, or
+Gemma-3's one per type); attention is the block's own Hugging Face attention, which appends to our cache
+through ``Cache.update``; the logits are soft-capped where the config says so, as the family's forward does.
 """
 
 from __future__ import annotations
@@ -32,19 +34,23 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from fsdp_speedloader.engine.activation_store import ActivationStore, DeviceActivationStore, for_each_sub_batch
 from fsdp_speedloader.engine.chain import Unit
 from fsdp_speedloader.engine.speedloader import speedloader_engine
-from fsdp_speedloader.generation.kv_cache import KVCache, build_kv_cache, choose_kv_mode, kv_layout_for
+from fsdp_speedloader.generation.kv_cache import KVCache, build_kv_cache, choose_kv_mode
+from fsdp_speedloader.generation.kv_layout import kv_layout_for
 from fsdp_speedloader.models import BlockInputs, ModelAdapter
+from fsdp_speedloader.models.adapter import FULL_ATTENTION, SLIDING_ATTENTION
 
 log = logging.getLogger(__name__)
 
 UNIT_METHOD = "speedloader_generate"  # registered on every unit's FSDP module
 ROOT_METHOD = "speedloader_generate_step"  # registered on the root
-_MASK_PARAMS = set(inspect.signature(create_causal_mask).parameters)
+# Each layer type's mask function, as the families' forwards build their ``causal_mask_mapping``
+# (``ModelAdapter.attention_masks``, here with a KV cache).
+_MASK_FUNCTIONS = {FULL_ATTENTION: create_causal_mask, SLIDING_ATTENTION: create_sliding_window_causal_mask}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,6 +92,7 @@ class GenerationRun:
     adapter: ModelAdapter
     units: list  # (FSDP module, Unit)
     layers: list[list[int]]  # per unit: its blocks' layer indices
+    layer_types: tuple[str, ...]  # per layer index: its attention type (ModelAdapter.layer_types)
     store: object  # the model's ActivationStore
     device: torch.device
     num_sub_batches: int
@@ -171,9 +178,9 @@ def root_step(state: GenerationStepState) -> None:
     logits = []
 
     def head(i: int, x: torch.Tensor) -> None:
-        # As Hugging Face: final norm on every position, LM head on the last (logits_to_keep=1).
+        # As Hugging Face: final norm on every position, LM head on the last (logits_to_keep=1), soft-capping.
         hidden = adapter.final_hidden(x)[:, -1:, :]
-        logits.append(adapter.lm_head(hidden)[:, -1, :].float())  # (n, V)
+        logits.append(_soft_cap(adapter.config, adapter.lm_head(hidden))[:, -1, :].float())  # (n, V)
 
     for_each_sub_batch(store, last, n_sub, head)
     store.end_step()
@@ -182,9 +189,18 @@ def root_step(state: GenerationStepState) -> None:
     state.logits = torch.cat(logits)
 
 
+def _soft_cap(config, logits: torch.Tensor) -> torch.Tensor:
+    """``c * tanh(logits / c)`` where the config sets ``final_logit_softcapping`` (Gemma), in the head's dtype,
+    as ``ModelAdapter.logits`` and the family's forward apply it."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 def _setup_kv(run: GenerationRun, dtype: torch.dtype) -> None:
+    sliding = [layer for layer, t in enumerate(run.layer_types) if t == SLIDING_ATTENTION]
     layout = kv_layout_for(run.adapter.config, num_sub_batches=run.num_sub_batches,
-                           sub_batch_size=run.sub_batch_size, capacity=run.capacity, dtype=dtype)
+                           sub_batch_size=run.sub_batch_size, capacity=run.capacity, dtype=dtype,
+                           sliding_layers=sliding)
     run.kv_mode, on_device = choose_kv_mode(run.kv_mode, layout, run.device,
                                             device_sub_batches=run.kv_device_sub_batches)
     res = run.resources
@@ -193,8 +209,9 @@ def _setup_kv(run: GenerationRun, dtype: torch.dtype) -> None:
                             exchange=res.kv_exchange, host_memory_limit_bytes=run.host_memory_limit_bytes)
     if run.kv_mode in ("host", "split"):
         res.kv_arena, res.kv_exchange = run.kv.arena, run.kv.exchange
-    log.debug("KV cache: %s (%d of %d sub-batches on the device), %.3f GiB %s", run.kv_mode, on_device,
-              layout.num_sub_batches, layout.nbytes / 2**30, layout.shape)
+    log.debug("KV cache: %s (%d of %d sub-batches on the device), %.3f GiB, (layers, positions) %s", run.kv_mode,
+              on_device, layout.num_sub_batches, layout.nbytes / 2**30,
+              [(len(layers), span) for layers, span in layout.groups])
 
 
 def register_generation_methods(model: nn.Module) -> GenerationResources:
@@ -216,43 +233,69 @@ def register_generation_methods(model: nn.Module) -> GenerationResources:
 # ---------------------------------------------------------------------------------------------
 
 
-def _causal_mask(config, dtype: torch.dtype, mask: Optional[torch.Tensor], positions: torch.Tensor, past: int,
-                 cache) -> Optional[torch.Tensor]:
-    """The model's own 4-D mask (or None) for one sub-batch, built on the host as ``generate`` would:
-    ``mask`` (n, past + q) or None, ``cache`` reporting ``past`` cached positions, or None (no cache)."""
+@functools.lru_cache(maxsize=None)
+def _params(fn) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _causal_mask(layer_type: str, config, dtype: torch.dtype, mask: Optional[torch.Tensor], positions: torch.Tensor,
+                 past: int, cache) -> Optional[torch.Tensor]:
+    """The model's own 4-D mask (or None) of ``layer_type``'s layers for one sub-batch, built on the host as
+    ``generate`` would: ``mask`` (n, past + q) or None, ``cache`` reporting ``past`` cached positions and the
+    sizes of a layer of that type, or None (no cache)."""
     n, q = positions.shape
-    kwargs = dict(config=config, inputs_embeds=torch.empty((n, q, 0), dtype=dtype), attention_mask=mask,
-                  past_key_values=cache)
-    if "position_ids" in _MASK_PARAMS:
+    builder = _MASK_FUNCTIONS[layer_type]
+    params = _params(builder)
+    kwargs = dict(config=config, attention_mask=mask, past_key_values=cache)
+    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = torch.empty((n, q, 0), dtype=dtype)
+    if "position_ids" in params:
         kwargs["position_ids"] = positions
-    if "cache_position" in _MASK_PARAMS:  # transformers < 5.20
+    if "cache_position" in params:  # transformers < 5.20
         kwargs["cache_position"] = torch.arange(past, past + q)
-    return create_causal_mask(**kwargs)
+    return builder(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _rotary_takes_layer_type(rotary_class: type) -> bool:
+    # Gemma-3's rotary module holds one table per layer type: forward(x, position_ids, layer_type).
+    return "layer_type" in inspect.signature(rotary_class.forward).parameters
 
 
 def _step_inputs(run: GenerationRun, dtype: torch.dtype, mask: Optional[torch.Tensor], positions: torch.Tensor,
                  past: int, num_groups: int) -> list[BlockInputs]:
-    """Block keyword arguments of every group (sub-batch, or the whole batch), built once per step and
-    shared by all layers. ``mask`` (B, past + q) and ``positions`` (B, q) on the host."""
-    n, device = positions.shape[0] // num_groups, run.device
+    """Block keyword arguments of every group (sub-batch, or the whole batch), built once per step: those all
+    layers share, and each layer type's mask and rotary table. ``mask`` (B, past + q) and ``positions`` (B, q)
+    on the host."""
+    n, device, config = positions.shape[0] // num_groups, run.device, run.adapter.config
+    first_layer = {}  # layer type -> a layer of that type: the cache reports its mask sizes
+    for layer, layer_type in enumerate(run.layer_types):
+        first_layer.setdefault(layer_type, layer)
     rotary = getattr(getattr(run.adapter.model, "model", None), "rotary_emb", None)  # LLaMA layout
+    rotary_by_type = rotary is not None and _rotary_takes_layer_type(type(rotary))
+    like = torch.empty((), dtype=dtype, device=device)  # the rotary modules read only its dtype and device
     out = []
     for i in range(num_groups):
         rows = slice(i * n, (i + 1) * n)
         pos = positions[rows]
         sub_mask = None if mask is None else mask[rows]
-        cache = None if run.kv is None else run.kv.view(i)
-        attn = _causal_mask(run.adapter.config, dtype, sub_mask, pos, past, cache)
+        by_type = {}
+        for layer_type, layer in first_layer.items():
+            sized = None if run.kv is None else run.kv.view(i, sized_as=layer)
+            attn = _causal_mask(layer_type, config, dtype, sub_mask, pos, past, sized)
+            by_type[layer_type] = {"attention_mask": None if attn is None else attn.to(device, non_blocking=True)}
         pos = pos.to(device, non_blocking=True)
-        kwargs = {"attention_mask": None if attn is None else attn.to(device, non_blocking=True), "position_ids": pos}
-        if rotary is not None:
-            kwargs["position_embeddings"] = rotary(torch.empty((), dtype=dtype, device=device), position_ids=pos)
-        if cache is not None:
-            kwargs["past_key_values"] = cache
+        kwargs = {"position_ids": pos}
+        if rotary_by_type:
+            for layer_type, type_kwargs in by_type.items():
+                type_kwargs["position_embeddings"] = rotary(like, pos, layer_type)
+        elif rotary is not None:
+            kwargs["position_embeddings"] = rotary(like, position_ids=pos)
+        if run.kv is not None:
+            kwargs["past_key_values"] = run.kv.view(i)
             kwargs["use_cache"] = True
         if "cache_position" in run.block_kwargs:
             kwargs["cache_position"] = torch.arange(past, past + pos.shape[1], device=device)
-        out.append(BlockInputs(kwargs=kwargs))
+        out.append(BlockInputs(kwargs=kwargs, by_layer_type=by_type))
     return out
 
 
