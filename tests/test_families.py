@@ -5,7 +5,8 @@ fp32, CPU). The reference is the same initialised model, deep-copied, through it
 the layer-major loss equals it (rtol 1e-6) and every gradient too (relative error < 1e-5), at world size 1 on a
 grid of N x blocks_per_unit x offloading, and at world size 2 (spawned gloo ranks) on a subset. Also: sliding
 windows shorter than the sequence (with and without padding), loading each family from a saved local Hugging Face
-directory, the real shapes in conf/model/, greedy generation where it runs unchanged, and the refusals.
+directory, the real shapes in conf/model/, and the refusals (generation: tests/test_generate_families.py; mixture of
+experts: tests/test_moe.py).
 """
 
 from __future__ import annotations
@@ -213,34 +214,12 @@ def test_real_shapes_build_on_meta(option):
 
 
 # ---------------------------------------------------------------------------------------------
-# Generation (greedy, fp32) where it runs unchanged: the families with one mask and one rotary table
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
-def test_greedy_generation_parity(family):
-    from fsdp_speedloader.generation.generate import generate
-
-    prompt_len, new = 7, 8
-    model = tiny_family_model(family, layers=3)
-    ids, _ = _ids(4, prompt_len, seed=5)
-    ids, _, mask = _padded(ids, ids)
-    ref = copy.deepcopy(model)
-    ref.generation_config.eos_token_id, ref.generation_config.pad_token_id = None, 0
-    want = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
-    for n_sub, kv_cache in ((1, "device"), (2, "host"), (4, "device")):
-        prepared = apply_speedloader(copy.deepcopy(model), mesh=cpu_mesh(), num_sub_batches=n_sub)
-        got = generate(prepared, ids, mask, max_new_tokens=new, num_sub_batches=n_sub, kv_cache=kv_cache)
-        assert torch.equal(got, want), (family, n_sub, kv_cache)
-
-
-# ---------------------------------------------------------------------------------------------
 # Refusals: what cannot be reproduced exactly fails loudly, naming what to change
 # ---------------------------------------------------------------------------------------------
 
 
 def test_block_inputs_without_layer_types_are_refused_on_sliding_layers():
-    """One mask for every layer would silently drop the window (what generation builds today)."""
+    """One mask for every layer would silently drop the window."""
     model = tiny_family_model("mistral")
     adapter = get_adapter(model)
     hidden = torch.zeros(1, SEQ_LEN, 64)

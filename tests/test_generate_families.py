@@ -1,11 +1,11 @@
-"""Layer-major generation of every dense family: greedy tokens equal Hugging Face ``generate``; sliding-window
-layers keep only their window.
+"""Layer-major generation of every family: greedy tokens equal Hugging Face ``generate``; sliding-window layers
+keep only their window.
 
 Families, each through its unmodified Hugging Face class (tiny random configs of ``engine_cases.FAMILY_CASES``,
 3 layers, fp32, CPU): Llama-3.x (GQA, llama3 rope scaling, tied embeddings), Qwen2.5 (q/k/v biases), Qwen2
 with ``use_sliding_window`` (built here: full and sliding layers sharing one rotary table), Qwen3 (q/k RMSNorm),
 Mistral with a window (8) and without, Gemma-3 text (sliding (window 4) and global layers, each type with its own
-mask and rotary table, logit soft-capping, tied embeddings). Prompts are ``test_generate``'s: left-padded to
+mask and rotary table, logit soft-capping, tied embeddings), Mixtral and Qwen3-MoE (routed experts). Prompts are ``test_generate``'s: left-padded to
 lengths 1 to 7, and with 10 new tokens every window is exceeded (Gemma-3's already by the prompt). The reference
 is the same initialised model, deep-copied, through its own ``generate`` (``use_cache=False`` for
 ``kv_cache='off'``).
@@ -50,6 +50,10 @@ BUILDERS = {
     "mistral": lambda **kw: tiny_family_model("mistral", layers=3, **kw),  # sliding_window 8
     "mistral_no_window": lambda **kw: tiny_family_model("mistral", layers=3, sliding_window=None, **kw),
     "gemma3": lambda **kw: tiny_family_model("gemma3", layers=3, **kw),  # sliding_window 4
+    # Mixtures of experts, the load-balancing loss off: with output_router_logits=True Hugging Face's own generate
+    # (the reference) fails on padded prompts in transformers 5.23 (its loss over the padded router logits)
+    "mixtral": lambda **kw: tiny_family_model("mixtral", layers=3, output_router_logits=False, **kw),
+    "qwen3_moe": lambda **kw: tiny_family_model("qwen3_moe", layers=3, output_router_logits=False, **kw),
 }
 WINDOWED = ("qwen2_sliding", "mistral", "gemma3")
 
