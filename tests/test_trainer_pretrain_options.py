@@ -140,8 +140,13 @@ def test_overlapped_optimizer_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("overrides,field_name", [
     ({"schedule": {"name": "canonical"}}, "optim.overlap_with_backward"),
     ({"offload": {"params": False}}, "optim.overlap_with_backward"),
-    ({"optim": {"grad_clip": 1.0, "overlap_with_backward": True}}, "optim.grad_clip"),
 ])
-def test_overlap_needs_layer_major_offload_and_no_clipping(tmp_path, overrides, field_name):
+def test_overlap_needs_layer_major_and_offload(tmp_path, overrides, field_name):
     with pytest.raises(ValueError, match=re.escape(field_name)):
         _overlap_config(tmp_path, True, **overrides)
+
+
+def test_overlap_takes_clipping(tmp_path):
+    """Global-norm clipping with the overlapped optimizer (exact; tests/test_overlap_clip.py trains with it)."""
+    cfg = _overlap_config(tmp_path, True, optim={"grad_clip": 1.0, "overlap_with_backward": True})
+    assert (cfg.optim.grad_clip, cfg.optim.overlap_with_backward, cfg.optim.skip_nonfinite) == (1.0, True, True)

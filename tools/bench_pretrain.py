@@ -21,8 +21,20 @@ forward, backward, optimizer step, step-boundary synchronisation and metric logg
 metrics.jsonl, W&B) count; the first step's one-time costs (CUDA kernels loaded, allocator warm-up)
 count too. Not timed: process start, model build, sharding, weight initialisation, optimizer, data
 loader and W&B set-up (each contender's ``outside_loop_s`` in the record). Gradient-norm clipping
-is off for both (--grad-clip 0): the overlapped optimizer steps a unit before the global norm is
-known, and both must use the same optimizer settings. The learning rate is constant after warmup.
+is off for both by default (--grad-clip 0, the same optimizer settings for both). The learning rate is
+constant after warmup.
+
+A contender may carry its own settings: ``NAME:clip=X`` (optim.grad_clip) and, for speedloader,
+``:overlap=false`` (the AdamW step after backward, clip-then-step). One invocation then measures what
+clipping costs the overlapped optimizer (issue 20: within 3% of the unclipped overlapped step when clipping
+does not trigger, never slower than the plain clip-then-step), clip=1e9 never clipping, clip=1e-6 always::
+
+    python tools/bench_pretrain.py --model llama2_7b --layers 8 --seq-len 4096 --minutes 2 \
+        --max-gpu-memory-gib 40 --contenders speedloader speedloader:clip=1e9 speedloader:clip=1e-6 \
+        speedloader:clip=1e9:overlap=false speedloader:clip=1e-6:overlap=false --name clip_overlap_llama7b_L8
+
+Compare their ``median_step_tokens_per_s`` (steps 3..: steady state, every deferred unit step included in the
+step that waits for it).
 
 Usage, one GPU (one invocation takes 2 x --minutes plus each contender's set-up, about a minute for
 8 layers of the 7B shape: ~6 minutes for --minutes 2)::
@@ -86,14 +98,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="after warmup; cosine and linear decay over --steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=0.0,
-                   help="global-norm clipping for both; > 0 needs --no-overlap")
+                   help="global-norm clipping for every contender without its own :clip=")
     p.add_argument("--no-overlap", action="store_true",
                    help="speedloader steps its optimizer after backward (optim.overlap_with_backward=false)")
     p.add_argument("--fsdp2-gradient-sync", default="last", choices=("last", "every"),
                    help="fsdp2-offload: reduce-scatter after the last micro-batch only, or after every one")
     p.add_argument("--steps", type=int, default=1_000_000, help="upper bound on steps (the budget ends the run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
+                   help=f"each one of {', '.join(CONTENDERS)}, with :clip=X (optim.grad_clip) and, for speedloader, "
+                        ":overlap=true|false")
     p.add_argument("--no-wandb", action="store_true", help="logger=none (metrics.jsonl only)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="one more Hydra override for every contender (repeatable)")
@@ -109,9 +123,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--sub-batch-size, --num-sub-batches, --fsdp2-sub-batch-size and --minutes must be positive")
     if batch % args.fsdp2_sub_batch_size:
         p.error(f"--fsdp2-sub-batch-size {args.fsdp2_sub_batch_size} does not divide the effective batch {batch}")
-    if args.grad_clip > 0 and not args.no_overlap:
-        p.error("--grad-clip > 0 needs --no-overlap: the overlapped optimizer steps units before every gradient "
-                "is known, so global-norm clipping cannot run")
+    for contender in args.contenders:
+        try:
+            parse_contender(contender)
+        except ValueError as e:
+            p.error(str(e))
+    if len(set(args.contenders)) != len(args.contenders):
+        p.error("--contenders: each contender once")
     if args.max_gpu_memory_gib is not None and args.device == "cpu":
         p.error("--max-gpu-memory-gib caps GPU memory; leave it out with --device cpu")
     if args.data_path is not None:  # the contenders run in the repository root
@@ -122,16 +140,50 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+def parse_contender(spec: str) -> tuple[str, Optional[float], Optional[bool]]:
+    """'NAME[:clip=X][:overlap=true|false]' -> (NAME, clip or None, overlap or None); None: the command line's."""
+    name, *options = spec.split(":")
+    clip = overlap = None
+    if name not in CONTENDERS:
+        raise ValueError(f"contender {spec!r}: the names are {', '.join(CONTENDERS)}")
+    for option in options:
+        key, _, value = option.partition("=")
+        if key == "clip" and _non_negative_float(value):
+            clip = float(value)
+        elif key == "overlap" and value in ("true", "false") and name == "speedloader":
+            overlap = value == "true"
+        else:
+            raise ValueError(f"contender {spec!r}: the suffixes are ':clip=X' (X >= 0, optim.grad_clip) and, for "
+                             "speedloader, ':overlap=true|false' (optim.overlap_with_backward)")
+    return name, clip, overlap
+
+
+def _non_negative_float(text: str) -> bool:
+    try:
+        return float(text) >= 0
+    except ValueError:
+        return False
+
+
+def run_dir_name(contender: str) -> str:
+    """A directory name for the contender spec ('speedloader:clip=1' -> 'speedloader_clip-1')."""
+    return contender.replace(":", "_").replace("=", "-")
+
+
 def contender_overrides(args: argparse.Namespace, contender: str, run_dir: Path) -> list[str]:
-    """The Hydra overrides of one contender: everything but the schedule is shared."""
+    """The Hydra overrides of one contender: everything but the schedule (and a contender's own suffixes) is
+    shared."""
+    contender, clip, overlap = parse_contender(spec := contender)
+    grad_clip = args.grad_clip if clip is None else clip
+    overlap = (not args.no_overlap) if overlap is None else overlap
     common = [f"model={args.model}", f"data.seq_len={args.seq_len}", f"seed={args.seed}", f"device={args.device}",
               f"steps={args.steps}", f"time_budget_s={args.minutes * 60:g}", "log_every=1", "offload=params",
               f"optim.lr={args.lr:g}", f"optim.warmup_steps={args.warmup_steps}",
               f"optim.lr_schedule={args.lr_schedule}", f"optim.weight_decay={args.weight_decay:g}",
-              f"optim.grad_clip={args.grad_clip:g}", f"schedule.blocks_per_unit={args.blocks_per_unit}",
+              f"optim.grad_clip={grad_clip:g}", f"schedule.blocks_per_unit={args.blocks_per_unit}",
               "checkpoint.save_final=false", f"hydra.run.dir={run_dir}"]
     common += ["logger=none"] if args.no_wandb else [
-        "logger=wandb", "logger.mode=offline", f"logger.group={args.name}", f"logger.name={args.name}-{contender}",
+        "logger=wandb", "logger.mode=offline", f"logger.group={args.name}", f"logger.name={args.name}-{spec}",
         "logger.tags=[bench_pretrain]"]
     if args.layers:
         common.append(f"model.num_layers={args.layers}")
@@ -142,7 +194,7 @@ def contender_overrides(args: argparse.Namespace, contender: str, run_dir: Path)
     if contender == "speedloader":
         schedule = ["schedule=speedloader", f"schedule.sub_batch_size={args.sub_batch_size}",
                     f"schedule.num_sub_batches={args.num_sub_batches}",
-                    f"optim.overlap_with_backward={str(not args.no_overlap).lower()}"]
+                    f"optim.overlap_with_backward={str(overlap).lower()}"]
     else:
         n = args.fsdp2_sub_batch_size
         schedule = ["schedule=canonical", f"schedule.sub_batch_size={n}", f"schedule.num_sub_batches={batch // n}",
@@ -194,6 +246,7 @@ def summarize_run(run_dir: Path) -> dict:
         "last5_mean_loss": statistics.fmean(losses[-5:]), "median_mfu": statistics.median(r["mfu"] for r in rows),
         "peak_gpu_mem_allocated_gib": max(r.get("peak_gpu_mem_allocated_gib", 0.0) for r in rows),
         "peak_host_rss_gib": max(r.get("host_rss_gib", 0.0) for r in rows),
+        "num_skipped_steps": last.get("num_skipped_steps", 0),  # optimizer steps skipped (non-finite gradients)
         "wandb_runs": wandb_runs,
         "curve": {"step": [r["step"] for r in rows], "tokens": [r["tokens"] for r in rows],
                   "elapsed_s": [r["elapsed_s"] for r in rows], "loss": losses},
@@ -299,8 +352,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               "wandb_group": None if args.no_wandb else args.name, "config": config,
               "contenders": results, "comparison": None, "plot": None}
     for contender in args.contenders:
-        results[contender] = r = run_contender(args, contender, runs_dir / contender)
-        r["run_dir"] = str((runs_dir / contender).relative_to(out_dir))  # wandb_runs are relative to it
+        run_dir = runs_dir / run_dir_name(contender)
+        results[contender] = r = run_contender(args, contender, run_dir)
+        r["run_dir"] = str(run_dir.relative_to(out_dir))  # wandb_runs are relative to it
         if r["status"] == "ok":
             r["epochs"] = r["tokens"] / (config["data"]["num_sequences"] * args.seq_len)
         print(f"[{contender}] {r['status']}: " + ", ".join(f"{k}={r[k]:.4g}" for k in (

@@ -61,10 +61,17 @@ class OptimConfig:
     eps: float = 1e-8
     """Adam epsilon."""
     grad_clip: float = 1.0
-    """Clip the global gradient norm to this; 0 turns clipping off."""
+    """Clip the global gradient norm to this (torch.nn.utils.clip_grad_norm_'s result, also with
+    overlap_with_backward); 0 turns clipping off."""
+    skip_nonfinite: bool = True
+    """With grad_clip > 0: a step whose global gradient norm is inf or nan updates nothing (no parameter, no
+    optimizer state, no LR schedule step), is logged and counted (num_skipped_steps), and training goes on.
+    With grad_clip = 0 no norm is computed and nothing is checked."""
     overlap_with_backward: bool = False
-    """Layer-major, parameters offloaded: step each unit on the CPU as soon as its gradients reach the host,
-    while the backward goes on (``OverlappedOptimizer``; exact; needs grad_clip=0)."""
+    """Layer-major, parameters offloaded: step each unit on the CPU beside the GPU's work
+    (``OverlappedOptimizer``; exact): as soon as its gradients reach the host, during the backward
+    (grad_clip=0); or, with grad_clip > 0, once the global norm is known at the end of backward, in forward
+    order, during the next forward (docs/design.md §9)."""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "optim.lr", f"got {self.lr}; must be > 0")
@@ -266,9 +273,6 @@ class TrainConfig:
                   "set optim.overlap_with_backward=false")
             check(self.offload.params, "optim.overlap_with_backward",
                   f"{why}; it needs the parameters there: set offload=params (or optim.overlap_with_backward=false)")
-            check(self.optim.grad_clip == 0, "optim.grad_clip",
-                  f"got {self.optim.grad_clip}; global-norm clipping needs every gradient before any step, which "
-                  "optim.overlap_with_backward=true does not wait for: set optim.grad_clip=0")
         if self.offload.param_transfer_dtype is not None:
             what = f"offload.param_transfer_dtype={self.offload.param_transfer_dtype}"
             check(self.schedule.name in ("speedloader", "auto") and self.schedule.activation_store in ("auto", "host"),

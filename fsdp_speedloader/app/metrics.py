@@ -84,8 +84,11 @@ class StepMetrics:
         """Call once the batch is in hand: the time since ``start_step`` is the data wait."""
         self._t_data = time.perf_counter()
 
-    def end_step(self, *, loss: float, lr: float, grad_norm: Optional[float]) -> dict:
-        """The step's metrics; synchronises CUDA once (the step boundary)."""
+    def end_step(self, *, loss: float, lr: float, grad_norm: Optional[float], step_skipped: bool = False,
+                 num_skipped_steps: int = 0) -> dict:
+        """The step's metrics; synchronises CUDA once (the step boundary). ``grad_norm``: the global gradient
+        norm before clipping (None: not computed); ``step_skipped``: the optimizer step was skipped (a non-finite
+        gradient norm); ``num_skipped_steps``: such steps since this process started training."""
         assert self._t0 is not None, "end_step without start_step"
         if self._is_cuda:
             torch.cuda.synchronize(self.device)
@@ -101,6 +104,8 @@ class StepMetrics:
             "loss": float(loss),
             "lr": float(lr),
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "step_skipped": int(step_skipped),
+            "num_skipped_steps": int(num_skipped_steps),
             "step_time_s": step_time,
             "data_wait_s": data_wait,
             "tokens_per_s": tokens_per_s,

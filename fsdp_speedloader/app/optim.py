@@ -1,12 +1,15 @@
 """The training run's optimizers and learning-rate schedule: AdamW (fused where supported) behind the library's
-optimizer interface -- one over the model (``OptimizersContainer``), or one per unit stepped during the backward
-(``OverlappedOptimizer``) -- with warmup then cosine/linear decay, one schedule per inner optimizer."""
+optimizer interface -- one over the model (``OptimizersContainer``), or one per unit stepped beside the backward
+or the next forward (``OverlappedOptimizer``) -- clipping the global gradient norm (``optim.grad_clip``) and
+skipping non-finite steps (``optim.skip_nonfinite``) either way, with warmup then cosine/linear decay, one schedule
+per inner optimizer, each stepped right after its optimizer's step."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import math
+from typing import Optional
 
 import torch
 
@@ -21,10 +24,13 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> OptimizersConta
 
     With ``cfg.overlap_with_backward`` an :class:`OverlappedOptimizer` (``model`` prepared with
     ``apply_speedloader``): one such AdamW per unit and one for the root, each stepped as soon as its
-    gradients are on the host. The trainer uses either the same way.
+    gradients are on the host, or, with ``cfg.grad_clip > 0``, as soon as the global norm is known (during the
+    next forward). Either clips to ``cfg.grad_clip`` and, when it clips, skips steps whose gradient norm is not
+    finite (``cfg.skip_nonfinite``). The trainer uses either the same way.
     """
     container = OverlappedOptimizer if cfg.overlap_with_backward else OptimizersContainer
-    return container(model, functools.partial(build_adamw, cfg=cfg))
+    return container(model, functools.partial(build_adamw, cfg=cfg), max_norm=cfg.grad_clip,
+                     skip_nonfinite=cfg.skip_nonfinite and cfg.grad_clip > 0)
 
 
 def build_adamw(parameters: list, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -54,31 +60,44 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
 
 
 def build_lr_scheduler(optimizers: OptimizersContainer, cfg: OptimConfig, total_steps: int) -> LRSchedulersContainer:
-    """Warmup then decay (``lr_factor``): one ``LambdaLR`` per inner optimizer, stepped together."""
+    """Warmup then decay (``lr_factor``): one ``LambdaLR`` per inner optimizer, each stepped after its optimizer."""
     fn = functools.partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
                            schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio)
-    return LRSchedulersContainer([torch.optim.lr_scheduler.LambdaLR(opt, fn) for opt in optimizers])
+    return LRSchedulersContainer([torch.optim.lr_scheduler.LambdaLR(opt, fn) for opt in optimizers],
+                                 optimizers=optimizers)
 
 
 class LRSchedulersContainer:
     """LR schedulers stepped together, saved and loaded as one.
+
+    ``optimizers``: the container whose inner optimizers the schedulers wrap, in order. ``step()`` then steps
+    scheduler i once optimizer i's last step is applied (``call_after_step``): at once after a plain step; after
+    each unit's deferred step in the overlapped optimizer's worker, so that the step reads the LR it was issued
+    with, as in a plain step-then-schedule.
 
     Checkpoint layout: the scheduler's own state dict when there is one scheduler (one optimizer over the model),
     ``{"schedulers": [each one's]}`` when there are several (an ``OverlappedOptimizer``'s, one per unit and the
     root): the layouts checkpoints held before this container existed, so those still load.
     """
 
-    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler], *,
+                 optimizers: Optional[OptimizersContainer] = None) -> None:
         self.schedulers = schedulers
+        self.optimizers = optimizers
 
     def step(self) -> None:
-        for scheduler in self.schedulers:
-            scheduler.step()
+        for index, scheduler in enumerate(self.schedulers):
+            if self.optimizers is None:
+                scheduler.step()
+            else:
+                self.optimizers.call_after_step(index, scheduler.step)
 
     def get_last_lr(self) -> list[float]:
         return [lr for scheduler in self.schedulers for lr in scheduler.get_last_lr()]
 
     def state_dict(self) -> dict:
+        if self.optimizers is not None:  # the schedulers' steps still queued behind deferred optimizer steps
+            self.optimizers.wait()
         states = [scheduler.state_dict() for scheduler in self.schedulers]
         return states[0] if len(states) == 1 else {"schedulers": states}
 

@@ -39,7 +39,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from fsdp_speedloader import parallel
 from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits, resolve_resume_path
@@ -151,10 +150,6 @@ def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, 
         loss.backward()
         total += loss.detach()
     return total
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,12 +302,20 @@ class Trainer:
 
         loss = self._forward_backward(input_ids, labels, num_tokens)
         engine = speedloader_engine(self.model, missing_ok=True)
-        grad_norm = None
-        if self.cfg.optim.grad_clip > 0:
-            grad_norm = _full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip))
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()  # and the bf16 transfer copies it made stale, cast now rather than in the next forward
-        self.scheduler.step()
+        # Clips to optim.grad_clip first (clip_grad_norm_ over model.parameters(), bit for bit also when the steps
+        # are overlapped), then steps, and casts the bf16 transfer copies it made stale rather than in the next
+        # forward. An overlapped optimizer may return before its unit steps are applied: the next forward waits
+        # for each unit's, and the LR scheduler and zero_grad below run after them.
+        self.optimizer.step()
+        grad_norm = self.optimizer.last_grad_norm
+        skipped = self.optimizer.last_step_skipped
+        if skipped:  # the same on every rank: the norm is global
+            self._warning("step %d: the gradient norm is %s; skipped the optimizer step (no parameter, optimizer "
+                          "state or LR schedule changed; optim.skip_nonfinite), %d step(s) skipped so far",
+                          self.step + 1, grad_norm.item(), self.optimizer.num_skipped_steps)
+        else:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
@@ -321,7 +324,8 @@ class Trainer:
             loss = loss / self.world_size
         # .item() waits for the step's kernels: this is the step boundary.
         metrics = self.metrics.end_step(loss=loss.item(), lr=float(lr),
-                                        grad_norm=grad_norm.item() if grad_norm is not None else None)
+                                        grad_norm=grad_norm.item() if grad_norm is not None else None,
+                                        step_skipped=skipped, num_skipped_steps=self.optimizer.num_skipped_steps)
         metrics["tokens"] = self.step * self.world_size * self.cfg.schedule.batch_size * self.cfg.data.seq_len
         if engine is not None:  # copy bytes, compute-stream waits on copies, arena bytes (read at the step end)
             metrics.update(engine.store.step_stats())
@@ -339,7 +343,12 @@ class Trainer:
         Saves checkpoints on ``checkpoint.every``, every ``checkpoint.every_minutes`` and after the last step
         (``checkpoint.save_final``; a run stopped by its time budget saves then too), logs the final step
         (``cfg.steps``, or the one that crossed the budget) whatever ``log_every`` is, finishes the logger and
-        stops an overlapped optimizer's worker: a Trainer trains once.
+        stops an overlapped optimizer's worker once its last steps are applied: a Trainer trains once.
+
+        With ``optim.grad_clip > 0`` and ``optim.skip_nonfinite`` a step whose gradient norm is inf or nan changes
+        nothing (parameters, optimizer state, LR schedule), is logged as a warning and counted (``step_skipped``,
+        ``num_skipped_steps`` in the metrics), and the loop goes on; a non-finite loss stops the run only when its
+        step was not skipped.
 
         A SIGTERM or SIGINT (on any rank) ends the loop after the step in flight: every rank saves that step,
         then ``launch.TrainingInterrupted`` (a ``SystemExit`` with code 128 + the signal number) is raised.
@@ -376,7 +385,7 @@ class Trainer:
                             or stopped_by):
                         self.logger.log({k: v for k, v in metrics.items() if k != "step"}, step=self.step)
                     progress.update(self.step, metrics)
-                    if not math.isfinite(metrics["loss"]):
+                    if not math.isfinite(metrics["loss"]) and not metrics["step_skipped"]:
                         raise RuntimeError(f"loss is {metrics['loss']} at step {self.step}; "
                                            "lower optim.lr or check the data")
                     if (self.checkpointer.should_save(self.step, self.cfg.steps) or save_due or stopped_by
@@ -424,6 +433,7 @@ class Trainer:
         return tuple(int(v) for v in box.tolist())
 
     def save_checkpoint(self) -> Path:
+        self.optimizer.wait()  # an overlapped optimizer's deferred steps: the parameters are read before its state
         return self.checkpointer.save(self.step, model=self.model, optimizer=self.optimizer,
                                       scheduler=self.scheduler, loader=self.loader)
 

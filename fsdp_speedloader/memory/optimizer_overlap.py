@@ -1,10 +1,14 @@
 """The optimizers of a training step, behind one interface: ``OptimizersContainer`` (one optimizer over the
-model, stepped after backward) and ``OverlappedOptimizer`` (one per unit, stepped during the layer-major
-backward). The trainer and the tuner's trials hold either without asking which (torchtitan's
-``OptimizersContainer`` / ``OptimizersInBackwardContainer``):
+model, stepped after backward) and ``OverlappedOptimizer`` (one per unit, stepped beside the layer-major
+backward, or beside the next forward when it clips). The trainer and the tuner's trials hold either without
+asking which (torchtitan's ``OptimizersContainer`` / ``OptimizersInBackwardContainer``):
 
-- ``step()`` then ``zero_grad()``; ``step`` also casts the parameter transfer copies (``param_transfer_dtype``)
-  that it made stale, so the next forward's unshards find them fresh;
+- ``step()`` then ``zero_grad()``; ``step`` clips the global gradient norm to ``max_norm`` first
+  (``torch.nn.utils.clip_grad_norm_``'s result, bit for bit), skips the whole step when that norm is not finite
+  (``skip_nonfinite``; ``last_step_skipped``, ``num_skipped_steps``), and casts the parameter transfer copies
+  (``param_transfer_dtype``) that it made stale, so the next forward's unshards find them fresh;
+- ``call_after_step(i, fn)``: ``fn`` once inner optimizer i's step is applied (an LR scheduler's step);
+  ``wait()``: until every step issued is applied (before a checkpoint, or reading the parameters elsewhere);
 - ``param_groups`` (every inner optimizer's), and the inner ``optimizers`` themselves (iterating the container
   yields them): LR schedulers wrap each, and ``torch.distributed.checkpoint.state_dict`` takes the container
   where it takes a list of optimizers;
@@ -13,19 +17,25 @@ backward). The trainer and the tuner's trials hold either without asking which (
 - ``close()``: the overlapped one's worker thread stops (a no-op for the plain one).
 
 Overlap. With parameters offloaded, AdamW runs on the host and, done after backward, adds its whole time to
-the step (docs/design.md §4). In layer-major backward, unit l's gradient is final once FSDP's post-backward
+the step (docs/design.md §9). In layer-major backward, unit l's gradient is final once FSDP's post-backward
 for unit l has reduce-scattered it and copied it to the host; units l-1 .. 1 still have their backward to
-run on the GPU. ``OverlappedOptimizer`` steps unit l's parameters in a worker thread right then, so only the
-first unit and the root (embeddings, final norm, LM head) remain after ``loss.backward()``.
+run on the GPU. Without clipping, ``OverlappedOptimizer`` steps unit l's parameters in a worker thread right
+then, so only the first unit and the root (embeddings, final norm, LM head) remain after ``loss.backward()``.
 
-Exact: every unit is stepped once per optimizer step with its final gradient, and the next forward waits for
-all steps (``wait``). Incompatible with global-norm gradient clipping, which needs every gradient before any
-step. With ``param_transfer_dtype`` the worker also casts each unit's transfer copies right after that unit's
-step; the main thread casts only those of the units it steps itself.
+Clipping (``max_norm > 0``) or ``skip_nonfinite`` needs every gradient before any step. Then the worker only
+takes each unit's per-tensor gradient norms as the gradients land; ``step()`` forms the global norm at the
+end of backward and hands the worker the steps in forward order (the root, units 1 .. U), each unit's
+gradients scaled just before its step; ``step()`` returns at once, and the next forward's unit l waits only for
+the steps that its unshard (and prefetch) reads. The same bits as clip-then-step (``grad_clip.py``).
+
+Exact: every unit is stepped once per optimizer step with its final gradient, in both modes. With
+``param_transfer_dtype`` the worker also casts each unit's transfer copies right after that unit's step; the
+main thread casts only those of the units it steps itself.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from typing import Callable, Iterator, Optional
@@ -36,6 +46,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from fsdp_speedloader.engine.speedloader import speedloader_engine
 from fsdp_speedloader.fsdp2 import fsdp_params_of
+from fsdp_speedloader.memory.grad_clip import NormTable, clip_coefficient, coefficients_by_device, full_value, \
+    scale_grads_, tensor_norms, total_norm
 
 BuildOptimizer = Callable[[list], torch.optim.Optimizer]
 """Makes one inner optimizer for a list of parameters, e.g. ``lambda params: torch.optim.AdamW(params, lr=1e-4)``."""
@@ -44,20 +56,40 @@ BuildOptimizer = Callable[[list], torch.optim.Optimizer]
 class OptimizersContainer:
     """One optimizer, ``build(params)``, over every trainable parameter of ``model``, stepped after backward::
 
-        optimizers = OptimizersContainer(model, lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True))
+        optimizers = OptimizersContainer(model, lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True),
+                                         max_norm=1.0, skip_nonfinite=True)
         model(input_ids=ids, labels=ids).loss.backward()
-        optimizers.step()
+        optimizers.step()        # clip_grad_norm_(model.parameters(), 1.0), then the step unless the norm is inf/nan
         optimizers.zero_grad()
+
+    Args:
+        max_norm: clip the global 2-norm of the gradients to this (``clip_grad_norm_``); 0: no clipping.
+        skip_nonfinite: a step whose global gradient norm is inf or nan changes nothing (no parameter, no
+            optimizer state); ``last_step_skipped`` says so and ``num_skipped_steps`` counts them.
     """
 
-    def __init__(self, model: nn.Module, build: BuildOptimizer) -> None:
+    def __init__(self, model: nn.Module, build: BuildOptimizer, *, max_norm: float = 0.0,
+                 skip_nonfinite: bool = False) -> None:
+        if not max_norm >= 0:
+            raise ValueError(f"max_norm={max_norm}: use a norm > 0 to clip, or 0 not to")
         self.model = model
+        self.max_norm = float(max_norm)
+        self.skip_nonfinite = skip_nonfinite
         self._engine = speedloader_engine(model, missing_ok=True)  # None: a model without the layer-major engine
-        self.optimizers: list[torch.optim.Optimizer] = [build(params) for params in self._partition(model)]
+        self._param_lists = self._partition(model)
+        self.optimizers: list[torch.optim.Optimizer] = [build(params) for params in self._param_lists]
+        self.last_grad_norm: Optional[torch.Tensor] = None  # the last step's global norm (before clipping)
+        self.last_step_skipped = False
+        self.num_skipped_steps = 0
 
     def _partition(self, model: nn.Module) -> list[list[nn.Parameter]]:
         """The parameters of each inner optimizer."""
         return [[p for p in model.parameters() if p.requires_grad]]
+
+    @property
+    def needs_grad_norm(self) -> bool:
+        """Whether ``step`` computes the global gradient norm (to clip, or to skip a non-finite step)."""
+        return self.max_norm > 0 or self.skip_nonfinite
 
     @property
     def param_groups(self) -> list[dict]:
@@ -71,15 +103,41 @@ class OptimizersContainer:
         return len(self.optimizers)
 
     def step(self) -> None:
-        """Steps every inner optimizer, then casts the transfer copies the step made stale (a no-op without
-        ``param_transfer_dtype``): now, rather than in the next forward's unshards."""
+        """Clips (``max_norm``), then steps every inner optimizer unless the step is skipped (``skip_nonfinite``),
+        then casts the transfer copies the step made stale (a no-op without ``param_transfer_dtype``): now,
+        rather than in the next forward's unshards."""
+        self.last_grad_norm, self.last_step_skipped = None, False
+        if self.needs_grad_norm:
+            params = list(self.model.parameters())
+            if self.max_norm > 0:
+                norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            if self._record_norm(norm):
+                return
         for opt in self.optimizers:
             opt.step()
         self._refresh_param_transfer()
 
+    def _record_norm(self, norm: torch.Tensor) -> bool:
+        """Keeps the step's global gradient norm; True (and counted) when the step is to be skipped. The same
+        decision on every rank: the norm is global. Reads the norm on the host (a device sync when it is there)."""
+        self.last_grad_norm = full_value(norm)
+        self.last_step_skipped = self.skip_nonfinite and not bool(torch.isfinite(self.last_grad_norm))
+        self.num_skipped_steps += int(self.last_step_skipped)
+        return self.last_step_skipped
+
     def _refresh_param_transfer(self, index: Optional[int] = None) -> None:
         if self._engine is not None:
             self._engine.refresh_param_transfer(index)
+
+    def call_after_step(self, index: int, fn: Callable[[], None]) -> None:
+        """Calls ``fn`` once inner optimizer ``index``'s step, issued by the last ``step()``, is applied: here at
+        once (``step`` returns when it is)."""
+        fn()
+
+    def wait(self) -> None:
+        """Blocks until every step issued so far is applied (here, ``step`` returns when it is)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
@@ -88,10 +146,12 @@ class OptimizersContainer:
     def state_dict(self) -> dict:
         """The optimizer state keyed by parameter name, every inner optimizer in one dict (DCP's layout: what
         ``get_state_dict(model, optimizers)`` gives, so any split of the parameters saves alike)."""
+        self.wait()
         return get_optimizer_state_dict(self.model, self.optimizers)
 
     def load_state_dict(self, state: dict) -> None:
         """Loads :meth:`state_dict`'s layout (each inner optimizer takes the state of its own parameters)."""
+        self.wait()
         set_optimizer_state_dict(self.model, self.optimizers, state)
 
     def close(self) -> None:
@@ -99,7 +159,8 @@ class OptimizersContainer:
 
 
 class OverlappedOptimizer(OptimizersContainer):
-    """One optimizer per unit (and one for the root), stepped as soon as that unit's gradients land.
+    """One optimizer per unit (and one for the root), stepped as soon as that unit's gradients land, or, when it
+    clips or skips non-finite steps, as soon as the global norm is known, while the next forward runs.
 
     Use in place of :class:`OptimizersContainer` (``model`` prepared with ``apply_speedloader``)::
 
@@ -109,20 +170,45 @@ class OverlappedOptimizer(OptimizersContainer):
         optimizers.step()        # steps unit 1 and the root, waits for all steps
         optimizers.zero_grad()
 
-    ``optimizers``: unit 1 .. U, then the root.
+    With ``max_norm > 0`` or ``skip_nonfinite`` (deferred steps)::
+
+        loss.backward()          # each unit's per-tensor gradient norms, while backward runs
+        optimizers.step()        # the global norm (an all-reduce); the steps are queued in forward order
+        scheduler.step()         # an LR scheduler over the inner optimizers: see call_after_step
+        optimizers.zero_grad()   # each unit's, once its step is applied
+        model(input_ids=ids, labels=ids)   # unit l's forward waits for unit l's step only
+
+    Anything else that reads the parameters or the optimizer state before the next forward calls ``wait()``
+    first (``state_dict`` does). One backward per ``step()``: accumulate within one layer-major step
+    (``num_sub_batches``). ``optimizers``: unit 1 .. U, then the root.
     """
 
-    def __init__(self, model: nn.Module, build: BuildOptimizer) -> None:
+    def __init__(self, model: nn.Module, build: BuildOptimizer, *, max_norm: float = 0.0,
+                 skip_nonfinite: bool = False) -> None:
         if speedloader_engine(model, missing_ok=True) is None:
             raise ValueError("OverlappedOptimizer needs a model prepared with apply_speedloader")
-        super().__init__(model, build)
+        super().__init__(model, build, max_norm=max_norm, skip_nonfinite=skip_nonfinite)
         self._units = [module for module, _ in self._engine.units]
-        self._stepped: set[int] = set()
+        self._deferred = self.needs_grad_norm
+        # The inner optimizers the worker steps in deferred mode: those over host parameters. The others (the
+        # root with offload_root=False) are stepped by the main thread, as device kernels.
+        self._on_worker = [all(p.device.type == "cpu" for p in params) for params in self._param_lists]
+        self._stepped: set[int] = set()  # immediate mode: the units the worker stepped during this backward
+        self._norms: NormTable = {}  # deferred mode: written by the worker during backward, read by step()
+        self._pending: set[int] = set()  # deferred mode: inner optimizers whose queued step is not applied yet
+        self._callbacks: dict[int, list[Callable[[], None]]] = {}  # to call once that step is applied
+        self._cond = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
         self._error: Optional[BaseException] = None
         self._worker = threading.Thread(target=self._run, name="fsdp_speedloader-optimizer", daemon=True)
         self._worker.start()
         self._engine.grad_ready_hook = self.on_unit_grads_ready
+        self._root_hook = None
+        if self._deferred:
+            self._engine.unit_forward_hook = self.before_unit_forward
+            # Before FSDP's own pre-forward hook on the root (prepend): it unshards the root, prefetches unit 1 ..
+            self._root_hook = model.register_forward_pre_hook(lambda module, args: self.before_unit_forward(0),
+                                                              prepend=True)
 
     def _partition(self, model: nn.Module) -> list[list[nn.Parameter]]:
         """Each unit's parameters (all blocks of its group), then the root's (every other parameter)."""
@@ -130,41 +216,25 @@ class OverlappedOptimizer(OptimizersContainer):
         seen = {id(p) for params in unit_params for p in params}
         return unit_params + [[p for p in model.parameters() if id(p) not in seen]]
 
+    # --- the main thread's side ------------------------------------------------------------------------------
     def on_unit_grads_ready(self, index: int) -> None:
         """Called by the chain (main thread) once unit ``index``'s post-backward has run."""
         unit = self._units[index - 1]
         # The events of the non-blocking gradient copies to the host, taken now: FSDP clears them
         # when it finalises backward. None: the copy was synchronous (no CUDA, or accumulation).
         events = [e for p in fsdp_params_of(unit) if (e := getattr(p, "grad_offload_event", None)) is not None]
-        self._stepped.add(index - 1)
-        self._queue.put((index - 1, events))
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            index, events = item
-            try:
-                if self._error is None:
-                    for event in events:
-                        event.synchronize()  # blocks this thread only, until the gradient is on the host
-                    self.optimizers[index].step()
-                    self._refresh_param_transfer(index + 1)  # the unit's transfer copies, cast here
-            except BaseException as e:  # reported to the main thread by wait()
-                self._error = e
-            finally:
-                self._queue.task_done()
-
-    def wait(self) -> None:
-        """Blocks until every queued unit step is done; re-raises a worker error."""
-        self._queue.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError("an overlapped optimizer step failed") from error
+        if self._deferred:
+            self._queue.put(("norms", index - 1, events))
+        else:
+            self._stepped.add(index - 1)
+            self._queue.put(("step", index - 1, events))
 
     def step(self) -> None:
-        """Steps what the overlap has not (the first unit and the root), then waits for all."""
+        """Immediate mode: steps what the overlap has not (the first unit and the root), then waits for all.
+        Deferred mode: the global norm and the skip decision now; the steps are queued (see the class)."""
+        if self._deferred:
+            return self._step_deferred()
+        self.last_grad_norm, self.last_step_skipped = None, False
         self.wait()
         for index, opt in enumerate(self.optimizers):
             if index not in self._stepped:
@@ -172,13 +242,135 @@ class OverlappedOptimizer(OptimizersContainer):
                 self._refresh_param_transfer(index + 1)
         self._stepped.clear()
 
+    def _step_deferred(self) -> None:
+        self.wait()  # the per-tensor norms of units U .. 1, from the worker
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]  # clip_grad_norm_'s list
+        norms, self._norms = self._norms, {}
+        norm = total_norm(grads, norms)  # the root's per-tensor norms are taken here; all ranks all-reduce here
+        coef = clip_coefficient(norm, self.max_norm) if self.max_norm > 0 else None
+        if self._record_norm(norm):
+            return
+        # A coefficient of exactly 1 leaves every gradient's bits as they are: no multiplication then (when
+        # clipping does not trigger, the step costs what the unclipped one does).
+        coefs = None if coef is None or float(full_value(coef)) == 1.0 else coefficients_by_device(coef, grads)
+        num_units = len(self._units)
+        order = [num_units, *range(num_units)]  # the next forward's order: the root, then units 1 .. U
+        with self._cond:
+            self._pending.update(i for i in order if self._on_worker[i])
+        for index in order:
+            if self._on_worker[index]:
+                self._queue.put(("apply", index, coefs))
+        for index in order:
+            if not self._on_worker[index]:
+                self._apply(index, coefs)
+
+    def before_unit_forward(self, index: int) -> None:
+        """Waits for the deferred steps that unit ``index``'s FSDP pre-forward reads: its own and those of the
+        ``forward_prefetch`` units it prefetches (``index`` 0: the root, which prefetches units 1 ..)."""
+        if not self._pending:
+            return
+        depth = self._engine.options.forward_prefetch
+        needed = list(range(max(index, 1) - 1, min(index + depth, len(self._units))))  # inner indices of units
+        if index == 0:
+            needed.append(len(self._units))
+        with self._cond:
+            while self._error is None and any(i in self._pending for i in needed):
+                self._cond.wait()
+        if self._error is not None:  # left for wait() / close() to report and clear
+            raise RuntimeError("an overlapped optimizer step failed") from self._error
+
+    def call_after_step(self, index: int, fn: Callable[[], None]) -> None:
+        """Calls ``fn`` once inner optimizer ``index``'s step, issued by the last ``step()``, is applied: in the
+        worker right after that step when it is still queued (an LR scheduler's step, so that the step reads the
+        LR it was issued with), else here at once."""
+        with self._cond:
+            if index in self._pending:
+                self._callbacks.setdefault(index, []).append(fn)
+                return
+        fn()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Each inner optimizer's ``zero_grad``, once its step is applied (``call_after_step``)."""
+        for index, opt in enumerate(self.optimizers):
+            self.call_after_step(index, functools.partial(opt.zero_grad, set_to_none=set_to_none))
+
+    def wait(self) -> None:
+        """Blocks until every queued unit step (and norm) is done; re-raises a worker error."""
+        self._queue.join()
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("an overlapped optimizer step failed") from error
+
     def close(self) -> None:
-        """Stops the worker thread (idempotent); the model's backward no longer queues unit steps."""
+        """Applies the queued steps, then stops the worker thread (idempotent); the model's backward no longer
+        queues unit work and its forward no longer waits."""
         if self._engine.grad_ready_hook == self.on_unit_grads_ready:
             self._engine.grad_ready_hook = None
+        if self._engine.unit_forward_hook == self.before_unit_forward:
+            self._engine.unit_forward_hook = None
+        if self._root_hook is not None:
+            self._root_hook.remove()
+            self._root_hook = None
         if self._worker.is_alive():
             self._queue.put(None)
             self._worker.join()
+        self._raise_error()
+
+    # --- the worker's side -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            kind, index, payload = item
+            try:
+                if self._error is None:
+                    if kind == "apply":
+                        self._apply(index, payload)
+                    else:
+                        for event in payload:
+                            event.synchronize()  # blocks this thread only, until the gradient is on the host
+                        if kind == "norms":
+                            tensor_norms([p.grad for p in self._param_lists[index] if p.grad is not None], self._norms)
+                        else:
+                            self._apply(index, None)
+            except BaseException as e:  # reported to the main thread by wait() or before_unit_forward()
+                self._fail(e)
+            finally:
+                if kind == "apply":
+                    self._finish(index)
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _apply(self, index: int, coefs: Optional[dict]) -> None:
+        """Scales inner optimizer ``index``'s gradients by the clip coefficient (``coefs``: per device; None: not
+        at all), steps it, and casts its units' transfer copies."""
+        if coefs is not None:
+            scale_grads_([p.grad for p in self._param_lists[index] if p.grad is not None], coefs)
+        self.optimizers[index].step()
+        self._refresh_param_transfer(index + 1)
+
+    def _finish(self, index: int) -> None:
+        """Runs the callbacks of inner optimizer ``index``'s applied step (also those added meanwhile), then marks
+        it applied."""
+        while True:
+            with self._cond:
+                callbacks = self._callbacks.pop(index, [])
+                if not callbacks:
+                    self._pending.discard(index)
+                    self._cond.notify_all()
+                    return
+            for fn in callbacks:
+                try:
+                    if self._error is None:
+                        fn()
+                except BaseException as e:
+                    self._fail(e)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = self._error or error
+            self._cond.notify_all()
 
 
 def module_params(module: nn.Module) -> list[nn.Parameter]:

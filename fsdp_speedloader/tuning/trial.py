@@ -278,6 +278,7 @@ class TrialModel:
         loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
         self.optimizer.step()  # and the transfer copies it made stale, as in the run
+        self.optimizer.wait()  # an overlapped optimizer that clips applies its steps later: all of them, now
 
     def measure(self, n: int, seq_len: int) -> Measurement:
         """One training step (forward, backward, optimizer step) at sub-batch size n, and its memory."""

@@ -1,0 +1,114 @@
+"""Global-norm gradient clipping in pieces, bit for bit ``torch.nn.utils.clip_grad_norm_``.
+
+``clip_grad_norm_(parameters, max_norm)`` (torch 2.11-2.13) does, on the gradients of ``parameters`` in order:
+
+1. per-tensor 2-norms: the gradients grouped by (device, dtype) with torch's ``_group_tensors_by_device_and_dtype``
+   (its group order is the order of step 2), each group through ``torch._foreach_norm`` where foreach supports
+   it (plain tensors), else one ``torch.linalg.vector_norm`` per tensor (DTensors: FSDP2's gradients, always);
+2. ``total = vector_norm(stack([n.to(first gradient's device) for n in the norms in that order]))``: with
+   DTensor gradients each norm is a partial (``_NormPartial``) and this is where the ranks all-reduce;
+3. ``coef = clamp(max_norm / (total + 1e-6), max=1.0)``; every gradient ``*= coef.to(its device)``.
+
+The overlapped optimizer runs step 1 unit by unit while the backward goes on (``tensor_norms``), step 2 at its
+end (``total_norm``, ``clip_coefficient``) and step 3 per unit just before that unit's optimizer step
+(``scale_grads_``). Each piece is the same operation on the same tensors as inside ``clip_grad_norm_``, so the
+results are the same bits; only when, and on which thread, differ. The two torch helpers are private
+(``torch.utils._foreach_utils``); they are imported here, only read, and the parity tests
+(tests/test_overlap_clip.py) fail if their behaviour changes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+
+NormTable = dict[int, tuple[torch.Tensor, torch.Tensor, bool]]
+"""id(gradient) -> (the gradient, its 2-norm, whether ``torch._foreach_norm`` computed it)."""
+
+
+def _groups(grads: Sequence[torch.Tensor]) -> list[tuple[torch.device, list[torch.Tensor], bool]]:
+    """clip_grad_norm_'s groups of ``grads``, in its order: (device, tensors, foreach)."""
+    if not grads:
+        return []
+    grouped = _group_tensors_by_device_and_dtype([list(grads)])
+    return [(device, tensors, _has_foreach_support(tensors, device))
+            for (device, _), ([tensors], _) in grouped.items()]
+
+
+def _norms(tensors: list[torch.Tensor], foreach: bool) -> list[torch.Tensor]:
+    if foreach:
+        return list(torch._foreach_norm(tensors, 2.0))
+    return [torch.linalg.vector_norm(g, 2.0) for g in tensors]
+
+
+@torch.no_grad()
+def tensor_norms(grads: Sequence[torch.Tensor], table: NormTable) -> None:
+    """Adds the 2-norm of each of ``grads`` to ``table`` (step 1), computed as clip_grad_norm_ computes it.
+
+    Local work only: on DTensor gradients the norms are partial, no rank communicates."""
+    for _, tensors, foreach in _groups(grads):
+        _add_norms(tensors, foreach, table)
+
+
+def _add_norms(tensors: list[torch.Tensor], foreach: bool, table: NormTable) -> None:
+    for g, n in zip(tensors, _norms(tensors, foreach)):
+        table[id(g)] = (g, n, foreach)
+
+
+@torch.no_grad()
+def total_norm(grads: Sequence[torch.Tensor], table: NormTable) -> torch.Tensor:
+    """The global 2-norm of ``grads`` (every gradient of the model, in ``model.parameters()`` order), as
+    ``clip_grad_norm_(model.parameters(), ...)`` returns it (step 2), from the per-tensor norms in ``table``.
+
+    A norm that ``table`` lacks, or that it holds from another kind of computation than the model-wide group of its
+    gradient calls for (foreach or not), is computed here, that way. Collective with DTensor gradients: every rank
+    calls it at the same point."""
+    if not grads:
+        return torch.tensor(0.0)
+    ordered = []
+    for _, tensors, foreach in _groups(grads):
+        stale = [g for g in tensors if (entry := table.get(id(g))) is None or entry[0] is not g or entry[2] != foreach]
+        if stale:
+            _add_norms(stale, foreach, table)
+        ordered += [table[id(g)][1] for g in tensors]
+    first_device = grads[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in ordered]), 2.0)
+
+
+@torch.no_grad()
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``clamp(max_norm / (total + 1e-6), max=1.0)``, the expression of clip_grad_norm_ (a Python float over a
+    tensor is ``reciprocal() * max_norm`` in torch, here as there). A DTensor coefficient is made replicated,
+    where the gradients' multiplication would otherwise reduce it (the same reduction, done now, on this thread)."""
+    max_norm = float(max_norm)
+    clip_coef = max_norm / (total + 1e-6)
+    coef = torch.clamp(clip_coef, max=1.0)
+    if isinstance(coef, DTensor) and any(p.is_partial() for p in coef.placements):
+        coef = coef.redistribute(placements=[Replicate()] * coef.device_mesh.ndim)
+    return coef
+
+
+@torch.no_grad()
+def coefficients_by_device(coef: torch.Tensor, grads: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+    """``coef.to(device)`` for the device of every group of ``grads`` (made once, on the calling thread)."""
+    return {device: coef.to(device) for device, _, _ in _groups(grads)}
+
+
+@torch.no_grad()
+def scale_grads_(grads: Sequence[torch.Tensor], coefs: dict[torch.device, torch.Tensor]) -> None:
+    """``g *= coef`` for each of ``grads`` (step 3), foreach where clip_grad_norm_ uses it: element-wise, so any
+    subset of the gradients, scaled in any order, gives the bits of clip_grad_norm_'s one pass."""
+    for device, tensors, foreach in _groups(grads):
+        if foreach:
+            torch._foreach_mul_(tensors, coefs[device])
+        else:
+            for g in tensors:
+                g.mul_(coefs[device])
+
+
+def full_value(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A DTensor's full value (no communication when it is replicated, as a total norm is), any other tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

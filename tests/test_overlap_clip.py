@@ -1,0 +1,328 @@
+"""Global-norm clipping and non-finite-step skipping with the overlapped optimizer (``OverlappedOptimizer`` with
+``max_norm`` / ``skip_nonfinite``; ``optim.grad_clip`` with ``optim.overlap_with_backward``).
+
+The reference is the trainer's plain path: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, then
+one AdamW step over the model. After every step, the overlapped optimizer's parameters and AdamW states (exp_avg,
+exp_avg_sq, step) are compared with it bit for bit (``torch.equal``), at world sizes 1 and 2, parameters offloaded,
+the root's states offloaded or not, with a max_norm that clips every step (the tiny model's gradient norm is about
+2) and one that never does. A non-finite gradient injected into one unit mid-run must leave the run exactly where a
+run that never took that batch is.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from dist_utils import run_distributed, tiny_config
+from engine_cases import batch, cpu_mesh, tiny_model
+from fsdp_speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.app.trainer import Trainer
+from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer, OverlappedOptimizer
+
+NUM_SUB = 3
+CLIPS = 0.05  # below every step's gradient norm (about 2): the coefficient is < 1 each step
+NEVER_CLIPS = 100.0
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)  # what build_adamw makes on the CPU
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _pair(offload_root: bool):
+    """The same initialised tiny LLaMA (4 units), twice, layer-major with parameters offloaded."""
+    base = tiny_model("llama")
+    return [apply_speedloader(copy.deepcopy(base), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True,
+                              offload_root=offload_root) for _ in range(2)]
+
+
+def _states(model, optimizers) -> dict:
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(p)]: {k: _full(v) for k, v in state.items()}
+            for opt in optimizers for p, state in opt.state.items()}
+
+
+def _assert_bitwise_equal(reference, plain, model, overlapped) -> None:
+    """Parameters and AdamW states of ``model`` (optimizers ``overlapped``) and ``reference`` (``plain``: one
+    torch optimizer, or a container) are the same bits."""
+    for (name, a), (_, b) in zip(reference.named_parameters(), model.named_parameters()):
+        assert torch.equal(_full(a), _full(b)), name
+    plain = plain if isinstance(plain, OptimizersContainer) else [plain]
+    want, got = _states(reference, plain), _states(model, overlapped)
+    assert sorted(want) == sorted(got) == sorted(name for name, _ in reference.named_parameters())
+    for name, state in want.items():
+        assert sorted(state) == sorted(got[name]) == ["exp_avg", "exp_avg_sq", "step"]
+        for key, value in state.items():
+            assert torch.equal(value, got[name][key]), (name, key)
+
+
+def _inject(model, *, unit: int, value: float, when) -> list:
+    """Writes ``value`` into the first local element of unit ``unit``'s first gradient, just before the overlapped
+    optimizer sees that unit's gradients as final, in the backwards where ``when()`` is true (this rank's)."""
+    engine = speedloader_engine(model)
+    hook, injected = engine.grad_ready_hook, []
+
+    def inject(index: int) -> None:
+        if index == unit and when():
+            grad = next(p.grad for p in engine.units[unit - 1][0].parameters() if p.grad is not None)
+            with torch.no_grad():
+                (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = value
+            injected.append(index)
+        if hook is not None:
+            hook(index)
+
+    engine.grad_ready_hook = inject
+    return injected
+
+
+def _clip_run(rank: int, offload_root: bool, max_norm: float, *, steps: int = 3, bad_step: int = -1,
+              bad_value: float = math.inf) -> dict:
+    """``steps`` steps of clip-then-step (the reference) and of the overlapped optimizer on this rank's batches,
+    compared bit for bit at the end. ``bad_step``: the overlapped run's backward at that step gets ``bad_value`` in
+    a gradient of unit 2 (on rank 0 only) and the reference never takes that batch."""
+    reference, model = _pair(offload_root)
+    plain = _adamw(reference.parameters())
+    overlapped = OverlappedOptimizer(model, _adamw, max_norm=max_norm, skip_nonfinite=True)
+    step = [0]
+    _inject(model, unit=2, value=bad_value, when=lambda: step[0] == bad_step and rank == 0)
+    out = {"reference_norms": [], "norms": [], "skipped": []}
+    try:
+        for step[0] in range(steps):
+            ids, labels = batch(NUM_SUB, seed=100 * step[0] + rank)  # the ranks' batches differ
+            if step[0] != bad_step:
+                reference(input_ids=ids, labels=labels).loss.backward()
+                out["reference_norms"].append(_full(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)))
+                plain.step()
+                plain.zero_grad()
+            model(input_ids=ids, labels=labels).loss.backward()  # waits, unit by unit, for the last step's updates
+            overlapped.step()
+            out["norms"].append(overlapped.last_grad_norm)
+            out["skipped"].append(overlapped.last_step_skipped)
+            overlapped.zero_grad()
+        overlapped.wait()
+        _assert_bitwise_equal(reference, plain, model, overlapped)
+    finally:
+        overlapped.close()
+    out["num_skipped_steps"] = overlapped.num_skipped_steps
+    return out
+
+
+def _check_norms(out: dict, max_norm: float, bad_step: int = -1) -> None:
+    good = [n for i, n in enumerate(out["norms"]) if i != bad_step]
+    assert all(torch.equal(a, b) for a, b in zip(good, out["reference_norms"])), (good, out["reference_norms"])
+    assert all((n > max_norm) == (max_norm == CLIPS) for n in good), good  # clipping triggered, or never did
+    assert out["skipped"] == [i == bad_step for i in range(len(out["norms"]))]
+    assert out["num_skipped_steps"] == (bad_step >= 0)
+
+
+# --- world size 1 ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offload_root", [True, False], ids=["root-offloaded", "root-on-device"])
+@pytest.mark.parametrize("max_norm", [CLIPS, NEVER_CLIPS], ids=["clips", "never-clips"])
+def test_overlapped_clipping_is_bitwise_clip_then_step(offload_root, max_norm):
+    out = _clip_run(0, offload_root, max_norm)
+    _check_norms(out, max_norm)
+
+
+def test_clipping_changes_the_result():
+    """The comparison above can fail: without clipping (max_norm 0) the same steps give other parameters."""
+    reference, model = _pair(True)
+    plain, overlapped = _adamw(reference.parameters()), OverlappedOptimizer(model, _adamw)
+    try:
+        ids, labels = batch(NUM_SUB, seed=0)
+        reference(input_ids=ids, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIPS)
+        plain.step()
+        model(input_ids=ids, labels=labels).loss.backward()
+        overlapped.step()
+    finally:
+        overlapped.close()
+    assert overlapped.last_grad_norm is None
+    assert not all(torch.equal(_full(a), _full(b)) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("bad_value", [math.inf, math.nan], ids=["inf", "nan"])
+def test_a_nonfinite_step_is_skipped_for_every_unit(bad_value):
+    """Step 2 of 4 sees a non-finite gradient in unit 2: afterwards parameters and states are exactly those of
+    clip-then-step over the other three batches (no unit half-updated), and the skip is counted."""
+    out = _clip_run(0, True, CLIPS, steps=4, bad_step=1, bad_value=bad_value)
+    _check_norms(out, CLIPS, bad_step=1)
+    assert not math.isfinite(out["norms"][1])
+
+
+def test_skip_without_clipping_and_the_plain_container_skip_alike():
+    """``skip_nonfinite`` alone (max_norm 0) defers too; the plain container skips the same step the same way."""
+    models = _pair(True)
+    containers = [OptimizersContainer(models[0], _adamw, skip_nonfinite=True),
+                  OverlappedOptimizer(models[1], _adamw, skip_nonfinite=True)]
+    step = [0]
+    for model in models:
+        _inject(model, unit=3, value=math.nan, when=lambda: step[0] == 1)
+    try:
+        for step[0] in range(3):
+            ids, labels = batch(NUM_SUB, seed=step[0])
+            for model, opt in zip(models, containers):
+                model(input_ids=ids, labels=labels).loss.backward()
+                opt.step()
+                assert opt.last_step_skipped == (step[0] == 1)
+                opt.zero_grad()
+        containers[1].wait()
+        _assert_bitwise_equal(models[0], containers[0], models[1], containers[1])
+    finally:
+        containers[1].close()
+    assert [c.num_skipped_steps for c in containers] == [1, 1]
+
+
+def test_the_next_forward_waits_only_for_the_steps_it_reads():
+    """``step()`` returns before the unit steps are applied; the next forward's unit l starts once the steps of
+    the root and units 1 .. l + 1 (forward_prefetch=1) are applied, while later units' steps still run: overlap
+    with the forward, and the same bits as clip-then-step."""
+    reference, model = _pair(True)
+    plain = _adamw(reference.parameters())
+    overlapped = OverlappedOptimizer(model, _adamw, max_norm=CLIPS)
+    events, lock = [], threading.Lock()
+
+    def log(*event):
+        with lock:
+            events.append(event)
+
+    for index, opt in enumerate(overlapped.optimizers):
+        def slow_step(step=opt.step, index=index):
+            time.sleep(0.05)  # a slow CPU step: later units' steps are still queued when the forward starts
+            step()
+            log("step", index)
+        opt.step = slow_step
+    engine = speedloader_engine(model)
+    wait_for_unit = engine.unit_forward_hook
+    engine.unit_forward_hook = lambda index: (wait_for_unit(index), log("forward", index))
+    batches = [batch(NUM_SUB, seed=step) for step in range(2)]
+    for ids, labels in batches:
+        reference(input_ids=ids, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIPS)
+        plain.step()
+        plain.zero_grad()
+    try:
+        for ids, labels in batches:
+            model(input_ids=ids, labels=labels).loss.backward()
+            overlapped.step()
+            log("step", "returned")
+            overlapped.zero_grad()
+        overlapped.wait()
+        _assert_bitwise_equal(reference, plain, model, overlapped)
+    finally:
+        overlapped.close()
+    returned = [i for i, event in enumerate(events) if event == ("step", "returned")]
+    second = events[returned[0]:returned[1]]  # the first step's updates, beside the second forward and backward
+    root, units = 4, 4
+    assert second[1] == ("step", root)  # nothing was applied when step() returned; the root first
+    position = {event: i for i, event in enumerate(second)}
+    for unit in range(1, units + 1):
+        for needed in range(unit, min(unit + 1, units) + 1):  # its own step and the prefetched unit's
+            assert position[("step", needed - 1)] < position[("forward", unit)], (unit, needed, second)
+    assert position[("step", root)] < position[("forward", 1)]
+    assert position[("forward", 1)] < position[("step", units - 1)], second  # the last unit's step overlapped
+
+
+def test_close_applies_the_queued_steps_and_unhooks_the_model():
+    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
+    fsdp_hooks = dict(model._forward_pre_hooks)
+    overlapped = OverlappedOptimizer(model, _adamw, max_norm=CLIPS)
+    engine = speedloader_engine(model)
+    assert engine.unit_forward_hook is not None and engine.grad_ready_hook is not None
+    assert len(model._forward_pre_hooks) == len(fsdp_hooks) + 1  # the root's wait, before FSDP's own
+    before = [_full(p).clone() for p in model.parameters()]
+    ids, labels = batch(NUM_SUB, seed=0)
+    model(input_ids=ids, labels=labels).loss.backward()
+    overlapped.step()
+    overlapped.close()
+    assert all(not torch.equal(a, _full(b)) for a, b in zip(before, model.parameters()))  # every unit stepped
+    assert engine.unit_forward_hook is None and engine.grad_ready_hook is None
+    assert dict(model._forward_pre_hooks) == fsdp_hooks  # the root's wait is gone too
+    overlapped.close()
+
+
+# --- world size 2 ---------------------------------------------------------------------------------------------
+
+
+def _all_cases(rank: int, world_size: int) -> list:
+    """Every case of world size 1 on two ranks (DTensor norms are partial; the global norm is all-reduced), and a
+    non-finite gradient on rank 0 only: both ranks skip."""
+    outs = []
+    for offload_root in (True, False):
+        for max_norm in (CLIPS, NEVER_CLIPS):
+            outs.append((max_norm, -1, _clip_run(rank, offload_root, max_norm, steps=2)))
+    outs.append((CLIPS, 1, _clip_run(rank, True, CLIPS, steps=3, bad_step=1)))
+    return outs
+
+
+def test_overlapped_clipping_and_skipping_at_world_size_2():
+    results = run_distributed(_all_cases, 2)
+    for rank_outs in results:
+        for max_norm, bad_step, out in rank_outs:
+            _check_norms(out, max_norm, bad_step)
+    for (_, _, a), (_, _, b) in zip(*results):  # one global norm, the same on both ranks
+        assert all(torch.equal(x, y) for x, y in zip(a["norms"], b["norms"]) if math.isfinite(x))
+
+
+# --- the trainer ----------------------------------------------------------------------------------------------
+
+CLIPPED = {"schedule": {"name": "speedloader"}, "offload": {"params": True},
+           "optim": {"grad_clip": 1.0, "warmup_steps": 3, "lr_schedule": "linear"}}
+
+
+def _trainer(out, overlap: bool, **overrides) -> Trainer:
+    return Trainer(tiny_config(out, steps=5, **{**CLIPPED, "optim": {**CLIPPED["optim"],
+                                                                     "overlap_with_backward": overlap}}, **overrides))
+
+
+def _run(trainer: Trainer, *, bad_step: int = -1) -> list:
+    """Trains; the backward of step ``bad_step`` (1-based) gets an inf in a gradient of unit 2."""
+    _inject(trainer.model, unit=2, value=math.inf, when=lambda: trainer.step + 1 == bad_step)
+    return trainer.train()
+
+
+def _assert_same_run(a: Trainer, b: Trainer, history_a: list, history_b: list) -> None:
+    for key in ("loss", "lr", "grad_norm", "step_skipped", "num_skipped_steps"):
+        assert [m[key] for m in history_a] == [m[key] for m in history_b], key
+    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(_full(p), _full(q)), name
+
+
+def test_trainer_clips_with_the_overlapped_optimizer_as_without(tmp_path):
+    """``optim.grad_clip=1.0 optim.overlap_with_backward=true`` trains, step for step the plain path's run."""
+    plain, overlapped = _trainer(tmp_path / "plain", False), _trainer(tmp_path / "overlap", True)
+    assert isinstance(overlapped.optimizer, OverlappedOptimizer) and overlapped.optimizer.max_norm == 1.0
+    history = _run(overlapped)
+    _assert_same_run(plain, overlapped, _run(plain), history)
+    assert any(m["grad_norm"] > 1.0 for m in history)  # it clipped
+    assert [m["num_skipped_steps"] for m in history] == [0] * 5
+
+
+def test_trainer_skips_a_nonfinite_step_and_goes_on(tmp_path, caplog):
+    """Step 2's gradient holds an inf: the step is skipped (the LR schedule does not advance), logged and counted
+    in the metrics (metrics.jsonl, as the W&B run gets them), the run goes on, and the plain path does the same."""
+    plain, overlapped = _trainer(tmp_path / "plain", False), _trainer(tmp_path / "overlap", True)
+    with caplog.at_level(logging.WARNING, logger="fsdp_speedloader.app.trainer"):
+        history = _run(overlapped, bad_step=2)
+    assert [m["step"] for m in history] == [1, 2, 3, 4, 5]
+    assert [m["step_skipped"] for m in history] == [0, 1, 0, 0, 0]
+    assert [m["num_skipped_steps"] for m in history] == [0, 1, 1, 1, 1]
+    assert math.isinf(history[1]["grad_norm"]) and all(math.isfinite(m["loss"]) for m in history)
+    lr = 1e-2
+    assert [m["lr"] for m in history] == pytest.approx([lr / 3, 2 * lr / 3, 2 * lr / 3, lr, lr])
+    assert "skipped the optimizer step" in caplog.text
+    logged = [json.loads(line) for line in (tmp_path / "overlap" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["num_skipped_steps"] for r in logged if "loss" in r] == [0, 1, 1, 1, 1]
+    _assert_same_run(plain, overlapped, _run(plain, bad_step=2), history)
