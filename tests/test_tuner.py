@@ -55,6 +55,32 @@ def _recorded(gpu0=2 * GIB, gpu_per_seq=1.5 * GIB, host0=30 * GIB, sizes=(2, 4),
             for n in sizes]
 
 
+def test_plan_keeps_activations_in_the_gpu_memory_left_over():
+    """The trials kept one pair each (its bytes grow with n); the plan fills what n leaves under the target."""
+    recorded = _recorded(sizes=(2, 4))
+    for m in recorded:
+        m.kept_pair_bytes = int(0.3 * GIB * m.sub_batch_size)
+    capped = plan_from_measurements(recorded, num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
+                                    max_sub_batch_size=4, max_num_sub_batches=8)
+    # n = 4: peak 2 + 1.5 x 4 = 8 GiB, 28 GiB left under 36 -> 1 + 28 // 1.2 = 24 of the 8 x 8 = 64 pairs
+    assert (capped.sub_batch_size, capped.num_sub_batches) == (4, 8)
+    assert capped.kept_pair_bytes == int(1.2 * GIB) and capped.keep_activations == 24
+    assert capped.predicted_gpu_bytes == pytest.approx(8 * GIB + 23 * 1.2 * GIB, rel=1e-6)  # within the target
+    assert capped.predicted_gpu_bytes <= capped.gpu_target_bytes
+    assert "schedule.keep_activations=24" in capped.overrides()
+    assert planned_schedule(capped, TrainConfig().schedule).keep_activations == 24
+    assert "keep_activations=24 of 8 x 8" in capped.summary() and capped.as_metrics()["tune/keep_activations"] == 24
+    roomy = plan_from_measurements(recorded, num_layers=L, gpu_budget_bytes=400 * GIB, host_budget_bytes=120 * GIB,
+                                   max_sub_batch_size=1, max_num_sub_batches=2)
+    assert roomy.keep_activations == 8 * 2  # every pair: none is recomputed
+    fixed = plan_from_measurements(recorded, num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
+                                   max_sub_batch_size=4, keep_activations=3)
+    assert fixed.keep_activations == 3
+    unmeasured = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB,
+                                        host_budget_bytes=120 * GIB)
+    assert unmeasured.keep_activations == 0  # the CPU stand-in measures no kept pair: nothing planned
+
+
 # --- fits ------------------------------------------------------------------------------------------
 
 
@@ -548,7 +574,9 @@ def test_auto_schedule_with_compiled_blocks_tunes_a_compiled_model(tmp_path, mon
     plan = tune_train_config(cfg, mesh=_cpu_mesh(), param_dtype=torch.float32, reduce_dtype=torch.float32)
     run = speedloader_options(cfg, param_dtype=torch.float32, reduce_dtype=torch.float32)
     assert run.compile_blocks
-    assert _FakeTrial.built == [(run.replace(num_sub_batches=2, blocks_per_unit=b), True) for b in (1, 2)]
+    # the trials keep one (unit, sub-batch) pair: they measure its bytes for the plan's keep_activations
+    assert _FakeTrial.built == [(run.replace(num_sub_batches=2, blocks_per_unit=b, keep_activations=1), True)
+                                for b in (1, 2)]
     assert plan.batch_size <= 8 and {m.blocks_per_unit for m in plan.measurements} == {1, 2}
 
 
@@ -562,7 +590,8 @@ def test_tune_takes_options_and_keyword_overrides(monkeypatch):
     options = SpeedLoaderOptions(offload_params=True, activation_store="host", blocks_per_unit=2)
     fsdp_speedloader.tune(TINY, options, seq_len=32, mesh=_cpu_mesh(), loss_chunk_tokens=64, target_batch_size=4,
                           host_memory_budget_bytes=64 * MIB, gpu_memory_budget_bytes=GIB)
-    assert [o for o, _ in _FakeTrial.built] == [options.replace(num_sub_batches=2, loss_chunk_tokens=64)]
+    trial_options = options.replace(num_sub_batches=2, loss_chunk_tokens=64, keep_activations=1)  # one kept pair
+    assert [o for o, _ in _FakeTrial.built] == [trial_options]
     with pytest.raises(ValueError, match="activation_store"):
         fsdp_speedloader.tune(TINY, options, seq_len=32, mesh=_cpu_mesh(), activation_store="disk")
     with pytest.raises(ValueError, match="tune_blocks_per_unit"):

@@ -91,7 +91,8 @@ def test_predicted_peak_gpu_memory_within_5_percent(capped_gpu):
 
     # New steps, on a fresh copy of the model: n = 8 and the plan's n, same N as the trials.
     checks = sorted({8, plan.sub_batch_size}, reverse=True)  # the largest right after the prime, as the tuner
-    with TrialModel(MODEL, options.replace(num_sub_batches=N), mesh=build_mesh("cuda"), seed=0,
+    # The trials kept one (unit, sub-batch) pair to measure its bytes: so do the checks of their fit.
+    with TrialModel(MODEL, options.replace(num_sub_batches=N, keep_activations=1), mesh=build_mesh("cuda"), seed=0,
                     build_optimizer=lambda m: build_optimizer(m, OptimConfig())) as trial:
         trial.prime(max(checks), SEQ)
         measured = [trial.measure(n, SEQ) for n in checks]
@@ -122,6 +123,15 @@ def test_predicted_peak_gpu_memory_within_5_percent(capped_gpu):
         out = Path(os.environ["FSL_RECORD_DIR"], f"tuner_gpu_prediction_{allocator}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2))
+    # The plan itself, with the kept pairs it planned in the memory left over: its peak as predicted.
+    with TrialModel(MODEL, options.replace(num_sub_batches=N, keep_activations=plan.keep_activations),
+                    mesh=build_mesh("cuda"), seed=0, build_optimizer=lambda m: build_optimizer(m, OptimConfig())) as run:
+        planned = run.measure(plan.sub_batch_size, SEQ)
+    kept_error = plan.predicted_gpu_bytes / planned.gpu_peak_bytes - 1
+    print(f"plan n={plan.sub_batch_size}, keep_activations={plan.keep_activations}: GPU measured "
+          f"{planned.gpu_peak_bytes / GIB:.3f} GiB, predicted {plan.predicted_gpu_bytes / GIB:.3f} GiB ({kept_error:+.2%})")
+    assert plan.keep_activations >= 1 and planned.gpu_reserved_bytes <= CAP_GIB * GIB
+    assert -plan.gpu_margin <= kept_error <= 0.25, (kept_error, plan.keep_activations)
     for row in rows:
         assert abs(row["gpu_error"]) <= 0.05, row
         # What the reserved line misses, the margin must cover: else a plan at the target runs out of memory.

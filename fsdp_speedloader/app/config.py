@@ -109,6 +109,9 @@ class ScheduleConfig:
     """Tokens per chunk of the chunked cross-entropy (bounds the logits kept in memory)."""
     compile_blocks: bool = False
     """torch.compile the transformer blocks' forward (one compiled function shared by every block; training only)."""
+    keep_activations: int = 0
+    """speedloader: (unit, sub-batch) pairs, from the last unit back, whose activations stay on the GPU from
+    forward to backward so their backward skips the recompute (exact; GPU memory per pair); auto plans it."""
     gpu_memory_budget_gib: Optional[float] = None
     """auto: GPU memory the plan may fill (peak, less 10%); null: max_gpu_memory_gib, else the device's."""
     host_memory_budget_gib: Optional[float] = None
@@ -130,6 +133,7 @@ class ScheduleConfig:
               f"once per step anyway); got schedule.name={self.name!r}: set schedule.gradient_sync=every")
         check_positive(self.forward_prefetch, "schedule.forward_prefetch", allow_zero=True)
         check_positive(self.loss_chunk_tokens, "schedule.loss_chunk_tokens")
+        check_positive(self.keep_activations, "schedule.keep_activations", allow_zero=True)
         for name in ("gpu_memory_budget_gib", "host_memory_budget_gib"):
             value = getattr(self, name)
             check(value is None or value > 0, f"schedule.{name}", f"got {value}; must be > 0 (or null)")

@@ -32,6 +32,7 @@ def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduc
 
 
 def planned_schedule(plan: TunePlan, base: ScheduleConfig) -> ScheduleConfig:
-    """``base`` as a layer-major schedule with the plan's n, N and blocks_per_unit."""
+    """``base`` as a layer-major schedule with the plan's n, N, blocks_per_unit and keep_activations."""
     return dataclasses.replace(base, name="speedloader", sub_batch_size=plan.sub_batch_size,
-                               num_sub_batches=plan.num_sub_batches, blocks_per_unit=plan.blocks_per_unit)
+                               num_sub_batches=plan.num_sub_batches, blocks_per_unit=plan.blocks_per_unit,
+                               keep_activations=plan.keep_activations)

@@ -92,6 +92,10 @@ class TunePlan:
     """Where the activation slots live (``trial.ACTIVATION_STORAGES``)."""
     activation_bytes_per_token: int = 0
     """Bytes of one token in one activation slot (h x element size)."""
+    keep_activations: int = 0
+    """(unit, sub-batch) pairs that keep their activations (skip the recompute) in the GPU memory left over."""
+    kept_pair_bytes: int = 0
+    """GPU memory of one kept pair at the planned n (from the trials' measurement; 0: not measured)."""
     trial_s: float = 0.0
 
     # --- the memory model ----------------------------------------------------------------------
@@ -143,7 +147,8 @@ class TunePlan:
     def overrides(self) -> list[str]:
         """The training overrides that run this plan without tuning again."""
         return ["schedule=speedloader", f"schedule.sub_batch_size={self.sub_batch_size}",
-                f"schedule.num_sub_batches={self.num_sub_batches}", f"schedule.blocks_per_unit={self.blocks_per_unit}"]
+                f"schedule.num_sub_batches={self.num_sub_batches}", f"schedule.blocks_per_unit={self.blocks_per_unit}",
+                f"schedule.keep_activations={self.keep_activations}"]
 
     def memory_error(self, error: BaseException) -> Optional[Exception]:
         """For a GPU out-of-memory error, or the arena's host budget error, raised while running this plan:
@@ -248,7 +253,8 @@ class TunePlan:
                "tune/host_budget_gib": gib(self.host_budget_bytes),
                "tune/predicted_gpu_peak_gib": gib(self.predicted_gpu_bytes),
                "tune/predicted_gpu_reserved_gib": gib(self.predicted_gpu_reserved_bytes),
-               "tune/predicted_host_gib": gib(self.predicted_host_bytes), "tune/trial_s": self.trial_s}
+               "tune/predicted_host_gib": gib(self.predicted_host_bytes), "tune/trial_s": self.trial_s,
+               "tune/keep_activations": self.keep_activations, "tune/kept_pair_gib": gib(self.kept_pair_bytes)}
         fits = {"gpu": self.gpu_fit, "gpu_reserved": self.gpu_reserved_fit, "host": self.host_fit}
         for name, fit in fits.items():
             if fit is None:
@@ -275,6 +281,9 @@ class TunePlan:
             f"{format_bytes(self.predicted_gpu_reserved_bytes)} reserved <= {format_bytes(self.gpu_target_bytes)} (budget "
             f"{format_bytes(self.gpu_budget_bytes)} from {self.gpu_budget_source}, less {self.gpu_margin:.0%}); allocated "
             f"{self.gpu_fit.describe()}",
+            f"keep_activations={self.keep_activations} of {num_units(self.num_layers, self.blocks_per_unit)} x "
+            f"{self.num_sub_batches} (unit, sub-batch) pairs skip the recompute ({format_bytes(self.kept_pair_bytes)} each, "
+            "in the GPU memory the plan leaves over)",
             f"host (exact accounting): predicted {format_bytes(self.predicted_host_bytes)} <= budget "
             f"{format_bytes(self.host_budget_bytes)} ({self.host_budget_source}); {self.host_fit.describe(1.0, 'B')}",
             "| trial | n | N | blocks/unit | GPU GiB measured | fitted | reserved GiB measured | fitted "
@@ -318,7 +327,7 @@ def plan_from_measurements(
     measurements: Sequence[Measurement], *, num_layers: int, gpu_budget_bytes: int, host_budget_bytes: int,
     gpu_margin: float = DEFAULT_GPU_MARGIN, blocks_per_unit: Optional[Sequence[int]] = None,
     max_sub_batch_size: Optional[int] = None, max_num_sub_batches: Optional[int] = None,
-    target_batch_size: Optional[int] = None, **plan_fields,
+    target_batch_size: Optional[int] = None, keep_activations: Optional[int] = None, **plan_fields,
 ) -> TunePlan:
     """Fits the two memory models to ``measurements`` and picks the plan (no model runs here).
 
@@ -328,7 +337,8 @@ def plan_from_measurements(
     reserved. With several ``blocks_per_unit`` candidates the plan with the most sequences per step wins
     (then the larger n, then the smaller blocks_per_unit). ``plan_fields``: more :class:`TunePlan`
     fields (budget sources, device, ...). Raises ``ValueError`` naming the budget that cannot hold one
-    sequence per sub-batch.
+    sequence per sub-batch. ``keep_activations``: None plans it (as many kept pairs as the GPU memory left over
+    holds, from the trials' ``kept_pair_bytes``), an integer keeps it.
     """
     if not measurements:
         raise ValueError("no trial measurements to fit")
@@ -368,7 +378,27 @@ def plan_from_measurements(
     plan.predicted_gpu_bytes = int(plan.predict_gpu_bytes(n, N, b))
     plan.predicted_gpu_reserved_bytes = int(plan.predict_gpu_reserved_bytes(n, N, b))
     plan.predicted_host_bytes = int(plan.predict_host_bytes(n, N, b))
+    plan.keep_activations, plan.kept_pair_bytes = _kept_pairs(plan, [m for m in measurements if m.blocks_per_unit == b])
+    if keep_activations is not None:
+        plan.keep_activations = keep_activations
+    elif plan.keep_activations > 1:  # the trials' peaks hold one kept pair; the others come on top
+        extra = (plan.keep_activations - 1) * plan.kept_pair_bytes
+        plan.predicted_gpu_bytes += extra
+        plan.predicted_gpu_reserved_bytes += extra
     return plan
+
+
+def _kept_pairs(plan: TunePlan, measurements: Sequence[Measurement]) -> tuple[int, int]:
+    """(keep_activations, bytes per kept pair) at the plan's n: as many pairs as the GPU memory left under the
+    target holds. A kept pair's bytes grow with its sequences; the trials that measured them kept one pair each,
+    which their peaks (and so the fits) already hold. (0, 0) when the trials kept none (CPU, or not asked)."""
+    measured = [m for m in measurements if m.kept_pair_bytes > 0]
+    if not measured:
+        return 0, 0
+    pair = max(m.kept_pair_bytes / m.sub_batch_size for m in measured) * plan.sub_batch_size  # the larger slope
+    left = plan.gpu_target_bytes - max(plan.predicted_gpu_bytes, plan.predicted_gpu_reserved_bytes)
+    pairs = num_units(plan.num_layers, plan.blocks_per_unit) * plan.num_sub_batches
+    return min(pairs, 1 + max(0, int(left // pair))), int(pair)
 
 
 def _fits(plan: TunePlan, n: int, N: int, b: int) -> tuple[bool, bool]:

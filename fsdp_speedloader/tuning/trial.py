@@ -100,6 +100,8 @@ class Measurement:
     activation_storage: str = "arena"
     """Where the activation slots live: one of ``ACTIVATION_STORAGES`` (``slot_host_bytes``)."""
     step_s: float = 0.0
+    kept_pair_bytes: int = 0
+    """With ``keep_activations``: the GPU memory one kept (unit, sub-batch) pair held (0: none kept, or no CUDA)."""
 
     @property
     def activations_on_device(self) -> bool:
@@ -316,7 +318,8 @@ class TrialModel:
             seq_len=seq_len, num_slots=store.num_slots, gpu_peak_bytes=int(gpu_peak), host_bytes=int(host_total),
             host_breakdown=host, gpu_reserved_bytes=int(reserved),
             activation_bytes_per_token=store.shape[-1] * torch.empty((), dtype=store.dtype).element_size(),
-            activation_storage=storage, step_s=step_s)
+            activation_storage=storage, step_s=step_s,
+            kept_pair_bytes=int(reduce_over_ranks([speedloader_engine(self.model).stats()["kept_pair_bytes"]])[0]))
 
     def close(self) -> None:
         """Frees the model, its optimizer state and its arena (host and GPU memory go back)."""

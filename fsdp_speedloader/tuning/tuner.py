@@ -66,6 +66,7 @@ def tune(
     max_sub_batch_size: Optional[int] = None,
     max_num_sub_batches: Optional[int] = None,
     tune_blocks_per_unit: Sequence[int] = (),
+    plan_keep_activations: bool = True,
     trial_sub_batch_sizes: tuple[int, int] = (2, 4),
     trial_num_sub_batches: int = 2,
     gpu_margin: float = DEFAULT_GPU_MARGIN,
@@ -95,6 +96,9 @@ def tune(
         max_sub_batch_size / max_num_sub_batches: caps on n and N (e.g. a sweep's grid).
         tune_blocks_per_unit: more ``blocks_per_unit`` values to choose from besides ``options.blocks_per_unit``
             (two trial steps each; GPU memory is then fitted on n, b and n x b).
+        plan_keep_activations: plan ``keep_activations`` (the trials keep one pair to measure its bytes; the plan
+            keeps as many as the GPU memory left over holds); False: the trials and the plan keep
+            ``options.keep_activations``.
         trial_sub_batch_sizes: the two sub-batch sizes of the trial steps. Not 1: at n = 1 some kernels
             take other paths, and the step from 1 to 2 is not the slope beyond. If the larger one runs out
             of GPU memory, the trials run again at (1, the smaller one).
@@ -111,6 +115,8 @@ def tune(
         The :class:`TunePlan`. Raises ``ValueError`` when a budget cannot hold one sequence per sub-batch.
     """
     options = (options or SpeedLoaderOptions()).replace(**overrides)
+    if plan_keep_activations:
+        options = options.replace(keep_activations=1)
     trials = _prepare(options, tune_blocks_per_unit=tune_blocks_per_unit, trial_sub_batch_sizes=trial_sub_batch_sizes,
                       trial_num_sub_batches=trial_num_sub_batches, mesh=mesh,
                       gpu_memory_budget_bytes=gpu_memory_budget_bytes,
@@ -121,6 +127,7 @@ def tune(
         measurements, num_layers=model_num_layers(model), gpu_margin=gpu_margin,
         blocks_per_unit=[o.blocks_per_unit for o in trials.options], max_sub_batch_size=max_sub_batch_size,
         max_num_sub_batches=max_num_sub_batches, target_batch_size=target_batch_size,
+        keep_activations=None if plan_keep_activations else options.keep_activations,
         trial_s=time.perf_counter() - start, **trials.budgets.plan_fields(), **_device_fields(trials.device))
     warning = plan.single_sub_batch_warning(budget_names)
     if warning is not None and (not dist.is_initialized() or dist.get_rank() == 0):
