@@ -11,6 +11,15 @@ bench_train's worker calls :func:`run_deepspeed` for ``--contender deepspeed-off
 (micro-batch n, N gradient-accumulation steps) and records the same figures as every contender.
 ``FSL_DS_ZERO_OVERRIDES`` (JSON) is merged into the ``zero_optimization`` section, to try other
 bucket sizes without editing this file; the settings used are recorded in the result.
+
+A mixture of experts (Mixtral, Qwen3-MoE): each block's sparse MLP (router + experts, :func:`moe_blocks`) is
+made a ZeRO-3 leaf module (``deepspeed.utils.set_z3_leaf_modules``, before ``deepspeed.initialize``), so
+ZeRO-3 gathers a layer's router and all its experts at the block's pre-forward and releases them after it,
+instead of tracing and prefetching module by module through routing that changes every step (which can
+mis-prefetch or hang across ranks). DeepSpeed 0.19.8 also lists these two Hugging Face classes in its
+default ``zero_optimization.leaf_module.classes``; setting them here makes the choice explicit, version
+independent, and checked (the result records the classes and that every block was flagged). The experts run
+``--experts-implementation`` (bench_train's, the same kernel as every other contender).
 """
 
 from __future__ import annotations
@@ -23,16 +32,40 @@ import time
 GIB = 2**30
 
 
-def activation_bytes(sub_batch: int, seq_len: int, layers: int, hidden: int, inter: int, vocab: int) -> int:
+def activation_bytes(sub_batch: int, seq_len: int, layers: int, hidden: int, inter: int, vocab: int, *,
+                     experts_per_token: int = 0) -> int:
     """A (deliberately high) estimate of one micro-batch's peak activation memory under full recompute.
 
     Per token: the bf16 input of every block kept for recompute (2 L h bytes); one block's forward
     activations being recomputed and their gradients (about 3 (10 h + 4 i) bytes: q, k, v, rotated
     q/k, attention output, norms and residuals, gate/up/act/product); the logits in bf16, their fp32
     copy in the loss, the fp32 log-softmax saved for backward and the logit gradient (12 V bytes).
+    A mixture of experts (``experts_per_token`` = k > 0, ``inter`` = one expert's width): every token's k
+    routed copies go through the experts, 4 k i for their gate/up/act/product and 3 k h for the token copies
+    gathered in, the expert outputs and their weighted sum.
     """
-    per_token = 2 * layers * hidden + 3 * (10 * hidden + 4 * inter) + 12 * vocab
+    mlp = 4 * experts_per_token * inter + 3 * experts_per_token * hidden if experts_per_token else 4 * inter
+    per_token = 2 * layers * hidden + 3 * (10 * hidden + mlp) + 12 * vocab
     return sub_batch * seq_len * per_token
+
+
+def moe_blocks(model) -> list:
+    """A mixture of experts' sparse MLP blocks: the modules holding a router (``gate``) and their ``experts``
+    (Hugging Face's MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock); [] for a dense model."""
+    import torch
+
+    return [m for m in model.modules() if isinstance(getattr(m, "gate", None), torch.nn.Module)
+            and isinstance(getattr(m, "experts", None), torch.nn.Module)]
+
+
+def mark_moe_leaf_modules(model, set_z3_leaf_modules) -> list[str]:
+    """Makes every sparse MLP block of ``model`` a ZeRO-3 leaf module through ``set_z3_leaf_modules``
+    (``deepspeed.utils``'s, passed in: this module imports without DeepSpeed); returns the classes' qualified
+    names, [] for a dense model (nothing set)."""
+    classes = list(dict.fromkeys(type(m) for m in moe_blocks(model)))
+    if classes:
+        set_z3_leaf_modules(model, classes)
+    return [f"{c.__module__}.{c.__qualname__}" for c in classes]
 
 
 def zero_settings(cap_bytes: int, act_bytes: int, block_numel: int, model_numel: int) -> dict:
@@ -178,11 +211,12 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
     from transformers.integrations import HfDeepSpeedConfig
 
     import bench_train as bt
+    import harness
     from launch_two_nodes import free_port
 
     from fsdp_speedloader.models import build_hf_config, build_model, get_adapter
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and getattr(args, "device", "cuda") == "cuda"
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)
@@ -202,6 +236,9 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
 
     cfg = bt.model_config(args)
     hidden, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    routed = cfg.num_experts_per_tok or 0  # a mixture of experts: each token's expert copies
+    if routed and cfg.moe_intermediate_size:  # Qwen3-MoE: the experts' width (Mixtral's is intermediate_size)
+        inter = cfg.moe_intermediate_size
     meta = build_model(cfg)  # meta: the figures (FLOPs, sizes) every contender uses; before ZeRO-3 is enabled
     adapter = get_adapter(meta)
     flops_per_token = adapter.flops_per_token(args.seq_len)
@@ -218,7 +255,7 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
                          f"for {model_numel / 1e9:.2f}B parameters (22 B/param plus pinned rounding), above "
                          f"{host_limit / GIB:.0f} GiB (FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB)")
     cap = int(args.max_gpu_memory_gib * GIB) if args.max_gpu_memory_gib else (total or 80 * GIB)
-    act = activation_bytes(sub_batch, args.seq_len, args.layers, hidden, inter, vocab)
+    act = activation_bytes(sub_batch, args.seq_len, cfg.num_layers, hidden, inter, vocab, experts_per_token=routed)
     zero = zero_settings(cap, act, block_numel, model_numel)
     ds_config = deepspeed_config(sub_batch, num_sub, world, zero)
 
@@ -231,7 +268,21 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
     model = AutoModelForCausalLM.from_config(hf, attn_implementation=cfg.attn_implementation, dtype=torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    experts = harness.set_experts_implementation(model, getattr(args, "experts_implementation", None))
+    blocks = moe_blocks(model)
+    leaf_classes: list = []
+    if blocks:  # before initialize: ZeRO-3 places its hooks there, stopping at leaf modules
+        try:
+            from deepspeed.utils import set_z3_leaf_modules
+        except ImportError:
+            raise SystemExit(f"deepspeed-offload: DeepSpeed {deepspeed.__version__} has no set_z3_leaf_modules "
+                             "(0.13 or later has): ZeRO-3 cannot gather a mixture of experts' block at once") from None
+        leaf_classes = mark_moe_leaf_modules(model, set_z3_leaf_modules)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    unflagged = [type(b).__name__ for b in blocks if not getattr(b, "_z3_leaf", False)]
+    if unflagged:
+        raise RuntimeError(f"deepspeed-offload: {len(unflagged)} of {len(blocks)} MoE blocks are not ZeRO-3 leaf "
+                           f"modules after deepspeed.initialize ({unflagged[0]})")
     _seeded_init(model, deepspeed, seed=0, std=cfg.init_std)
     for buf in model.buffers():  # never partitioned; made on the GPU under zero.Init, but make sure (RoPE)
         if buf.device != device:
@@ -265,6 +316,7 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
         reset_peak=torch.cuda.reset_peak_memory_stats if cuda else (lambda: None))
     result = {
         "contender": "deepspeed-offload", "sub_batch_size": sub_batch, "num_sub_batches": num_sub,
+        "experts_implementation": experts,
         **bt.step_figures(fb_times, opt_times, losses, tokens=ids.numel(), flops_per_token=flops_per_token,
                           peak_tflops=args.peak_tflops),
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / GIB if cuda else 0.0,
@@ -272,7 +324,8 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
         "deepspeed": {"version": deepspeed.__version__, "zero_optimization": ds_config["zero_optimization"],
                       "budget_gib": zero["budget_gib"], "activation_estimate_gib": zero["activation_estimate_gib"],
                       "gpu_cap_gib": cap / GIB, "host_estimate_gib": host_need / GIB, "pinned_allocator": pinned,
-                      "build_and_initialize_s": build_s, "optimizer": type(basic).__name__},
+                      "build_and_initialize_s": build_s, "optimizer": type(basic).__name__,
+                      "z3_leaf_modules": leaf_classes, "num_z3_leaf_modules": len(blocks)},
     }
     if profile is not None:
         result["profile"] = profile

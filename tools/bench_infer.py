@@ -1,4 +1,5 @@
-"""Offloaded generation throughput on one GPU under one GPU-memory budget: speedloader vs accelerate vs FlexGen.
+"""Offloaded generation throughput on one GPU under one GPU-memory budget: speedloader vs accelerate vs FlexGen
+vs DeepSpeed ZeRO-Inference.
 
 Every contender runs in its own process (fresh CUDA context, ``torch.cuda.set_per_process_memory_fraction``
 set to the same ``--gpu-memory-gib``), on the same model shape (``conf/model/<model>.yaml``, dummy
@@ -15,6 +16,16 @@ weights: nothing is downloaded), prompt length and generation length, and genera
                          on the GPU, the rest of the layers on the host)
   flexgen[:GBSxNGBS]     FlexGen 0.1.8 (OPT only), dummy weights, its published policy for the model
                          (FLEXGEN_POLICIES; --flexgen-percent / --flexgen-cpu-cache-compute override)
+  zero-inference:B       DeepSpeed ZeRO-Inference: ZeRO-3 with every parameter partitioned to page-locked host
+                         memory and gathered to the GPU module by module for each forward, Hugging Face generate
+                         (a mixture of experts' sparse blocks as ZeRO-3 leaf modules: one gather per layer)
+
+``--model`` is any shape of ``conf/model/`` (opt_30b, llama2_13b, llama3_8b, mixtral_8x7b, ...). A contender that
+cannot run the model is not launched: its row says ``status: unsupported`` and why (FlexGen implements OPT
+only). A mixture of experts runs ``--experts-implementation`` (default grouped_mm) in every contender, in the
+prefill and in decoding alike: Hugging Face's generate would otherwise switch grouped_mm to batched_mm for
+decoding (which copies each routed token's expert weights: gigabytes per layer at these shapes); the row
+records the kernel.
 
 Usage (the paper's setting, one GPU, 24 GiB budget)::
 
@@ -53,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a pack
 import harness  # noqa: E402
 
 REPO = harness.REPO
-MODELS = ("opt_6.7b", "opt_30b", "llama2_13b")
+MODELS = tuple(harness.conf_model_names())  # opt_6.7b, opt_30b, llama2_13b, llama3_8b, mixtral_8x7b, ...
 # FlexGen's own policies at prompt 512 / gen 32 (its benchmark suite): percent = weights GPU/CPU,
 # cache GPU/CPU, activations GPU/CPU. OPT-6.7B fits the budget on the GPU; the batch fills the rest.
 FLEXGEN_POLICIES = {
@@ -67,20 +78,57 @@ FLEXGEN_NAMES = {"opt_6.7b": "facebook/opt-6.7b", "opt_30b": "facebook/opt-30b"}
 
 
 def _model_config(args):
-    import yaml
+    # --layers: the same layers, fewer of them (a decoding step's per-layer schedule, quicker to load)
+    return harness.model_config(args.model, layers=args.layers, min_positions=args.prompt_len + args.gen_len)
 
-    from fsdp_speedloader.app.config import ModelConfig
 
-    raw = yaml.safe_load((REPO / "conf" / "model" / f"{args.model}.yaml").read_text())
-    raw["max_position_embeddings"] = max(raw["max_position_embeddings"], args.prompt_len + args.gen_len)
-    if args.layers:  # the same layers, fewer of them: a decoding step's per-layer schedule, quicker to load
-        raw["num_layers"] = args.layers
-    return ModelConfig(**raw)
+def unsupported_reason(contender: str, cfg) -> str | None:
+    """Why ``contender`` (its name) cannot run the model ``cfg``, or None when it can."""
+    if contender == "flexgen" and (cfg.family != "opt" or cfg.name not in FLEXGEN_POLICIES):
+        return (f"FlexGen 0.1.8 implements OPT only (its own OPT model, flex_opt.py, with published policies for "
+                f"{', '.join(sorted(FLEXGEN_POLICIES))}); {cfg.name} is a {cfg.family} model")
+    return None
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset_peak(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_hbm_gib(device, reserved: bool = False) -> float:
+    import torch
+
+    if device.type != "cuda":
+        return 0.0
+    return (torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()) / 2**30
+
+
+def _same_experts_throughout(model, args) -> str | None:
+    """A mixture of experts: ``--experts-implementation`` for the prefill AND decoding (transformers' generate
+    switches grouped_mm to batched_mm for decoding on a GPU; that switch is turned off here); returns the kernel,
+    None for a dense model."""
+    import contextlib
+
+    experts = harness.set_experts_implementation(model, args.experts_implementation)
+    if experts is not None and hasattr(model, "_optimize_model_for_decode"):
+        model._optimize_model_for_decode = contextlib.nullcontext  # an instance attribute: generate finds it first
+    return experts
 
 
 def _cap_gpu(args):
     import torch
 
+    if args.device == "cpu":  # a check of the code path only
+        return torch.device("cpu")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     total = torch.cuda.get_device_properties(device).total_memory
@@ -136,7 +184,8 @@ def summarize_decode_trace(path: str) -> dict:
 
 def _kv_bytes(cfg, batch: int, positions: int) -> int:
     kv_heads = cfg.num_kv_heads or cfg.num_heads
-    return 2 * batch * cfg.num_layers * positions * kv_heads * (cfg.hidden_size // cfg.num_heads) * 2
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_heads  # Qwen3, Gemma-3 set their own
+    return 2 * batch * cfg.num_layers * positions * kv_heads * head_dim * 2
 
 
 # --- contenders (each runs in a worker process) --------------------------------------------------
@@ -156,10 +205,11 @@ def run_speedloader(args, spec: str) -> dict:
     batch, num_sub = (int(v) for v in shape.split("x"))
     on_cpu = sum(int(o.partition("=")[2]) for o in options if o.startswith("cpu="))
     kv_cache, _, on_device = (([o for o in options if not o.startswith("cpu=")] or ["auto"])[0]).partition("=")
-    maybe_init_process_group("cuda")
+    maybe_init_process_group(args.device)
     device = _cap_gpu(args)
     cfg = _model_config(args)
     model = build_model(cfg, device="meta").to(torch.bfloat16)  # inference: no fp32 master weights
+    experts = harness.set_experts_implementation(model, args.experts_implementation)  # its own generate: no switch
     weight_bytes = sum(p.numel() for p in model.parameters()) * 2
     offload = args.offload == "yes" or (args.offload == "auto" and weight_bytes > 0.5 * args.gpu_memory_gib * 2**30)
     apply_speedloader(model, num_sub_batches=num_sub, offload_params=offload,
@@ -178,8 +228,8 @@ def run_speedloader(args, spec: str) -> dict:
         if isinstance(m, FSDPModule):
             m.reshard()
     _dummy_init(model.parameters())
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    _reset_peak(device)
     t0 = time.perf_counter()
     out, stats = generate(model, ids, max_new_tokens=args.gen_len, return_stats=True, **kwargs)
     wall = time.perf_counter() - t0
@@ -200,23 +250,23 @@ def run_speedloader(args, spec: str) -> dict:
     }
     def traced() -> None:  # one more, shorter generation (the timed one is not): where the link's copies happen
         generate(model, ids, max_new_tokens=min(args.gen_len, 4), **kwargs)
-        torch.cuda.synchronize()
+        _sync(device)
 
     profile = harness.profile_summary(traced, lambda trace, _: summarize_decode_trace(trace)) if args.profile else None
     return {"batch_size": batch, "num_sub_batches": num_sub, "kv_cache": stats.kv_cache, "offload_weights": offload,
+            "experts_implementation": experts,
             "forward_prefetch": args.prefetch, "num_layers": layers, "profile": profile,
             "kv_device_sub_batches": stats.io.get("kv_device_sub_batches"),
             "cpu_attention_sub_batches": stats.io.get("kv_cpu_attention_sub_batches", 0),
             "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "wall_s_generate": wall,
             "generated_tokens_per_s": stats.generated_tokens_per_s, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
             "decode_tokens_per_s": stats.decode_tokens_per_s, "io": io, "kv_cache_bytes": stats.io.get("kv_cache_bytes", 0),
-            "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "host_peak_rss_gib": harness.host_peak_rss_gib()}
+            "peak_hbm_gib": _peak_hbm_gib(device),
+            "peak_hbm_reserved_gib": _peak_hbm_gib(device, reserved=True), "host_peak_rss_gib": harness.host_peak_rss_gib()}
 
 
 def run_accelerate(args, spec: str) -> dict:
     import torch
-    from accelerate import dispatch_model, infer_auto_device_map
     from transformers import AutoModelForCausalLM
 
     from fsdp_speedloader.models import build_hf_config, get_adapter
@@ -232,36 +282,43 @@ def run_accelerate(args, spec: str) -> dict:
     _rebuild_buffers(model, torch.device("cpu"))
     _dummy_init(model.parameters())
     model.eval()
+    experts = _same_experts_throughout(model, args)
     block_cls = type(get_adapter(model).blocks[0]).__name__
     kv = _kv_bytes(cfg, batch, args.prompt_len + args.gen_len)
     gpu_weights = int(args.gpu_memory_gib * 2**30 - kv - args.accelerate_margin_gib * 2**30)
     if gpu_weights <= 0:
         raise RuntimeError(f"batch {batch}: its KV cache ({kv / 2**30:.1f} GiB) leaves no GPU memory for weights")
-    device_map = infer_auto_device_map(model, max_memory={0: gpu_weights, "cpu": int(args.host_memory_gib * 2**30)},
-                                       no_split_module_classes=[block_cls], dtype=torch.bfloat16)
-    model = dispatch_model(model, device_map=device_map)
+    if device.type == "cuda":
+        from accelerate import dispatch_model, infer_auto_device_map
+
+        device_map = infer_auto_device_map(model, max_memory={0: gpu_weights, "cpu": int(args.host_memory_gib * 2**30)},
+                                           no_split_module_classes=[block_cls], dtype=torch.bfloat16)
+        model = dispatch_model(model, device_map=device_map)
+    else:  # the CPU check: no GPU to dispatch to
+        device_map = {"": "cpu"}
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 1
     ids = _prompts(args, batch, cfg.vocab_size).to(device)
     model.generate(input_ids=ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    _reset_peak(device)
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
-    torch.cuda.synchronize()
+    _sync(device)
     prefill = time.perf_counter() - t0
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids, max_new_tokens=args.gen_len, do_sample=False)
-    torch.cuda.synchronize()
+    _sync(device)
     total = time.perf_counter() - t0
     assert out.shape == (batch, args.prompt_len + args.gen_len)
     on_gpu = sum(1 for v in device_map.values() if v in (0, "cuda", "cuda:0"))
-    return {"batch_size": batch, "prefill_s": prefill, "decode_s": max(total - prefill, 0.0),
+    return {"batch_size": batch, "experts_implementation": experts,
+            "prefill_s": prefill, "decode_s": max(total - prefill, 0.0),
             "generated_tokens_per_s": batch * args.gen_len / total,
             "prefill_tokens_per_s": batch * args.prompt_len / prefill,
             "decode_tokens_per_s": batch * (args.gen_len - 1) / max(total - prefill, 1e-9),
             "gpu_weight_budget_gib": gpu_weights / 2**30, "device_map_entries_on_gpu": on_gpu,
-            "device_map_entries": len(device_map), "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "device_map_entries": len(device_map), "peak_hbm_gib": _peak_hbm_gib(device),
             "host_peak_rss_gib": harness.host_peak_rss_gib(),
             "note": "full generate timed; prefill timed separately as a 1-token generate"}
 
@@ -323,15 +380,115 @@ def run_flexgen(args, spec: str) -> dict:
             "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30, "host_peak_rss_gib": harness.host_peak_rss_gib()}
 
 
-CONTENDERS = {"speedloader": run_speedloader, "accelerate": run_accelerate, "flexgen": run_flexgen}
+def zero_inference_config(block_numel: int, budget_bytes: int) -> dict:
+    """ZeRO-Inference's DeepSpeed config: ZeRO-3, every parameter partitioned to page-locked host memory (its
+    published setting, without weight quantization or KV offload: those patch OPT, BLOOM and LLaMA modules
+    only), bf16, prefetching one block ahead, at most two blocks (or what half the budget holds) gathered at
+    once; parameters under 1e5 elements (norm scales) stay on the GPU."""
+    live = max(2 * block_numel, min(budget_bytes // 4, 8 * block_numel))  # bf16: half the budget / 2 bytes
+    return {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                                  "stage3_prefetch_bucket_size": block_numel,
+                                  "stage3_max_live_parameters": live, "stage3_max_reuse_distance": live,
+                                  "stage3_param_persistence_threshold": int(1e5)}}
+
+
+def run_zero_inference(args, spec: str) -> dict:
+    """DeepSpeed ZeRO-Inference (ZeRO-3 parameter offload) with Hugging Face generate: every forward gathers
+    each module's parameters from the host (a mixture of experts' sparse block at once: a ZeRO-3 leaf module)."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/fsl_torch_extensions")
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise SystemExit(f"zero-inference: deepspeed not installed ({exc}); build the wheels with "
+                         "tools/build_deepspeed_wheels.sh and install them") from None
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from bench_deepspeed import mark_moe_leaf_modules, moe_blocks
+    from launch_two_nodes import free_port
+
+    from fsdp_speedloader.models import build_hf_config, build_model, get_adapter
+
+    batch = int(spec)
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    device = _cap_gpu(args)
+    cuda = device.type == "cuda"
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    cfg = _model_config(args)
+    meta = get_adapter(build_model(cfg))  # sizes only, before ZeRO-3's Init is enabled
+    block_numel = sum(p.numel() for p in meta.blocks[0].parameters())
+    del meta
+    kv = _kv_bytes(cfg, batch, args.prompt_len + args.gen_len)
+    ds_config = zero_inference_config(block_numel, int(args.gpu_memory_gib * 2**30) - kv)
+    if not cuda:
+        ds_config["zero_optimization"]["offload_param"]["pin_memory"] = False
+    t_build = time.perf_counter()
+    hf_ds = HfDeepSpeedConfig(ds_config)  # noqa: F841 (kept alive: from_config builds under deepspeed.zero.Init)
+    model = AutoModelForCausalLM.from_config(build_hf_config(cfg), dtype=torch.bfloat16)  # initialised, partitioned
+    model.eval()
+    experts = _same_experts_throughout(model, args)
+    leaf_classes = []
+    if moe_blocks(model):
+        from deepspeed.utils import set_z3_leaf_modules
+
+        leaf_classes = mark_moe_leaf_modules(model, set_z3_leaf_modules)
+    engine = deepspeed.initialize(model=model, config=ds_config)[0]
+    engine.module.eval()
+    model = engine.module
+    build_s = time.perf_counter() - t_build
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 1
+    ids = _prompts(args, batch, cfg.vocab_size).to(device)
+    with torch.no_grad():
+        model.generate(input_ids=ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
+        _sync(device)
+        _reset_peak(device)
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
+        _sync(device)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, max_new_tokens=args.gen_len, do_sample=False)
+        _sync(device)
+        total = time.perf_counter() - t0
+    assert out.shape == (batch, args.prompt_len + args.gen_len)
+    result = {"batch_size": batch, "experts_implementation": experts,
+              "prefill_s": prefill, "decode_s": max(total - prefill, 0.0),
+              "generated_tokens_per_s": batch * args.gen_len / total,
+              "prefill_tokens_per_s": batch * args.prompt_len / prefill,
+              "decode_tokens_per_s": batch * (args.gen_len - 1) / max(total - prefill, 1e-9),
+              "peak_hbm_gib": _peak_hbm_gib(device), "host_peak_rss_gib": harness.host_peak_rss_gib(),
+              "deepspeed": {"version": deepspeed.__version__, "zero_optimization": ds_config["zero_optimization"],
+                            "z3_leaf_modules": leaf_classes, "build_and_initialize_s": build_s},
+              "note": "full generate timed; prefill timed separately as a 1-token generate"}
+    del engine, model
+    try:  # a clean exit: the harness waits for the process
+        torch.distributed.destroy_process_group()
+    except Exception:
+        pass
+    return result
+
+
+CONTENDERS = {"speedloader": run_speedloader, "accelerate": run_accelerate, "flexgen": run_flexgen,
+              "zero-inference": run_zero_inference}
 
 
 # --- driver --------------------------------------------------------------------------------------
 
 
+def _ok(r: dict) -> bool:
+    return r.get("status", "ok") == "ok" and "error" not in r  # (rows of older records have no status)
+
+
 def _row(r: dict) -> str:
-    if "error" in r:  # (rows of older records, merged with --append, have no status)
-        return f"| {r['contender']} | | {r.get('status', 'error')}: {r['error'][:100]} | | | | |"
+    if not _ok(r):
+        return f"| {r['contender']} | | {r.get('status', 'error')}: {(r.get('error') or r.get('reason', ''))[:100]} | | | | |"
     io = r.get("io")
     io_s = (f"W {io['weights_h2d_bytes'] / 2**30:.0f} / KV {io['kv_h2d_bytes'] / 2**30:.0f}+"
             f"{io['kv_d2h_bytes'] / 2**30:.1f} / A {io['activation_bytes'] / 2**30:.1f} / "
@@ -342,7 +499,7 @@ def _row(r: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="opt_30b", choices=MODELS)
+    parser.add_argument("--model", default="opt_30b", help=f"a shape of conf/model/ ({', '.join(MODELS)})")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--gpu-memory-gib", type=float, default=24.0, help="the GPU budget of every contender")
@@ -359,6 +516,12 @@ def main() -> None:
     parser.add_argument("--flexgen-wheel", default=str(REPO / ".whl" / "flexgen-0.1.8-py3-none-any.whl"))
     parser.add_argument("--flexgen-percent", default=None, help='six numbers, e.g. "20 80 0 100 0 100"')
     parser.add_argument("--flexgen-cpu-cache-compute", choices=("yes", "no"), default=None)
+    parser.add_argument("--experts-implementation", default="grouped_mm", choices=harness.EXPERTS_IMPLEMENTATIONS,
+                        help="mixture of experts: the Hugging Face experts kernel of every contender, prefill and "
+                             "decoding")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a check of the speedloader, accelerate and zero-inference code paths (tests); "
+                             "no figure means anything")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
     parser.add_argument("--name", default=None)
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
@@ -366,6 +529,10 @@ def main() -> None:
                         help="merge into an existing record of the same --name (one contender per command)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    try:
+        cfg = _model_config(args)  # an unknown name fails here, before any launch
+    except ValueError as e:
+        parser.error(str(e))
 
     if args.worker:
         name, _, spec = args.worker.partition(":")
@@ -379,35 +546,42 @@ def main() -> None:
     # Every contender with expandable segments (as the generate CLI sets it through train.launch), unless
     # the caller chose: under a cap, fragmentation otherwise decides which batches fit.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    header = harness.record_header("infer", __file__)
-    rows = []
-    for contender in contenders:
-        cmd = harness.worker_command(__file__, contender, sys.argv[1:], drop=("--contender",))
-        # Rows merged with --append may come from other commits: each names its own.
-        row = harness.launch_worker(cmd, timeout=args.timeout).row(contender=contender, commit=header["commit"])
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "output_tail"}), flush=True)
-
+    header = harness.record_header("infer", __file__, device=harness.cpu_name() if args.device == "cpu" else None)
     depth = f"_L{args.layers}" if args.layers else ""
-    name = args.name or f"infer_{args.model}{depth}_p{args.prompt_len}_g{args.gen_len}_{args.gpu_memory_gib:g}g"
+    name = args.name or f"infer_{cfg.name}{depth}_p{args.prompt_len}_g{args.gen_len}_{args.gpu_memory_gib:g}g"
     path = Path(args.out_dir, f"{name}.json")
-    commands = [header["command"]]
+    earlier, commands = [], [header["command"]]
     if args.append and path.is_file():  # earlier contenders of the same comparison (same model, lengths, budget)
         old = json.loads(path.read_text())
-        mine = {r["contender"] for r in rows}
-        rows = [r for r in old["results"] if r["contender"] not in mine] + rows
+        earlier = old["results"]
         commands = old.get("commands", [old.get("command", "")]) + commands
+    summary = harness.model_summary(cfg, args.prompt_len)  # meta device: parameters, active parameters
     record = {**header, "commands": commands, "config": {k: v for k, v in vars(args).items() if k != "worker"},
-              "results": rows}
-    ok = {}  # the best setting of each contender
-    for r in rows:
-        if "error" not in r:
-            name = r["contender"].partition(":")[0]
-            ok[name] = max(ok.get(name, 0.0), r["generated_tokens_per_s"])
-    if "speedloader" in ok:
-        record["speedup"] = {f"vs_{k}": ok["speedloader"] / v for k, v in ok.items() if k != "speedloader" and v > 0}
-    harness.write_record(path, record)
-    print(f"\n{args.model}, prompt {args.prompt_len}, generate {args.gen_len}, GPU budget {args.gpu_memory_gib:g} GiB "
+              "model": {k: v for k, v in summary.items() if k not in ("flops_per_token", "mfu_basis")},
+              "results": []}
+    rows = []
+    for contender in contenders:
+        reason = unsupported_reason(contender.partition(":")[0], cfg)
+        if reason:  # not launched
+            row = harness.unsupported_row(contender, reason, commit=header["commit"])
+        else:
+            cmd = harness.worker_command(__file__, contender, sys.argv[1:], drop=("--contender",))
+            # Rows merged with --append may come from other commits: each names its own.
+            row = harness.launch_worker(cmd, timeout=args.timeout).row(contender=contender, commit=header["commit"])
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "output_tail"}), flush=True)
+        mine = {r["contender"] for r in rows}
+        record["results"] = [r for r in earlier if r["contender"] not in mine] + rows
+        ok = {}  # the best setting of each contender
+        for r in record["results"]:
+            if _ok(r):
+                short = r["contender"].partition(":")[0]
+                ok[short] = max(ok.get(short, 0.0), r["generated_tokens_per_s"])
+        if "speedloader" in ok:
+            record["speedup"] = {f"vs_{k}": ok["speedloader"] / v for k, v in ok.items() if k != "speedloader" and v > 0}
+        harness.write_record(path, record)  # after every contender: a run cut short keeps what finished
+    rows = record["results"]
+    print(f"\n{cfg.name}, prompt {args.prompt_len}, generate {args.gen_len}, GPU budget {args.gpu_memory_gib:g} GiB "
           f"({record['device']})\n")
     print("| contender | batch | generated tok/s | prefill tok/s | decode tok/s | peak HBM GiB | I/O GiB (weights / KV h2d+d2h / act / KV read on CPU) |")
     print("|---|---|---|---|---|---|---|")

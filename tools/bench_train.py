@@ -17,6 +17,20 @@ Usage (one GPU):
       --contender speedloader-overlap:1x8 --contender fsdp2-offload:1x8 --contender ondevice:1x8 \
       --max-gpu-memory-gib 40 --name llama7b_L8_b8
 Each ``--contender NAME:nxN`` sets the sub-batch (micro-batch) size n and their number N.
+
+``--model`` is any shape of ``conf/model/`` (llama2_7b, llama3_8b, qwen3_8b, mistral_7b, gemma3_12b,
+mixtral_8x7b, qwen3_30b_a3b, ...; or the path of a YAML file of ModelConfig fields), loaded through
+``ModelConfig`` with ``--layers`` blocks: the same layers, fewer of them. Every contender builds it from that
+``ModelConfig`` (the Hugging Face class of its family); the FSDP2 contenders shard each block, a mixture of
+experts' block with all its experts, as one unit. MFU counts the adapter's ``flops_per_token``: for a mixture
+of experts only the routed experts' parameters (the record's ``model.mfu_basis`` says which). Every contender
+of a mixture of experts runs the same Hugging Face experts kernel, ``--experts-implementation`` (default
+grouped_mm, transformers 5's own; recorded per row). ``:cap=GiB`` or ``:cap=none`` gives one contender its
+own GPU cap (the on-device ceiling of a model whose states exceed the others' cap):
+  python tools/bench_train.py --model qwen3_30b_a3b --layers 4 --seq-len 4096 --max-gpu-memory-gib 40 --compile \
+      --contender speedloader-overlap:2x4:root=device --contender fsdp2-offload:2x4 \
+      --contender deepspeed-offload:2x4 --contender ondevice:2x4:cap=none --steps 3 --warmup 1
+``--device cpu`` runs a worker on the CPU: a check of the code path (tests), no figure means anything.
 ``--param-transfer-dtype bf16`` makes the speedloader contenders transfer a bf16 copy of each offloaded
 fp32 shard (half the host-to-device parameter bytes); a ``:transfer=bf16`` or ``:transfer=fp32``
 suffix sets it per contender, so one invocation compares both (``--compile`` and ``:compile`` / ``:eager``
@@ -35,6 +49,7 @@ config and every figure; a contender out of memory is recorded as ``status: oom`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -47,20 +62,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a pack
 import harness  # noqa: E402
 
 REPO = harness.REPO
-SHAPES = {  # hidden, intermediate, heads, kv heads, vocab (the full models' shapes; depth is --layers)
-    "llama2_7b": (4096, 11008, 32, 32, 32000),
-    "llama2_13b": (5120, 13824, 40, 40, 32000),
+# Shapes without a conf/model file: hidden, intermediate, heads, kv heads, vocab (depth is --layers). Every
+# other --model is conf/model/<name>.yaml (llama2_7b and llama2_13b moved there: the same model, so their
+# records stay comparable).
+SHAPES = {
     "llama_1b": (2048, 5632, 16, 16, 32000),
 }
 
 
+def model_names() -> list[str]:
+    """Every ``--model`` name: the shapes of conf/model/ and the few of ``SHAPES``."""
+    return sorted(set(SHAPES) | set(harness.conf_model_names()))
+
+
 def model_config(args: argparse.Namespace):
     """The ``--model`` shape with ``--layers`` blocks, positions for ``--seq-len`` (every contender's model)."""
-    from fsdp_speedloader.app.config import ModelConfig
+    if args.model in SHAPES:
+        from fsdp_speedloader.models.config import ModelConfig
 
-    hidden, inter, heads, kv, vocab = SHAPES[args.model]
-    return ModelConfig(name=args.model, hidden_size=hidden, intermediate_size=inter, num_layers=args.layers,
-                       num_heads=heads, num_kv_heads=kv, vocab_size=vocab, max_position_embeddings=args.seq_len)
+        hidden, inter, heads, kv, vocab = SHAPES[args.model]
+        return ModelConfig(name=args.model, hidden_size=hidden, intermediate_size=inter, num_layers=args.layers,
+                           num_heads=heads, num_kv_heads=kv, vocab_size=vocab, max_position_embeddings=args.seq_len)
+    return harness.model_config(args.model, layers=args.layers, min_positions=args.seq_len)
 
 
 def _union_s(intervals: list) -> float:
@@ -166,17 +189,20 @@ class Contender(NamedTuple):
     transfer: Optional[str]  # 'bf16' or None
     compiled: bool
     root_on_device: bool
+    cap: Optional[str] = None  # its own GPU cap: GiB, or 'none' (uncapped); None: --max-gpu-memory-gib
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
-    """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device]' -> a ``Contender``.
+    """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none]' -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
-    (speedloader contenders): the embeddings, final norm and LM head keep their states on the GPU."""
+    (speedloader contenders): the embeddings, final norm and LM head keep their states on the GPU. ``cap``
+    (every contender): its own GPU-memory cap in GiB, or none, instead of ``--max-gpu-memory-gib``."""
     name, shape, *options = spec.split(":")
     transfer = default_transfer if name.startswith("speedloader") else None
     compiled = default_compile and name != "deepspeed-offload"
     root_on_device = False
+    cap = None
     for option in options:
         key, _, value = option.partition("=")
         if key in ("compile", "eager") and not value and name != "deepspeed-offload":
@@ -185,11 +211,27 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             root_on_device = value == "device"
         elif key == "transfer" and value in ("bf16", "fp32") and name.startswith("speedloader"):
             transfer = None if value == "fp32" else value
+        elif key == "cap" and (value == "none" or _positive_float(value)):
+            cap = value
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
-                             "(speedloader contenders) and ':compile' or ':eager' (every contender but "
-                             "deepspeed-offload)")
-    return Contender(name, shape, transfer, compiled, root_on_device)
+                             "(speedloader contenders), ':compile' or ':eager' (every contender but "
+                             "deepspeed-offload) and ':cap=GiB|none' (every contender)")
+    return Contender(name, shape, transfer, compiled, root_on_device, cap)
+
+
+def _positive_float(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def gpu_cap_gib(contender: Contender, default: Optional[float]) -> Optional[float]:
+    """The contender's GPU cap in GiB (None: uncapped): its ``:cap=`` or ``--max-gpu-memory-gib``."""
+    if contender.cap is None:
+        return default
+    return None if contender.cap == "none" else float(contender.cap)
 
 
 def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, num_sub: int, compiled: bool):
@@ -203,36 +245,41 @@ def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, 
                               activation_checkpointing=True, forward_prefetch=args.prefetch, compile_blocks=compiled,
                               gradient_sync="last" if name == "fsdp2-offload" else "every")
     return TrainConfig(model=model_config(args), data=DataConfig(seq_len=args.seq_len), schedule=schedule,
-                       offload=OffloadConfig(params=name != "ondevice"), device="cuda", param_dtype="bfloat16")
+                       offload=OffloadConfig(params=name != "ondevice"), device=args.device, param_dtype="bfloat16")
 
 
 def run_worker(args: argparse.Namespace) -> dict:
     """One contender, one process: build, warm up, time ``--steps`` steps, return the figures."""
     import torch
+    from torch.distributed.fsdp import FSDPModule
 
     from fsdp_speedloader import SpeedLoaderOptions, apply_speedloader, fsdp2, speedloader_engine
     from fsdp_speedloader.app.trainer import apply_schedule, canonical_forward_backward, num_label_tokens
     from fsdp_speedloader.models import build_model, get_adapter, materialize_model
     from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 
-    name, shape, transfer, compiled, root_on_device = parse_contender(args.worker, args.param_transfer_dtype,
-                                                                      args.compile)
+    contender = parse_contender(args.worker, args.param_transfer_dtype, args.compile)
+    name, shape, transfer, compiled, root_on_device = contender[:5]
+    cap = gpu_cap_gib(contender, args.max_gpu_memory_gib)
+    args = argparse.Namespace(**{**vars(args), "max_gpu_memory_gib": cap})  # DeepSpeed reads its cap there
     sub_batch, num_sub = (int(v) for v in shape.split("x"))
     if name == "deepspeed-offload":  # a peer with its own engine and launcher environment
         from bench_deepspeed import run_deepspeed
 
-        return run_deepspeed(args, sub_batch, num_sub)
-    maybe_init_process_group("cuda")
-    device = torch.device("cuda", torch.cuda.current_device())
-    if args.max_gpu_memory_gib:
+        return {**run_deepspeed(args, sub_batch, num_sub), "contender_spec": args.worker, "max_gpu_memory_gib": cap}
+    cuda = args.device == "cuda"
+    maybe_init_process_group(args.device)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if cap and cuda:
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.max_gpu_memory_gib * 2**30 / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), device)
     cfg = model_config(args)
-    model = build_model(cfg)  # meta
+    model = build_model(cfg)  # meta: the family's own Hugging Face class, from the ModelConfig
+    experts = harness.set_experts_implementation(model, args.experts_implementation)  # before any compile
     adapter = get_adapter(model)
     offload = name != "ondevice"
     layer_major = name.startswith("speedloader")
-    mesh = build_mesh("cuda")
+    mesh = build_mesh(args.device)
     gradient_sync = None
     if layer_major:
         options = SpeedLoaderOptions(
@@ -245,6 +292,9 @@ def run_worker(args: argparse.Namespace) -> dict:
         train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled)
         apply_schedule(model, train_cfg, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         gradient_sync = train_cfg.schedule.gradient_sync
+    # FSDP units besides the root: each holds whole blocks (a mixture of experts' block with all its experts).
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    blocks_per_fsdp_unit = sorted({sum(b in set(u.modules()) for b in adapter.blocks) for u in units})
     materialize_model(model, cfg, device=device, seed=0, param_device=torch.device("cpu") if offload else device)
     model.train()
     engine = speedloader_engine(model) if layer_major else None
@@ -277,15 +327,19 @@ def run_worker(args: argparse.Namespace) -> dict:
             engine.refresh_param_transfer()  # a no-op without transfer copies
         optim.zero_grad(set_to_none=True)
 
-    fb_times, opt_times, losses, profile = time_steps(fwd_bwd, optimizer_step, args, sync=torch.cuda.synchronize,
-                                                      reset_peak=torch.cuda.reset_peak_memory_stats)
+    fb_times, opt_times, losses, profile = time_steps(
+        fwd_bwd, optimizer_step, argparse.Namespace(**{**vars(args), "profile": args.profile and cuda}),
+        sync=torch.cuda.synchronize if cuda else (lambda: None),
+        reset_peak=torch.cuda.reset_peak_memory_stats if cuda else (lambda: None))
     result = {
         "contender": name, "contender_spec": args.worker, "param_transfer_dtype": transfer, "compiled": compiled,
         "root_on_device": root_on_device, "sub_batch_size": sub_batch, "num_sub_batches": num_sub,
+        "max_gpu_memory_gib": cap, "experts_implementation": experts,
+        "num_fsdp_units": len(units), "blocks_per_fsdp_unit": blocks_per_fsdp_unit,
         **step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
                        flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops),
-        "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
     }
     if profile is not None:
         result["profile"] = profile
@@ -299,11 +353,13 @@ def run_worker(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama2_7b", choices=sorted(SHAPES))
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--model", default="llama2_7b",
+                        help=f"a shape of conf/model/ or of SHAPES ({', '.join(model_names())}), or a YAML file")
+    parser.add_argument("--layers", type=int, default=8, help="blocks (the model's own layers, fewer of them)")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--contender", action="append", default=[],
-                        help="NAME:nxN with NAME in speedloader, speedloader-overlap, fsdp2-offload, fsdp2-offload-rs, ondevice")
+                        help="NAME:nxN[:option...] with NAME in speedloader, speedloader-overlap, fsdp2-offload, "
+                             "fsdp2-offload-rs, ondevice, deepspeed-offload")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--prefetch", type=int, default=1)
@@ -314,7 +370,12 @@ def main() -> None:
     parser.add_argument("--param-transfer-dtype", default=None, choices=["bf16"],
                         help="speedloader contenders: transfer a bf16 copy of each offloaded shard (per contender: "
                              "NAME:nxN:transfer=bf16 or :transfer=fp32)")
-    parser.add_argument("--max-gpu-memory-gib", type=float, default=None)
+    parser.add_argument("--max-gpu-memory-gib", type=float, default=None,
+                        help="every contender's GPU cap (per contender: NAME:nxN:cap=GiB or :cap=none)")
+    parser.add_argument("--experts-implementation", default="grouped_mm", choices=harness.EXPERTS_IMPLEMENTATIONS,
+                        help="mixture of experts: the Hugging Face experts kernel of every contender")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a check of the workers' code path (tests); no figure means anything")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--profile", action="store_true", help="trace one extra step and summarize it")
     parser.add_argument("--name", default=None)
@@ -322,6 +383,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.model not in SHAPES:
+        try:
+            model_config(args)  # an unknown name fails here, before any launch
+        except ValueError as e:
+            parser.error(str(e))
 
     if args.worker:
         harness.print_result(run_worker(args))
@@ -337,9 +403,14 @@ def main() -> None:
         except ValueError as e:
             parser.error(str(e))
     rows: list = []
-    record = {**harness.record_header("train", __file__),
-              "config": {k: v for k, v in vars(args).items() if k != "worker"}, "results": rows}
-    path = Path(args.out_dir, f"{args.name or f'train_{args.model}_L{args.layers}_s{args.seq_len}'}.json")
+    cfg = model_config(args)
+    summary = harness.model_summary(cfg, args.seq_len)  # on the meta device: no CUDA context in the driver
+    record = {**harness.record_header("train", __file__, device=harness.cpu_name() if args.device == "cpu" else None),
+              "config": {k: v for k, v in vars(args).items() if k != "worker"},
+              "model": {**summary, "config": dataclasses.asdict(cfg)}, "results": rows}
+    print(f"{cfg.name}, {cfg.num_layers} layers: {summary['params'] / 1e9:.2f}B parameters, "
+          f"{summary['active_params'] / 1e9:.2f}B active per token; MFU on {summary['mfu_basis']}", flush=True)
+    path = Path(args.out_dir, f"{args.name or f'train_{cfg.name}_L{args.layers}_s{args.seq_len}'}.json")
     for contender in contenders:
         cmd = harness.worker_command(__file__, contender, sys.argv[1:], drop=("--contender",))
         row = harness.launch_worker(cmd, timeout=args.timeout).row(contender=contender)
@@ -354,8 +425,11 @@ def main() -> None:
             print(f"| {r['contender']} | - | {r['status']}: {r['error'][:80]} | | | |")
         else:
             transfer = r.get("param_transfer_dtype")
+            cap = r.get("max_gpu_memory_gib", args.max_gpu_memory_gib)
             label = (r["contender"] + (f" ({transfer} transfer)" if transfer else "")
-                     + (" compiled" if r.get("compiled") else "") + (", root on GPU" if r.get("root_on_device") else ""))
+                     + (" compiled" if r.get("compiled") else "") + (", root on GPU" if r.get("root_on_device") else "")
+                     + (f", cap {cap:g} GiB" if cap != args.max_gpu_memory_gib and cap else "")
+                     + (", uncapped" if args.max_gpu_memory_gib and not cap else ""))
             print(f"| {label} | {r['sub_batch_size']}x{r['num_sub_batches']} | {r['tokens_per_s_fwd_bwd']:.0f} "
                   f"| {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['peak_hbm_gib']:.1f} |")
 

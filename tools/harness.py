@@ -13,6 +13,14 @@ and returns a :class:`WorkerOutcome` whose ``status`` is one of ``STATUSES``:
   timeout  it was stopped after ``timeout`` seconds
   failed   anything else (``error`` says how it ended and its exception lines)
 
+A contender that cannot run the model at all is not launched: its row says ``status: unsupported`` and the
+``reason`` (:func:`unsupported_row`).
+
+The model: every tool builds ``conf/model/<name>.yaml`` through ``ModelConfig`` (:func:`model_config`, depth cut
+with ``--layers``); :func:`model_summary` says what MFU counts (a mixture of experts: its active parameters), and
+:func:`set_experts_implementation` gives every contender of a mixture of experts the same Hugging Face experts
+kernel.
+
 Every record starts with :func:`record_header` (benchmark, device, torch version, commit, command line,
 timestamp, allocator settings) and is written by :func:`write_record`. :func:`commit` is the one rule for the
 commit: ``FSL_COMMIT`` if set (the GPU machine's copy of the tree has no .git: pass
@@ -332,6 +340,81 @@ def save_figure(fig, path: str | Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+# --- the model every contender builds -----------------------------------------------------------------
+
+CONF_MODELS = REPO / "conf" / "model"
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
+
+
+def conf_model_names() -> list[str]:
+    """The model shapes of ``conf/model/`` (the names ``--model`` takes)."""
+    return sorted(p.stem for p in CONF_MODELS.glob("*.yaml"))
+
+
+def model_config(model: str, *, layers: Optional[int] = None, min_positions: int = 0):
+    """``conf/model/<model>.yaml`` (or the YAML file at the path ``model``) as a ``ModelConfig`` of fresh weights
+    (its ``path`` dropped: a benchmark never reads a checkpoint), with ``layers`` blocks where given (the same
+    blocks, fewer of them: every layer's shapes unchanged) and at least ``min_positions`` positions.
+    ValueError naming the known shapes when there is no such file."""
+    import yaml
+
+    from fsdp_speedloader.models.config import ModelConfig
+
+    file = CONF_MODELS / f"{model}.yaml"
+    if not file.is_file():
+        file = Path(model)
+        if file.suffix not in (".yaml", ".yml") or not file.is_file():
+            raise ValueError(f"--model {model!r}: no conf/model/{model}.yaml; choose one of "
+                             f"{', '.join(conf_model_names())}, or give the path of a YAML file of ModelConfig fields")
+    raw = yaml.safe_load(file.read_text()) or {}
+    raw["path"] = None
+    if layers:
+        raw["num_layers"] = layers
+    raw["max_position_embeddings"] = max(raw.get("max_position_embeddings", ModelConfig.max_position_embeddings),
+                                         min_positions)
+    return ModelConfig(**raw)
+
+
+def model_summary(cfg, seq_len: int) -> dict:
+    """What MFU counts for ``cfg`` (built on the meta device, nothing allocated): parameters, the parameters a token
+    multiplies (a mixture of experts: its routed experts only), the model FLOPs per token of its adapter
+    (``flops_per_token``: 6 x active non-embedding parameters + attention) and a sentence saying which basis."""
+    from fsdp_speedloader.models import build_model, get_adapter
+
+    adapter = get_adapter(build_model(cfg))
+    model = adapter.model
+    total = sum(p.numel() for p in model.parameters())
+    summary = {"name": cfg.name, "family": cfg.family, "num_layers": cfg.num_layers, "params": total,
+               "active_params": total, "flops_per_token": adapter.flops_per_token(seq_len),
+               "mfu_basis": "all parameters (dense model): 6 x non-embedding parameters + 12 L h s per token"}
+    if hasattr(adapter, "num_experts"):
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in f".{n}")
+        k, e = adapter.num_experts_per_tok, adapter.num_experts
+        summary.update(num_experts=e, num_experts_per_tok=k, expert_params=experts,
+                       active_params=int(total - experts * (1 - k / e)),
+                       mfu_basis=f"active parameters (mixture of experts: {k} of {e} experts per token): "
+                                 "6 x active non-embedding parameters + 12 L h s per token")
+    return summary
+
+
+def set_experts_implementation(model, requested: Optional[str]) -> Optional[str]:
+    """A mixture of experts' Hugging Face experts kernel (``config._experts_implementation``: 'grouped_mm', the
+    transformers 5 default, 'batched_mm' or 'eager'), set to ``requested`` where given; returns the one the model
+    runs, or None for a model without such experts (dense families, or a transformers without the switch)."""
+    can_set = getattr(model, "_can_set_experts_implementation", None)
+    if can_set is None or not can_set():
+        return None
+    if requested and requested != model.config._experts_implementation:
+        model.set_experts_implementation(requested)
+    return model.config._experts_implementation
+
+
+def unsupported_row(contender: str, reason: str, **fields: Any) -> dict:
+    """A record's row for a contender that cannot run this model: ``status: unsupported`` and why; nothing is
+    launched."""
+    return {"contender": contender, **fields, "status": "unsupported", "reason": reason}
 
 
 # --- a worker's own measurements -----------------------------------------------------------------------

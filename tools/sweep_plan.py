@@ -137,7 +137,7 @@ def _table(points: list[dict], plan_key: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama2_7b", choices=sorted(bench_train.SHAPES))
+    parser.add_argument("--model", default="llama2_7b", choices=bench_train.model_names())
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--max-gpu-memory-gib", type=float, default=40.0)

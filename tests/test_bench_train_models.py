@@ -1,0 +1,317 @@
+"""The benchmark tools on today's model families (issue 19): ``--model`` takes any ``conf/model/`` shape through
+``ModelConfig``, MFU counts a mixture of experts' active parameters, every contender of a mixture of experts runs
+the same Hugging Face experts kernel and builds the model from the ``ModelConfig``, the canonical FSDP2
+contenders shard an MoE block as one unit, DeepSpeed gets the MoE blocks as ZeRO-3 leaf modules, and a generation
+contender that cannot run a model is recorded as unsupported. The figures need a GPU (tools/bench_moe.sh); here
+the CPU checks the code paths (``--device cpu``) and tiny random MoE models stand in for the real shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "tools"
+sys.path.insert(0, str(TOOLS))
+import bench_deepspeed  # noqa: E402  (tools/ is not a package)
+import bench_infer  # noqa: E402
+import bench_train  # noqa: E402
+import harness  # noqa: E402
+
+from fsdp_speedloader.models import build_hf_config, build_model, get_adapter  # noqa: E402
+from fsdp_speedloader.models.config import ModelConfig  # noqa: E402
+
+TINY_MOE = {
+    "qwen3_moe": dict(name="tiny_qwen3_moe", family="qwen3_moe", hidden_size=64, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32, vocab_size=256,
+                      max_position_embeddings=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+    "mixtral": dict(name="tiny_mixtral", family="mixtral", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                    intermediate_size=96, vocab_size=256, max_position_embeddings=64, num_experts=4,
+                    num_experts_per_tok=2),
+}
+
+
+def _yaml(tmp_path: Path, family: str) -> str:
+    path = tmp_path / f"{TINY_MOE[family]['name']}.yaml"
+    path.write_text(yaml.safe_dump(TINY_MOE[family]))
+    return str(path)
+
+
+def _args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"model": "llama2_7b", "layers": 8, "seq_len": 4096, **kw})
+
+
+# --- the model: conf/model shapes through ModelConfig ----------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama3_8b", "qwen3_8b", "mistral_7b", "gemma3_12b", "mixtral_8x7b", "qwen3_30b_a3b",
+                                  "llama2_13b", "opt_30b"])
+def test_every_conf_shape_is_a_model(name):
+    """The conf file's shape, its own layers fewer of them, positions for the sequence, fresh weights."""
+    assert name in bench_train.model_names()
+    conf = yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text())
+    cfg = bench_train.model_config(_args(model=name, layers=2, seq_len=4096))
+    assert cfg.num_layers == 2 and cfg.path is None and cfg.name == conf["name"] and cfg.family == conf["family"]
+    assert cfg.max_position_embeddings >= 4096
+    for key in ("hidden_size", "intermediate_size", "num_heads", "vocab_size", "num_experts", "moe_intermediate_size"):
+        if key in conf:
+            assert getattr(cfg, key) == conf[key], key
+    full = get_adapter(build_model(bench_train.model_config(_args(model=name, layers=3))))
+    assert len(full.blocks) == 3
+    shapes = {n: tuple(p.shape) for n, p in full.blocks[0].named_parameters()}
+    assert shapes == {n: tuple(p.shape) for n, p in full.blocks[2].named_parameters()}  # identical layer shapes
+
+
+@pytest.mark.parametrize("name, legacy", [("llama2_7b", (4096, 11008, 32, 32, 32000)),
+                                          ("llama2_13b", (5120, 13824, 40, 40, 32000))])
+def test_the_llama2_shapes_from_conf_are_the_old_table(name, legacy):
+    """llama2_7b and llama2_13b left bench_train's SHAPES for their conf files: the Hugging Face config each contender
+    builds is the one the earlier records ran (their figures stay comparable)."""
+    hidden, inter, heads, kv, vocab = legacy
+    old = ModelConfig(name=name, hidden_size=hidden, intermediate_size=inter, num_layers=8, num_heads=heads,
+                      num_kv_heads=kv, vocab_size=vocab, max_position_embeddings=4096)
+    new = bench_train.model_config(_args(model=name))
+    assert build_hf_config(new).to_dict() == build_hf_config(old).to_dict()
+    assert "llama_1b" in bench_train.model_names()  # the shape without a conf file stays
+
+
+def test_a_yaml_file_is_a_model(tmp_path):
+    cfg = bench_train.model_config(_args(model=_yaml(tmp_path, "mixtral"), layers=2, seq_len=128))
+    assert (cfg.family, cfg.num_layers, cfg.max_position_embeddings) == ("mixtral", 2, 128)
+
+
+def test_an_unknown_model_fails_before_any_launch(capsys, monkeypatch):
+    for tool in (bench_train, bench_infer):
+        monkeypatch.setattr(sys, "argv", [tool.__file__, "--model", "llama5_900b", "--contender", "speedloader:1x8"])
+        with pytest.raises(SystemExit):
+            tool.main()
+        err = capsys.readouterr().err
+        assert "llama5_900b" in err and "qwen3_30b_a3b" in err  # names what there is
+
+
+def test_mfu_counts_a_mixture_of_experts_active_parameters():
+    """The published totals: Qwen3-30B-A3B 30.5B parameters, 3.3B active; Mixtral-8x7B 46.7B, 12.9B."""
+    for name, total, active in (("qwen3_30b_a3b", 30.5e9, 3.35e9), ("mixtral_8x7b", 46.7e9, 12.9e9)):
+        cfg = harness.model_config(name, min_positions=4096)
+        s = harness.model_summary(cfg, 4096)
+        assert s["params"] == pytest.approx(total, rel=0.01) and s["active_params"] == pytest.approx(active, rel=0.01)
+        assert s["mfu_basis"].startswith("active parameters")
+        adapter = get_adapter(build_model(cfg))
+        assert s["flops_per_token"] == adapter.flops_per_token(4096)
+        inactive = s["expert_params"] * (1 - s["num_experts_per_tok"] / s["num_experts"])
+        attention = 12.0 * cfg.num_layers * cfg.num_heads * (cfg.head_dim or cfg.hidden_size // cfg.num_heads) * 4096
+        assert s["flops_per_token"] == pytest.approx(6.0 * (adapter.num_non_embedding_params() - inactive) + attention)
+    dense = harness.model_summary(harness.model_config("llama3_8b", layers=2), 4096)
+    assert dense["active_params"] == dense["params"] and dense["mfu_basis"].startswith("all parameters")
+
+
+# --- contenders' options ----------------------------------------------------------------------
+
+
+def test_a_contender_may_have_its_own_gpu_cap():
+    c = bench_train.parse_contender("ondevice:2x4:compile:cap=none", None)
+    assert c.compiled and bench_train.gpu_cap_gib(c, 40.0) is None
+    assert bench_train.gpu_cap_gib(bench_train.parse_contender("deepspeed-offload:2x4:cap=24", None), 40.0) == 24.0
+    assert bench_train.gpu_cap_gib(bench_train.parse_contender("fsdp2-offload:2x4", None), 40.0) == 40.0
+    for bad in ("ondevice:2x4:cap=big", "ondevice:2x4:cap=0", "ondevice:2x4:cap"):
+        with pytest.raises(ValueError, match="cap=GiB"):
+            bench_train.parse_contender(bad, None)
+
+
+def test_every_moe_contender_runs_one_experts_kernel():
+    """harness.set_experts_implementation: the named kernel on a mixture of experts, nothing on a dense model."""
+    for family in TINY_MOE:
+        model = build_model(ModelConfig(**TINY_MOE[family]))
+        assert harness.set_experts_implementation(model, None) == "grouped_mm"  # transformers 5's default
+        assert harness.set_experts_implementation(model, "eager") == "eager"
+        assert model.config._experts_implementation == "eager"
+    dense = build_model(ModelConfig())
+    assert harness.set_experts_implementation(dense, "grouped_mm") is None
+
+
+def test_accelerate_keeps_one_experts_kernel_in_decoding():
+    """transformers' generate switches grouped_mm to batched_mm for decoding on a GPU (batched_mm copies each routed
+    token's expert weights); bench_infer turns that switch off so prefill and decoding run the named kernel."""
+    import argparse
+
+    model = build_model(ModelConfig(**TINY_MOE["mixtral"]))
+    args = argparse.Namespace(experts_implementation="grouped_mm")
+    assert bench_infer._same_experts_throughout(model, args) == "grouped_mm"
+    with model._optimize_model_for_decode():
+        assert model.config._experts_implementation == "grouped_mm"
+    dense = build_model(ModelConfig())
+    assert bench_infer._same_experts_throughout(dense, args) is None
+    assert "_optimize_model_for_decode" not in vars(dense)
+
+
+# --- DeepSpeed: MoE blocks as ZeRO-3 leaf modules, importable without DeepSpeed ----------------------------
+
+
+@pytest.mark.parametrize("family, block", [("qwen3_moe", "Qwen3MoeSparseMoeBlock"), ("mixtral", "MixtralSparseMoeBlock")])
+def test_deepspeed_gets_each_moe_block_as_a_leaf_module(family, block):
+    model = build_model(ModelConfig(**TINY_MOE[family]))
+    calls = []
+
+    def set_z3_leaf_modules(m, classes):  # deepspeed.utils.set_z3_leaf_modules's contract
+        calls.append(classes)
+        for module in m.modules():
+            if type(module) in classes:
+                module._z3_leaf = True
+
+    names = bench_deepspeed.mark_moe_leaf_modules(model, set_z3_leaf_modules)
+    assert [c.__name__ for c in calls[0]] == [block] and names == [f"{calls[0][0].__module__}.{block}"]
+    blocks = bench_deepspeed.moe_blocks(model)
+    assert len(blocks) == 4 and all(b._z3_leaf for b in blocks)
+    assert all(b.mlp is m for b, m in zip(get_adapter(model).blocks, blocks))  # each layer's router + experts
+    calls.clear()
+    assert bench_deepspeed.mark_moe_leaf_modules(build_model(ModelConfig()), set_z3_leaf_modules) == [] and not calls
+
+
+def test_deepspeed_activation_estimate_counts_routed_copies():
+    dense = bench_deepspeed.activation_bytes(2, 4096, 4, 2048, 768, 151936)
+    moe = bench_deepspeed.activation_bytes(2, 4096, 4, 2048, 768, 151936, experts_per_token=8)
+    assert moe - dense == 2 * 4096 * 3 * (4 * 8 * 768 + 3 * 8 * 2048 - 4 * 768)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is installed here")
+def test_the_deepspeed_contenders_say_deepspeed_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="deepspeed not installed"):
+        bench_deepspeed.run_deepspeed(_args(model="qwen3_30b_a3b", layers=1), 1, 1)
+    import argparse
+
+    with pytest.raises(SystemExit, match="deepspeed not installed"):
+        bench_infer.run_zero_inference(argparse.Namespace(), "1")
+
+
+# --- generation: a contender that cannot run the model -------------------------------------------
+
+
+def test_flexgen_refuses_what_it_cannot_run(tmp_path, monkeypatch):
+    """FlexGen implements OPT only: on Mixtral its row says unsupported and why, and nothing is launched."""
+    mixtral = harness.model_config("mixtral_8x7b")
+    assert "OPT only" in bench_infer.unsupported_reason("flexgen", mixtral)
+    assert bench_infer.unsupported_reason("flexgen", harness.model_config("opt_30b")) is None
+    for name in ("speedloader", "accelerate", "zero-inference"):
+        assert bench_infer.unsupported_reason(name, mixtral) is None
+    launched = []
+    monkeypatch.setattr(bench_infer.harness, "launch_worker", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(sys, "argv", ["bench_infer.py", "--model", "mixtral_8x7b", "--layers", "2", "--contender",
+                                      "flexgen:32x2", "--out-dir", str(tmp_path), "--name", "r", "--device", "cpu"])
+    bench_infer.main()
+    record = json.loads((tmp_path / "r.json").read_text())
+    (row,) = record["results"]
+    assert not launched and row["status"] == "unsupported" and "OPT only" in row["reason"]
+    assert "speedup" not in record and record["model"]["num_experts"] == 8
+    assert "unsupported: FlexGen" in bench_infer._row(row)
+
+
+# --- tools/bench_moe.sh: every command it runs parses ------------------------------------------------
+
+
+def _dry_run(tmp_path: Path, *parts: str, budget: str = "570") -> list[str]:
+    env = {**harness.child_env(), "FSL_BENCH_DRY_RUN": "1", "FSL_BENCH_BUDGET_S": budget, "FSL_COMMIT": "abc123"}
+    done = subprocess.run(["bash", str(TOOLS / "bench_moe.sh"), str(tmp_path), *parts], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_bench_moe_script_runs_well_formed_commands(tmp_path):
+    """tools/bench_moe.sh (dry run): every benchmark names a known model, 8 x 4096-token steps and well-formed
+    contenders, writes its record under OUT_DIR; parts run as asked; the optional LLaMA-2 pair obeys the budget."""
+    lines = _dry_run(tmp_path)
+    assert lines[0].startswith("commit abc123")
+    commands = [line.split()[1:] for line in lines if line.startswith("python3 tools/")]
+    assert [c[0] for c in commands] == ["tools/bench_train.py", "tools/bench_infer.py", "tools/bench_train.py",
+                                        "tools/bench_train.py"]
+    models = []
+    for argv in commands:
+        models.append(argv[argv.index("--model") + 1])
+        assert argv[argv.index("--out-dir") + 1] == str(tmp_path) and "--name" in argv and "--timeout" in argv
+        contenders = [argv[i + 1] for i, a in enumerate(argv) if a == "--contender"]
+        if argv[0].endswith("bench_train.py"):
+            parsed = [bench_train.parse_contender(c, None, "--compile" in argv) for c in contenders]
+            assert {p.shape for p in parsed} == {"2x4"} and argv[argv.index("--seq-len") + 1] == "4096"
+            assert argv[argv.index("--max-gpu-memory-gib") + 1] == "40"
+        else:
+            assert {c.partition(":")[0] for c in contenders} == {"speedloader", "accelerate"}
+            assert (argv[argv.index("--prompt-len") + 1], argv[argv.index("--gen-len") + 1]) == ("512", "32")
+    assert models == ["qwen3_30b_a3b", "mixtral_8x7b", "llama3_8b", "llama2_7b"]
+    assert all(m in harness.conf_model_names() for m in models)
+    moe = commands[0]
+    assert [bench_train.parse_contender(moe[i + 1], None).name for i, a in enumerate(moe) if a == "--contender"] == [
+        "speedloader-overlap", "ondevice", "fsdp2-offload", "deepspeed-offload"]
+    lines = _dry_run(tmp_path, "moe_infer", "llama2", budget="0")
+    assert [line.split()[1] for line in lines if line.startswith("python3 ")] == ["tools/bench_infer.py"]
+    assert any(line.startswith("llama2_7b_L8_s4096_b8_cap40: skipped") for line in lines)
+
+
+# --- the workers on the CPU (code paths; no figure means anything) ------------------------------------
+
+
+def _run(tool: str, argv: list, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOLS / tool), *argv], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env=harness.child_env())
+
+
+@pytest.mark.slow
+def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
+    """Each contender builds the model from the ModelConfig (the family's Hugging Face class), runs the same experts
+    kernel, shards one MoE block per FSDP unit, and computes the same loss (same seeded weights, same batch);
+    DeepSpeed too where it is installed."""
+    contenders = ["speedloader-overlap:2x2:root=device", "fsdp2-offload:2x2", "ondevice:1x4:cap=none"]
+    if importlib.util.find_spec("deepspeed") is not None:
+        contenders.append("deepspeed-offload:2x2")
+    argv = ["--device", "cpu", "--model", _yaml(tmp_path, "qwen3_moe"), "--layers", "2", "--seq-len", "32", "--steps",
+            "1", "--warmup", "1", "--out-dir", str(tmp_path), "--name", "moe", "--timeout", "800"]
+    for c in contenders:
+        argv += ["--contender", c]
+    done = _run("bench_train.py", argv)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "moe.json").read_text())
+    assert record["model"]["family"] == "qwen3_moe" and record["model"]["mfu_basis"].startswith("active parameters")
+    rows = {r["contender_spec"]: r for r in record["results"]}
+    assert all(r["status"] == "ok" for r in rows.values()), [r.get("error") for r in rows.values()]
+    assert {r["experts_implementation"] for r in rows.values()} == {"grouped_mm"}
+    assert {r["flops_per_token"] for r in rows.values()} == {record["model"]["flops_per_token"]}
+    for spec, r in rows.items():
+        if spec.startswith("deepspeed"):
+            assert r["deepspeed"]["num_z3_leaf_modules"] == 2
+            assert r["deepspeed"]["z3_leaf_modules"][0].endswith("Qwen3MoeSparseMoeBlock")
+        else:
+            assert r["num_fsdp_units"] == 2 and r["blocks_per_fsdp_unit"] == [1]  # one MoE block, all experts, a unit
+    assert rows["ondevice:1x4:cap=none"]["max_gpu_memory_gib"] is None
+    first = [r["losses"][0] for r in rows.values()]
+    assert max(first) - min(first) < 1e-3 * abs(first[0])
+
+
+@pytest.mark.slow
+def test_generation_contenders_run_mixtral_on_the_cpu(tmp_path):
+    """speedloader and accelerate (ZeRO-Inference too where DeepSpeed is installed) generate with a tiny Mixtral,
+    each with the same experts kernel; FlexGen is recorded as unsupported."""
+    contenders = ["speedloader:4x2", "accelerate:2", "flexgen"]
+    if importlib.util.find_spec("deepspeed") is not None:
+        contenders.append("zero-inference:2")
+    argv = ["--device", "cpu", "--model", _yaml(tmp_path, "mixtral"), "--layers", "2", "--prompt-len", "16",
+            "--gen-len", "3", "--out-dir", str(tmp_path), "--name", "gen", "--timeout", "600"]
+    for c in contenders:
+        argv += ["--contender", c]
+    done = _run("bench_infer.py", argv)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["contender"]: r for r in json.loads((tmp_path / "gen.json").read_text())["results"]}
+    assert rows.pop("flexgen")["status"] == "unsupported"
+    for name, row in rows.items():
+        assert row["status"] == "ok", row.get("error")
+        assert row["experts_implementation"] == "grouped_mm"
+    if "zero-inference:2" in rows:
+        assert rows["zero-inference:2"]["deepspeed"]["z3_leaf_modules"][0].endswith("MixtralSparseMoeBlock")
