@@ -127,6 +127,14 @@ def test_a_contender_may_have_its_own_gpu_cap():
             bench_train.parse_contender(bad, None)
 
 
+def test_a_speedloader_contender_may_keep_activations():
+    assert bench_train.parse_contender("speedloader-overlap:1x8:root=device:keep=40", None).keep == 40
+    assert bench_train.parse_contender("speedloader:1x8", None).keep == 0
+    for bad in ("ondevice:1x8:keep=4", "speedloader:1x8:keep=-1", "speedloader:1x8:keep"):
+        with pytest.raises(ValueError, match="keep=K"):
+            bench_train.parse_contender(bad, None)
+
+
 def test_every_moe_contender_runs_one_experts_kernel():
     """harness.set_experts_implementation: the named kernel on a mixture of experts, nothing on a dense model."""
     for family in TINY_MOE:

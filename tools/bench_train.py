@@ -190,19 +190,22 @@ class Contender(NamedTuple):
     compiled: bool
     root_on_device: bool
     cap: Optional[str] = None  # its own GPU cap: GiB, or 'none' (uncapped); None: --max-gpu-memory-gib
+    keep: int = 0  # speedloader: keep_activations, (unit, sub-batch) pairs that skip the recompute
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
-    """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none]' -> a ``Contender``.
+    """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K]' -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
     (speedloader contenders): the embeddings, final norm and LM head keep their states on the GPU. ``cap``
-    (every contender): its own GPU-memory cap in GiB, or none, instead of ``--max-gpu-memory-gib``."""
+    (every contender): its own GPU-memory cap in GiB, or none, instead of ``--max-gpu-memory-gib``. ``keep``
+    (speedloader contenders): ``keep_activations``, pairs whose backward skips the recompute."""
     name, shape, *options = spec.split(":")
     transfer = default_transfer if name.startswith("speedloader") else None
     compiled = default_compile and name != "deepspeed-offload"
     root_on_device = False
     cap = None
+    keep = 0
     for option in options:
         key, _, value = option.partition("=")
         if key in ("compile", "eager") and not value and name != "deepspeed-offload":
@@ -213,11 +216,14 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             transfer = None if value == "fp32" else value
         elif key == "cap" and (value == "none" or _positive_float(value)):
             cap = value
+        elif key == "keep" and value.isdigit() and name.startswith("speedloader"):
+            keep = int(value)
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
                              "(speedloader contenders), ':compile' or ':eager' (every contender but "
-                             "deepspeed-offload) and ':cap=GiB|none' (every contender)")
-    return Contender(name, shape, transfer, compiled, root_on_device, cap)
+                             "deepspeed-offload), ':cap=GiB|none' (every contender) and ':keep=K' (speedloader "
+                             "contenders: keep_activations)")
+    return Contender(name, shape, transfer, compiled, root_on_device, cap, keep)
 
 
 def _positive_float(text: str) -> bool:
@@ -286,7 +292,7 @@ def run_worker(args: argparse.Namespace) -> dict:
             num_sub_batches=num_sub, activation_store=args.activation_store, offload_params=True,
             param_dtype=torch.bfloat16, forward_prefetch=args.prefetch,
             param_transfer_dtype=torch.bfloat16 if transfer == "bf16" else None, compile_blocks=compiled,
-            offload_root=not root_on_device)
+            offload_root=not root_on_device, keep_activations=contender.keep)
         apply_speedloader(model, options, mesh=mesh)
     else:
         train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled)
@@ -347,6 +353,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         result["host_activation_gib"] = engine.store.host_bytes / 2**30
         result["exchange"] = engine.store.step_stats()  # the last measured step: copy bytes, compute-stream waits
         result["fast_paths"] = fsdp2.fast_path_stats()  # FSDP2 fast paths engaged / fallen back, whole run
+        result["keep_activations"] = contender.keep
+        result["kept_pair_bytes"] = engine.stats()["kept_pair_bytes"]  # GPU memory of one kept pair
         result["stale_transfer_casts"] = result["fast_paths"]["num_stale_transfer_casts"]  # casts on the unshard path
     return result
 
