@@ -15,9 +15,10 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from fsdp_speedloader.fsdp2 import bind_fsdp_grads_to_arena, bind_fsdp_param_transfer, move_fsdp_shards_into_arena, \
-    offloaded_fsdp_params, plan_fsdp_grads, plan_fsdp_param_transfer, plan_fsdp_shards
-from fsdp_speedloader.memory.arena import DEFAULT_MARGIN, GIB, ArenaPlan, HostMemoryBudget, PinnedArena
+from fsdp_speedloader.fsdp2 import GradRing, bind_fsdp_grads_to_arena, bind_fsdp_param_transfer, grad_ring_layout, \
+    move_fsdp_shards_into_arena, offloaded_fsdp_params, plan_fsdp_grads, plan_fsdp_param_transfer, plan_fsdp_shards, \
+    set_grad_ring
+from fsdp_speedloader.memory.arena import ALIGNMENT, DEFAULT_MARGIN, GIB, ArenaPlan, HostMemoryBudget, PinnedArena
 from fsdp_speedloader.memory.exchange import TensorExchange
 
 
@@ -206,6 +207,10 @@ class ExchangeActivationStore(ActivationStore):
       ``grad_offload_event`` after the copy, which the CPU optimizer (``OverlappedOptimizer``) and
       FSDP2's end of backward wait on, as for its own pinned gradients. The next step's copy into a
       slot comes after ``optimizer.step()`` and ``zero_grad()`` have returned (the CPU read is over).
+    - In-flight gradient slots (``use_grad_ring``): R regions of the largest unit's gradients instead of a
+      slot per parameter; a unit's copies are queued only once its region is free, i.e. once the consumer
+      (``OverlappedOptimizer``'s worker) has stepped the unit that held it and dropped its gradients
+      (``fsdp2/grad_slots.py``, ``GradRing``). The root keeps a slot per parameter.
     """
 
     def __init__(self, *, host_memory_limit_bytes: Optional[int] = None,
@@ -225,6 +230,25 @@ class ExchangeActivationStore(ActivationStore):
         self.param_transfer_bytes = 0
         self._grads_wanted = False  # a step with grad enabled has begun: the arena holds gradient slots
         self._grads_in_arena = False  # the current arena was planned with them
+        self._ring_units: list = []  # use_grad_ring: each unit's FSDPParams (their gradients share R regions)
+        self.grad_ring_regions = 0  # R, wanted; 0: a slot per parameter
+        self._ring_in_arena = 0  # R the current arena was planned with
+        self.grad_ring: Optional[GradRing] = None
+
+    def use_grad_ring(self, num_regions: int, units: list) -> bool:
+        """Gradient slots for ``num_regions`` units in flight (a ring of regions, each as large as the largest
+        unit's gradients) instead of one per parameter, for the FSDPParams of ``units`` (one list per unit, in
+        unit order; the others, the root's, keep theirs); 0 goes back to a slot per parameter. From the next
+        training step on (a change re-plans the arena once). Only for a consumer that releases each unit's
+        region once it has read and dropped that unit's gradients (``grad_ring.release(unit)``, unit 1-based),
+        within the backward: ``OverlappedOptimizer`` without clipping. False when the arena holds no gradients
+        (parameters not offloaded, or not pinned)."""
+        if self._param_root is None:
+            return False
+        self.grad_ring_regions, self._ring_units = int(num_regions), [list(u) for u in units] if num_regions else []
+        if self._grads_in_arena and self._ring_in_arena != self.grad_ring_regions:
+            self.num_slots = 0  # the next begin_step re-plans the arena
+        return True
 
     def hold_param_shards(self, root: nn.Module) -> None:
         """Moves ``root``'s offloaded FSDP2 parameter shards, and their gradients, into the arena at the first step."""
@@ -239,27 +263,39 @@ class ExchangeActivationStore(ActivationStore):
 
     def _allocate(self) -> None:
         shape = (self.num_slots, self.num_sub_batches, *self.shape)
-        nbytes = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
+        slot_shape = self._activation_slot_shape(shape)
+        nbytes = math.prod(slot_shape) * torch.empty((), dtype=self.dtype).element_size()
         if self.exchange is not None and self.exchange.device != TensorExchange.resolve(self.device):
             self.exchange.drain()
             self.exchange = None
         if self.exchange is None:
             self.exchange = TensorExchange(self.device)
         self.exchange.clear_ring()  # buffers of the old shape (held ones stay valid until dropped)
-        missing_grads = self._grads_wanted and not self._grads_in_arena
+        missing_grads = self._grads_wanted and (not self._grads_in_arena
+                                                 or self._ring_in_arena != self.grad_ring_regions)
         if self.arena is not None and self.arena.capacity("activations") >= nbytes and not missing_grads:
             # Re-carve the same bytes (generation plans its longest step first, then carves each step).
             self.exchange.fence()  # copies into the old carving finish before any into the new one
-            self._host = self.arena.slot("activations", shape, self.dtype)
+            self._host = self.arena.slot("activations", slot_shape, self.dtype)
             return
         self.exchange.drain()  # the old region may be freed: its copies must be over
         self._build_arena(shape)
 
+    def _activation_slot_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The arena's 'activations' slot for activations of ``shape`` (num_slots, N, n, s, h)."""
+        return shape
+
     def _build_arena(self, shape: tuple[int, ...]) -> None:
-        plan = ArenaPlan().add("activations", "activations", shape, self.dtype)
+        plan = ArenaPlan().add("activations", "activations", self._activation_slot_shape(shape), self.dtype)
         fsdp_params = offloaded_fsdp_params(self._param_root) if self._param_root else []
         planned = plan_fsdp_shards(plan, fsdp_params)
-        planned_grads = plan_fsdp_grads(plan, fsdp_params) if self._grads_wanted else []
+        ring_units = self._ring_units if self._grads_wanted and self.grad_ring_regions else []
+        in_ring = {id(p) for params in ring_units for p in params}
+        region_bytes, ring_offsets = grad_ring_layout(ring_units, ALIGNMENT) if ring_units else (0, [])
+        for r in range(self.grad_ring_regions if ring_units else 0):
+            plan.add(f"grad_ring:{r}", "grad_shards", (region_bytes,), torch.uint8)
+        planned_grads = (plan_fsdp_grads(plan, [p for p in fsdp_params if id(p) not in in_ring])
+                         if self._grads_wanted else [])
         planned_transfer = (plan_fsdp_param_transfer(plan, planned, self.param_transfer_dtype)
                             if self.param_transfer_dtype is not None else [])
         n_slots, n_sub, n, s, _ = shape
@@ -269,6 +305,9 @@ class ExchangeActivationStore(ActivationStore):
         if states := by_kind.get("param_shards", 0) + by_kind.get("grad_shards", 0):
             hint += (f"; the offloaded parameter shards and their gradients ({states / GIB:.2f} GiB) shrink only "
                      "with more ranks, or leave the arena with offload.pin_memory=false (pageable, blocking copies)")
+            if self._grads_wanted and not ring_units:
+                hint += ("; optim.overlap_with_backward=true with optim.grad_clip=0 keeps gradient slots for "
+                         "optim.grad_slots_in_flight units only")
         if transfer := by_kind.get("param_transfer", 0):
             hint += f"; offload.param_transfer_dtype=null drops the transfer copies ({transfer / GIB:.2f} GiB)"
         budget = HostMemoryBudget.detect(self.host_memory_limit_bytes, margin=self.host_memory_margin)
@@ -290,6 +329,17 @@ class ExchangeActivationStore(ActivationStore):
         self._host = arena.slot("activations")
         self._host.zero_()  # commit its pages on all intra-op threads (the shards' are committed by their copies)
         self.grad_shard_bytes = bind_fsdp_grads_to_arena(arena, planned_grads)  # zeroes (commits) its slots
+        if self.grad_ring is not None:
+            self.grad_ring.close()
+            self.grad_ring = None
+        if ring_units:
+            regions = [arena.slot(f"grad_ring:{r}") for r in range(self.grad_ring_regions)]
+            for region in regions:
+                region.zero_()  # commit its pages before the registration
+            self.grad_ring = GradRing(regions)
+            set_grad_ring(self.grad_ring, ring_units, ring_offsets)
+            self.grad_shard_bytes += region_bytes * len(regions)
+        self._ring_in_arena = self.grad_ring_regions if ring_units else 0
         self.param_transfer_bytes = bind_fsdp_param_transfer(arena, planned_transfer) if planned_transfer else 0
         self._grads_in_arena = self._grads_wanted
         arena.pin()
@@ -331,6 +381,9 @@ class ExchangeActivationStore(ActivationStore):
             self.arena.close()
             self.arena = None
         self._grads_in_arena = False
+        if self.grad_ring is not None:
+            self.grad_ring.close()
+            self.grad_ring = None
         self.num_slots = 0  # the next begin_step plans again
 
     @property
@@ -342,6 +395,50 @@ class ExchangeActivationStore(ActivationStore):
         return 0 if self._host is None else self._host.numel() * self._host.element_size()
 
 
+class DeviceActivationsHostStatesStore(ExchangeActivationStore):
+    """Activations on the compute device (``DeviceActivationStore``: no copies, HBM grows with N), and the
+    offloaded parameter shards, their gradients (a slot per parameter, or in-flight slots) and transfer copies in
+    one exact-size pinned arena, as ``ExchangeActivationStore`` holds them: no power-of-two page-locked blocks of
+    PyTorch's caching host allocator for FSDP2's shards and gradients. ``activation_store='device'`` with
+    offloaded, pinned parameters."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _activation_slot_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (0,)
+
+    def _allocate(self) -> None:
+        if self._param_root is None:  # nothing for the arena: a plain device store
+            return
+        super()._allocate()
+
+    def prefetch(self, slot: int, i: int) -> None:
+        pass
+
+    def put(self, slot: int, i: int, x: torch.Tensor) -> None:
+        self._slots[slot, i] = x
+
+    def get(self, slot: int, i: int) -> torch.Tensor:
+        return self._slots[slot, i]
+
+    def end_step(self) -> None:
+        self._slots.clear()
+        super().end_step()
+
+    def step_stats(self) -> dict:
+        return self.arena.stats() if self.arena is not None else {}
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._slots.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return 0
+
+
 def build_activation_store(kind: str, *, offload_params: bool,
                            host_memory_limit_bytes: Optional[int] = None) -> ActivationStore:
     """'device', 'host' (arena + overlapped copies), 'host_sync' (synchronous copies), or 'auto'
@@ -349,7 +446,10 @@ def build_activation_store(kind: str, *, offload_params: bool,
     if kind == "auto":
         kind = "host" if offload_params else "device"
     if kind == "device":
-        return DeviceActivationStore()
+        # Offloaded parameters: their shards and gradients in the exact-size arena (apply_speedloader hands it
+        # the model when they are pinned); else a plain device store.
+        return DeviceActivationsHostStatesStore(host_memory_limit_bytes=host_memory_limit_bytes) if offload_params \
+            else DeviceActivationStore()
     if kind == "host":
         return ExchangeActivationStore(host_memory_limit_bytes=host_memory_limit_bytes)
     if kind == "host_sync":

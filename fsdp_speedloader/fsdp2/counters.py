@@ -18,6 +18,7 @@ class FastPathCounters:
     num_staged_load_fallbacks: int = 0  # loads of a staged group that FSDP2 made on the compute stream
     num_grads_into_slots: int = 0  # offloaded gradients FSDP2 copied into their host slot (grad_slots)
     num_grad_slot_fallbacks: int = 0  # gradients of a slotted parameter left in FSDP2's own memory
+    num_grad_ring_waits: int = 0  # units whose gradients waited for an in-flight ring region (grad_slots.GradRing)
     num_param_transfers: int = 0  # parameter loads that read a transfer copy (param_transfer)
     num_stale_transfer_casts: int = 0  # of those, copies cast on the unshard path (stale, the slow path)
     num_param_transfer_fallbacks: int = 0  # loads of a parameter with a copy that read FSDP2's own shard

@@ -31,6 +31,13 @@ the steps that its unshard (and prefetch) reads. The same bits as clip-then-step
 Exact: every unit is stepped once per optimizer step with its final gradient, in both modes. With
 ``param_transfer_dtype`` the worker also casts each unit's transfer copies right after that unit's step; the
 main thread casts only those of the units it steps itself.
+
+In-flight gradient slots (immediate mode, ``grad_slots_in_flight=R > 0``, the default 2): the units' host gradients
+need not outlive the backward, so the arena holds R regions of one unit's gradients instead of a slot per
+parameter (``fsdp2/grad_slots.py``, ``GradRing``; the root keeps its own). Unit l's gradients land in a free
+region; the worker steps unit l, drops its gradients (``.grad`` is None from then on: read nothing from a unit's
+``.grad`` after the backward) and releases the region; a unit whose region is not free yet waits for that release
+before FSDP2 queues its copies (``num_grad_ring_waits``). The same copies into other memory: the same bits.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import weakref
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -181,12 +189,19 @@ class OverlappedOptimizer(OptimizersContainer):
     Anything else that reads the parameters or the optimizer state before the next forward calls ``wait()``
     first (``state_dict`` does). One backward per ``step()``: accumulate within one layer-major step
     (``num_sub_batches``). ``optimizers``: unit 1 .. U, then the root.
+
+    ``grad_slots_in_flight``: without clipping or skipping (the steps run during the backward), the host gradient
+    slots of this many units, reused in turn, instead of one per parameter (the arena's gradients shrink from the
+    units' whole size to R units'); 0: one per parameter. Each unit's ``.grad`` is None once its step ran.
     """
 
     def __init__(self, model: nn.Module, build: BuildOptimizer, *, max_norm: float = 0.0,
-                 skip_nonfinite: bool = False) -> None:
+                 skip_nonfinite: bool = False, grad_slots_in_flight: int = 2) -> None:
         if speedloader_engine(model, missing_ok=True) is None:
             raise ValueError("OverlappedOptimizer needs a model prepared with apply_speedloader")
+        if not (isinstance(grad_slots_in_flight, int) and grad_slots_in_flight >= 0):
+            raise ValueError(f"grad_slots_in_flight={grad_slots_in_flight!r}: use an integer >= 1 for in-flight "
+                             "gradient slots, or 0 for one slot per parameter")
         super().__init__(model, build, max_norm=max_norm, skip_nonfinite=skip_nonfinite)
         self._units = [module for module, _ in self._engine.units]
         self._deferred = self.needs_grad_norm
@@ -203,6 +218,11 @@ class OverlappedOptimizer(OptimizersContainer):
         self._worker = threading.Thread(target=self._run, name="fsdp_speedloader-optimizer", daemon=True)
         self._worker.start()
         self._engine.grad_ready_hook = self.on_unit_grads_ready
+        # In-flight gradient slots: only where the steps run during the backward (deferred steps need every
+        # gradient after it) and the arena holds the gradients.
+        use_ring = getattr(self._engine.store, "use_grad_ring", None)
+        self.uses_grad_ring = bool(grad_slots_in_flight and not self._deferred and use_ring is not None
+                                   and use_ring(grad_slots_in_flight, [fsdp_params_of(m) for m in self._units]))
         self._root_hook = None
         if self._deferred:
             self._engine.unit_forward_hook = self.before_unit_forward
@@ -317,6 +337,9 @@ class OverlappedOptimizer(OptimizersContainer):
         if self._worker.is_alive():
             self._queue.put(None)
             self._worker.join()
+        if self.uses_grad_ring:  # nothing releases the regions any more: a slot per parameter from the next step
+            self._engine.store.use_grad_ring(0, [])
+            self.uses_grad_ring = False
         self._raise_error()
 
     # --- the worker's side -----------------------------------------------------------------------------------
@@ -339,6 +362,8 @@ class OverlappedOptimizer(OptimizersContainer):
             finally:
                 if kind == "apply":
                     self._finish(index)
+                elif kind == "step" and self.uses_grad_ring:
+                    self._release_grads(index)
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -349,6 +374,18 @@ class OverlappedOptimizer(OptimizersContainer):
             scale_grads_([p.grad for p in self._param_lists[index] if p.grad is not None], coefs)
         self.optimizers[index].step()
         self._refresh_param_transfer(index + 1)
+
+    def _release_grads(self, index: int) -> None:
+        """In-flight slots: drops inner optimizer ``index``'s gradients (its unit's step has read them), then gives
+        the unit's region back to the ring, where the next unit's copies may land (also after a failed step: the
+        backward must not wait forever; the error is reported by ``wait()``)."""
+        dropped = [weakref.ref(p.grad) for p in self._param_lists[index] if p.grad is not None]
+        try:
+            self.optimizers[index].zero_grad(set_to_none=True)
+        finally:
+            ring = self._engine.store.grad_ring
+            if ring is not None:
+                ring.release(index + 1, dropped)
 
     def _finish(self, index: int) -> None:
         """Runs the callbacks of inner optimizer ``index``'s applied step (also those added meanwhile), then marks
