@@ -72,6 +72,16 @@ class OptimConfig:
     (``OverlappedOptimizer``; exact): as soon as its gradients reach the host, during the backward
     (grad_clip=0); or, with grad_clip > 0, once the global norm is known at the end of backward, in forward
     order, during the next forward (docs/design.md §9)."""
+    grad_slots_in_flight: int = 2
+    """With overlap_with_backward and grad_clip=0 (each unit stepped as its gradients land): the host arena holds
+    the gradients of this many units, reused in turn, instead of a slot per parameter (4 B/param -> about
+    grad_slots_in_flight units' worth; exact, docs/design.md §13); 0: a slot per parameter. Clipping needs every
+    gradient after the backward: then there is a slot per parameter whatever this says."""
+    state_dtype: str = "fp32"
+    """AdamW's moments: 'fp32' (torch.optim.AdamW, 8 B/param, exact: the default); 'bf16' (4 B/param, rounded to
+    nearest after each step) or 'int8' (8-bit blockwise, 2 B/param): fsdp_speedloader's CompressedAdamW, torch's
+    fused AdamW arithmetic on decoded chunks (docs/design.md §13; their loss is checked against fp32 by
+    tools/convergence_check.py). The parameters stay fp32."""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "optim.lr", f"got {self.lr}; must be > 0")
@@ -81,6 +91,8 @@ class OptimConfig:
         check(self.weight_decay >= 0, "optim.weight_decay", f"got {self.weight_decay}; must be >= 0")
         check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2", "use values in [0, 1)")
         check(self.grad_clip >= 0, "optim.grad_clip", f"got {self.grad_clip}; use 0 to turn clipping off")
+        check_positive(self.grad_slots_in_flight, "optim.grad_slots_in_flight", allow_zero=True)
+        check_choice(self.state_dtype, "optim.state_dtype", ("fp32", "bf16", "int8"))
 
 
 @dataclass

@@ -2,7 +2,8 @@
 optimizer interface -- one over the model (``OptimizersContainer``), or one per unit stepped beside the backward
 or the next forward (``OverlappedOptimizer``) -- clipping the global gradient norm (``optim.grad_clip``) and
 skipping non-finite steps (``optim.skip_nonfinite``) either way, with warmup then cosine/linear decay, one schedule
-per inner optimizer, each stepped right after its optimizer's step."""
+per inner optimizer, each stepped right after its optimizer's step. The moments are fp32 (exact) unless
+``optim.state_dtype`` compresses them (``memory/compressed_adamw.py``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Optional
 import torch
 
 from fsdp_speedloader.app.config import OptimConfig
+from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
 from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer, OverlappedOptimizer
 
 log = logging.getLogger(__name__)
@@ -28,18 +30,24 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> OptimizersConta
     next forward). Either clips to ``cfg.grad_clip`` and, when it clips, skips steps whose gradient norm is not
     finite (``cfg.skip_nonfinite``). The trainer uses either the same way.
     """
-    container = OverlappedOptimizer if cfg.overlap_with_backward else OptimizersContainer
-    return container(model, functools.partial(build_adamw, cfg=cfg), max_norm=cfg.grad_clip,
-                     skip_nonfinite=cfg.skip_nonfinite and cfg.grad_clip > 0)
+    build = functools.partial(build_adamw, cfg=cfg)
+    skip = cfg.skip_nonfinite and cfg.grad_clip > 0
+    if cfg.overlap_with_backward:
+        return OverlappedOptimizer(model, build, max_norm=cfg.grad_clip, skip_nonfinite=skip,
+                                   grad_slots_in_flight=cfg.grad_slots_in_flight)
+    return OptimizersContainer(model, build, max_norm=cfg.grad_clip, skip_nonfinite=skip)
 
 
 def build_adamw(parameters: list, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """One AdamW over the trainable ``parameters``: matrices with weight decay, the rest without."""
+    """One AdamW over the trainable ``parameters``: matrices with weight decay, the rest without. Its moments in
+    ``cfg.state_dtype``: fp32 (``torch.optim.AdamW``), or bf16 / int8 (``CompressedAdamW``)."""
     params = [p for p in parameters if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if cfg.state_dtype != "fp32":
+        return CompressedAdamW(groups, state_dtype=cfg.state_dtype, **kwargs)
     try:  # fused runs on CUDA and (torch >= 2.4) on CPU, including FSDP2's offloaded CPU DTensors
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError) as e:

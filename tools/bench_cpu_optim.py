@@ -1,0 +1,171 @@
+"""The host optimizer step, per billion parameters: fp32 AdamW against compressed-state candidates, on THIS CPU.
+
+With parameters offloaded the AdamW step runs on the host (docs/design.md §9); a compressed optimizer state is
+only worth having if its CPU step still hides behind the GPU's work. Each candidate runs in its own process with
+``--threads`` intra-op threads on LLaMA-2-7B block shapes (``--blocks`` blocks: 202M parameters each), fp32
+gradients, and reports the median step time of ``--steps`` steps after ``--warmup`` (the first steps allocate
+the state and, for the torch.compile'd ones, compile):
+
+  torch-fused        torch.optim.AdamW(fused=True), fp32 moments (the default path, exact)
+  torch-foreach      torch.optim.AdamW(foreach=True), fp32 moments
+  fsl-bf16           fsdp_speedloader CompressedAdamW, bf16 moments (torch's fused kernel on decoded chunks)
+  fsl-int8           fsdp_speedloader CompressedAdamW, 8-bit blockwise moments (same)
+  torch-fused-bf16p  torch.optim.AdamW(fused=True) on bf16 parameters (bf16 master, moments, round to nearest)
+  torchao-8bit       torchao.optim.AdamW8bit (fp32 parameters, 8-bit blockwise moments; torch.compile)
+  torchao-4bit       torchao.optim.AdamW4bit
+  torchao-fp8        torchao.optim.AdamWFp8
+  torchao-bf16-sr    torchao.optim._AdamW(bf16_stochastic_round=True) on bf16 parameters (bf16 master + moments)
+  bnb-8bit           bitsandbytes.optim.AdamW8bit (its CPU backend)
+
+Candidates whose library is missing are recorded as ``status: missing`` (``pip install torchao bitsandbytes``;
+neither is a dependency of the package: measured, not chosen). The machine's 1-minute load average is recorded with
+each figure: on a shared machine a parallel region waits for descheduled threads, so compare figures taken together.
+
+Usage:
+  python tools/bench_cpu_optim.py                          # every candidate, 1 and 2 threads, 2 blocks (405M)
+  python tools/bench_cpu_optim.py --candidates torch-fused,fsl-bf16 --threads 2 --blocks 1
+
+Writes bench/results/<name>.json (device: this CPU) and prints a table: seconds per step per 1e9 parameters,
+and thread-seconds per 1e9 parameters (seconds x threads: what a core-bound step costs; a machine with more cores
+divides it by its threads only while memory bandwidth keeps up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+import harness  # noqa: E402
+
+REPO = harness.REPO
+BLOCK_SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 3 + [(4096,)] * 2  # one LLaMA-2-7B block
+CANDIDATES = ("torch-fused", "torch-foreach", "fsl-bf16", "fsl-int8", "torch-fused-bf16p", "torchao-8bit",
+              "torchao-4bit", "torchao-fp8", "torchao-bf16-sr", "bnb-8bit")
+STATE_BYTES = {"torch-fused": 8, "torch-foreach": 8, "fsl-bf16": 4, "fsl-int8": 2, "torch-fused-bf16p": 4,
+               "torchao-8bit": 2, "torchao-4bit": 1, "torchao-fp8": 2, "torchao-bf16-sr": 4, "bnb-8bit": 2}
+MASTER_BYTES = {"torch-fused-bf16p": 2, "torchao-bf16-sr": 2}  # the others keep fp32 parameters (4)
+
+
+def build(name: str, params: list):
+    import torch
+
+    kw = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if name == "torch-fused" or name == "torch-fused-bf16p":
+        return torch.optim.AdamW(params, fused=True, **kw)
+    if name == "torch-foreach":
+        return torch.optim.AdamW(params, foreach=True, **kw)
+    if name.startswith("fsl-"):
+        from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
+
+        return CompressedAdamW(params, state_dtype=name[4:], **kw)
+    if name.startswith("torchao-"):
+        import torchao.optim as ao
+
+        if name == "torchao-bf16-sr":
+            return ao._AdamW(params, bf16_stochastic_round=True, **kw)
+        return {"torchao-8bit": ao.AdamW8bit, "torchao-4bit": ao.AdamW4bit, "torchao-fp8": ao.AdamWFp8}[name](
+            params, **kw)
+    if name == "bnb-8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, **kw)
+    raise ValueError(name)
+
+
+def run_worker(args: argparse.Namespace) -> dict:
+    import torch
+
+    name, threads = args.worker.split("@")
+    torch.set_num_threads(int(threads))
+    dtype = torch.bfloat16 if name in MASTER_BYTES else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for _ in range(args.blocks):
+        for shape in BLOCK_SHAPES:
+            p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(dtype))
+            p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(dtype)
+            params.append(p)
+    num_params = sum(p.numel() for p in params)
+    try:
+        opt = build(name, params)
+    except ImportError as e:
+        return {"status_detail": f"missing: {e}", "missing": True}
+    times = []
+    for _ in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    timed = times[args.warmup:]
+    median = statistics.median(timed)
+    return {"num_params": num_params, "threads": int(threads), "step_times_s": times, "median_step_s": median,
+            "s_per_billion_params": median / num_params * 1e9,
+            "thread_s_per_billion_params": median / num_params * 1e9 * int(threads),
+            "state_bytes_per_param": STATE_BYTES[name], "master_bytes_per_param": MASTER_BYTES.get(name, 4),
+            "host_peak_rss_gib": harness.host_peak_rss_gib(), "load_average_1min": os.getloadavg()[0],
+            "library_versions": _versions(name)}
+
+
+def _versions(name: str) -> dict:
+    import torch
+
+    out = {"torch": torch.__version__}
+    for module in ("torchao", "bitsandbytes"):
+        if name.startswith(module[:3]) and module in sys.modules:
+            out[module] = getattr(sys.modules[module], "__version__", "unknown")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--candidates", default=",".join(CANDIDATES), help=f"comma-separated, of {CANDIDATES}")
+    parser.add_argument("--threads", default="1,2", help="comma-separated intra-op thread counts")
+    parser.add_argument("--blocks", type=int, default=2, help="LLaMA-2-7B blocks of parameters (202M each)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--name", default="cpu_optim_step")
+    parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        harness.print_result(run_worker(args))
+        return
+    candidates = [c for c in args.candidates.split(",") if c]
+    unknown = sorted(set(candidates) - set(CANDIDATES))
+    if unknown:
+        parser.error(f"unknown candidate(s) {unknown}; choose from {CANDIDATES}")
+    rows: list = []
+    record = {**harness.record_header("cpu_optim", __file__, device=harness.cpu_name()),
+              "config": {k: v for k, v in vars(args).items() if k != "worker"},
+              "note": ("per-thread figures of this CPU; the GPU machine's host has 16 cores and another memory "
+                       "system: divide thread_s_per_billion_params by its threads for an optimistic estimate "
+                       "(a memory-bound step scales less)"),
+              "results": rows}
+    path = Path(args.out_dir, f"{args.name}.json")
+    print("| candidate | threads | state B/param | s per step per 1e9 params | thread-s per 1e9 params |")
+    print("|---|---|---|---|---|", flush=True)
+    for name in candidates:
+        for threads in args.threads.split(","):
+            env = {**os.environ, "OMP_NUM_THREADS": threads}
+            cmd = harness.worker_command(__file__, f"{name}@{threads}", sys.argv[1:], drop=("--candidates",))
+            row = harness.launch_worker(cmd, env, timeout=args.timeout).row(candidate=name)
+            if row.get("missing"):
+                row["status"] = "missing"
+            rows.append(row)
+            harness.write_record(path, record)
+            if row["status"] == "ok":
+                print(f"| {name} | {threads} | {row['state_bytes_per_param']} | {row['s_per_billion_params']:.2f} | "
+                      f"{row['thread_s_per_billion_params']:.2f} |", flush=True)
+            else:
+                print(f"| {name} | {threads} | - | {row['status']}: {row.get('error') or row.get('status_detail')} "
+                      "| - |", flush=True)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
