@@ -1,23 +1,31 @@
-"""Page-locked host memory of one rank: PyTorch's pinning (FSDP2 + caching host allocator) vs the arena.
+"""Host memory of one rank: by tier and mode (bytes per parameter), and the arena against PyTorch's pinning.
 
-Computed from the model's parameter shapes on the meta device (no GPU, nothing allocated):
+Computed from the model's parameter shapes on the meta device (no GPU, nothing allocated).
 
-  PyTorch's pinning  CPUOffloadPolicy(pin_memory=True) pins each padded fp32 shard separately, and
-                     FSDP2 copies each reduce-scattered fp32 gradient shard to the host with
-                     ``.to("cpu", non_blocking=True)``, a fresh block per parameter and step; the
-                     caching host allocator rounds every block up to a power of two. The synchronous
-                     host store (activation_store=host_sync) pins one block for all activation
-                     slots, rounded the same way.
-  arena              one region: the padded shards, the (unpadded) gradient shards and the
-                     activation slots, each slot aligned to 512 bytes, registered with
-                     cudaHostRegister (exact); FSDP2's gradient copies land in their slots.
+Modes (``fsdp_speedloader/memory/host_plan.py``; activations per ``--activation-store``):
+
+  exact-fp32       fp32 shards, a gradient slot per parameter, fp32 AdamW moments: the plain optimizer, or the
+                   overlapped one with exact clipping (optim.grad_clip > 0: the gradients outlive the backward)
+  in-flight-grads  the same, but gradient slots for optim.grad_slots_in_flight units (R, reused in turn): the
+                   overlapped optimizer without clipping (optim.overlap_with_backward=true optim.grad_clip=0); exact
+  bf16-states      in-flight gradients and bf16 moments (optim.state_dtype=bf16)
+  int8-states      in-flight gradients and 8-bit blockwise moments (optim.state_dtype=int8)
+
+For each it prints bytes per parameter by tier, the total, whether it fits ``--host-gib`` (default 128: the
+arena's budget, less its 10% margin and ``--host-overhead-gib`` for the process itself), and the largest model of the
+same shape family that fits (the per-parameter tiers scale with the model, the in-flight gradient regions with one
+unit, the activations with the depth).
+
+The older comparison stays: PyTorch's pinning (CPUOffloadPolicy(pin_memory=True) pins each padded fp32 shard
+separately, and each reduce-scattered gradient takes a fresh page-locked block per step, both rounded to a power of
+two by the caching host allocator) against the arena's exact slots.
 
 Usage:
-  python tools/arena_report.py                         # llama2_7b, the llama2_7b_offload experiment
-  python tools/arena_report.py --world-size 8 --num-sub-batches 16
-  python tools/arena_report.py --measure --layers 4 --host-memory-limit-gib 120   # GPU: also measure both ways
+  python tools/arena_report.py                                     # llama2_7b, llama2_13b, qwen3_14b
+  python tools/arena_report.py --models llama2_7b --world-size 8 --num-sub-batches 16
+  python tools/arena_report.py --models llama2_7b --measure --layers 4   # GPU: also measure both pinnings
 
-Writes bench/results/arena_report_<model>_w<world>.json (device, torch, commit, command, config, figures).
+Writes bench/results/arena_report_<model>_w<world>.json per model (device, torch, commit, command, config, figures).
 """
 
 from __future__ import annotations
@@ -106,6 +114,63 @@ def compute(args: argparse.Namespace) -> dict:
     }
 
 
+MODES = {
+    "exact-fp32": dict(grad_slots_in_flight=0, state_dtype="fp32"),
+    "in-flight-grads": dict(grad_slots_in_flight=None, state_dtype="fp32"),
+    "bf16-states": dict(grad_slots_in_flight=None, state_dtype="bf16"),
+    "int8-states": dict(grad_slots_in_flight=None, state_dtype="int8"),
+}
+
+
+def compute_modes(args: argparse.Namespace, model_name: str) -> dict:
+    """Per mode: the host plan by tier (bytes and bytes per parameter), whether it fits, the largest that does."""
+    from fsdp_speedloader.app.host_memory import unit_and_root_shards
+    from fsdp_speedloader.memory.host_plan import TIERS, plan_host_memory
+    from fsdp_speedloader.models import build_model
+
+    cfg = model_config(model_name, args.layers)
+    model = build_model(cfg, device="meta")
+    units, root = unit_and_root_shards(model, blocks_per_unit=args.blocks_per_unit, shards=args.world_size,
+                                       rank=args.rank)
+    num_units = len(units)
+    activations = 0
+    if args.activation_store == "host":
+        activations = ((num_units + 1) * args.num_sub_batches * args.sub_batch_size * args.seq_len
+                       * cfg.hidden_size * 2)
+    budget = int(args.host_gib * GIB * 0.9 - args.host_overhead_gib * GIB)
+    out = {}
+    for mode, spec in MODES.items():
+        in_flight = args.grad_slots_in_flight if spec["grad_slots_in_flight"] is None else 0
+        plan = plan_host_memory(units=units, root=root, root_on_host=not args.root_on_device,
+                                grad_slots_in_flight=in_flight, state_dtype=spec["state_dtype"],
+                                activation_bytes=activations,
+                                transfer_itemsize=2 if args.param_transfer else 0)
+        # What scales with the parameters, and what does not (activations; the in-flight regions: one unit's).
+        fixed = plan.activations + (plan.grads if in_flight else 0)
+        per_param = (plan.total - fixed) / plan.num_params
+        largest = (budget - fixed) / per_param if budget > fixed else 0
+        out[mode] = {"grad_slots_in_flight": in_flight, "state_dtype": spec["state_dtype"],
+                     "bytes": plan.by_tier(), "total_bytes": plan.total, "num_params": plan.num_params,
+                     "bytes_per_param": plan.bytes_per_param(), "fits": plan.total <= budget,
+                     "budget_bytes": budget, "largest_params_that_fit": int(largest)}
+    return {"model": model_name, "num_params": sum(p.numel() for p in model.parameters()), "num_units": num_units,
+            "hidden_size": cfg.hidden_size, "tiers": list(TIERS), "modes": out}
+
+
+def print_modes(report: dict, args: argparse.Namespace) -> None:
+    print(f"\n{report['model']} ({report['num_params'] / 1e9:.2f}B parameters, {report['num_units']} units), world "
+          f"size {args.world_size}, activations on the {args.activation_store}: host bytes per parameter "
+          f"(budget {args.host_gib:g} GiB x 0.9 - {args.host_overhead_gib:g} GiB)")
+    print("| mode | param shards | grads | optimizer states | activations | transfer | total B/param | total GiB "
+          "| fits | largest that fits |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for mode, m in report["modes"].items():
+        b = m["bytes_per_param"]
+        print(f"| {mode} | {b['param_shards']:.2f} | {b['grads']:.2f} | {b['optimizer_states']:.2f} | "
+              f"{b['activations']:.2f} | {b['param_transfer']:.2f} | {b['total']:.2f} | {m['total_bytes'] / GIB:.1f} | "
+              f"{'yes' if m['fits'] else 'no'} | {m['largest_params_that_fit'] / 1e9:.1f}B |")
+
+
 def run_worker(args: argparse.Namespace) -> dict:
     """On the GPU, ``--worker STORE``: one training step with that activation store on ``--layers`` layers; the
     page-locked bytes of the caching host allocator and of the arena."""
@@ -148,7 +213,8 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama2_7b", help="a conf/model/*.yaml name")
+    parser.add_argument("--models", default="llama2_7b,llama2_13b,qwen3_14b", help="conf/model/*.yaml names")
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)  # --measure's worker: one model
     parser.add_argument("--layers", type=int, default=None, help="override num_layers")
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--rank", type=int, default=0, help="rank 0 holds the largest (padded) shards")
@@ -156,42 +222,56 @@ def main() -> None:
     parser.add_argument("--sub-batch-size", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--blocks-per-unit", type=int, default=1)
+    parser.add_argument("--activation-store", default="device", choices=("device", "host"),
+                        help="modes: the activations on the GPU (no host tier) or in the host arena")
+    parser.add_argument("--grad-slots-in-flight", type=int, default=2, help="modes: R of the in-flight gradients")
+    parser.add_argument("--root-on-device", action="store_true", help="modes: offload.root=false")
+    parser.add_argument("--param-transfer", action="store_true", help="modes: bf16 transfer copies")
+    parser.add_argument("--host-gib", type=float, default=128.0, help="modes: the machine's host memory")
+    parser.add_argument("--host-overhead-gib", type=float, default=4.0,
+                        help="modes: host memory the process takes besides the plan (CUDA context, libraries)")
     parser.add_argument("--measure", action="store_true", help="also measure on the GPU (world size 1)")
     parser.add_argument("--host-memory-limit-gib", type=float, default=None,
                         help="host budget for the arena check (a VM whose MemTotal grows on demand needs it)")
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/arena_report_<model>_w<W>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (one model; default "
+                                                    "bench/results/arena_report_<model>_w<W>.json)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # an activation store, measured
     args = parser.parse_args()
     if args.worker:
         harness.print_result(run_worker(args))
         return
 
-    record = {**harness.record_header("arena_report", __file__, device=None if args.measure else "cpu (computed)"),
-              **compute(args)}
-    if args.measure:
-        record["measured"] = measure(args)
-    default = REPO / "bench" / "results" / f"arena_report_{args.model}_w{args.world_size}.json"
-    out = harness.write_record(args.out or default, record)
-
     def gib(n):
         return "-" if n is None else f"{n / GIB:.2f}"
 
-    print(f"{args.model}, world size {args.world_size}, rank {args.rank}: page-locked GiB")
-    print("| what | requested | PyTorch's pinning | arena |\n|---|---|---|---|")
-    print(f"| fp32 parameter shards | {gib(record['param_shards']['requested'])} | "
-          f"{gib(record['param_shards']['pinned_by_fsdp2'])} | {gib(record['param_shards']['arena'])} |")
-    print(f"| activation slots (bf16) | {gib(record['activations']['requested'])} | "
-          f"{gib(record['activations']['pinned_host_sync_store'])} | {gib(record['activations']['arena'])} |")
-    print(f"| fp32 gradient shards | {gib(record['gradients']['requested'])} | "
-          f"{gib(record['gradients']['pinned_by_fsdp2'])} | {gib(record['gradients']['arena'])} |")
-    total = record["page_locked_total"]
-    print(f"| total | {gib(total['requested'])} | {gib(total['pytorch_pinning'])} | {gib(total['arena'])} |")
-    if args.measure:
-        for store, rec in record["measured"].items():
-            print(f"measured ({store}): {gib(rec['page_locked_total'])} GiB page-locked "
-                  f"(caching host allocator {gib(rec['caching_host_allocator_bytes'])}, "
-                  f"arena {gib(rec['arena_page_locked_bytes'])})")
-    print(f"wrote {out}")
+    models = [args.model] if args.model else [m for m in args.models.split(",") if m]
+    for name in models:
+        args.model = name
+        record = {**harness.record_header("arena_report", __file__,
+                                          device=None if args.measure else "cpu (computed)"),
+                  **compute(args), "host_memory_by_mode": compute_modes(args, name)}
+        if args.measure:
+            record["measured"] = measure(args)
+        default = REPO / "bench" / "results" / f"arena_report_{name}_w{args.world_size}.json"
+        out = harness.write_record(args.out if args.out and len(models) == 1 else default, record)
+        print(f"{name}, world size {args.world_size}, rank {args.rank}: page-locked GiB, PyTorch's pinning vs the arena "
+              "(a gradient slot per parameter, activations in the arena)")
+        print("| what | requested | PyTorch's pinning | arena |\n|---|---|---|---|")
+        print(f"| fp32 parameter shards | {gib(record['param_shards']['requested'])} | "
+              f"{gib(record['param_shards']['pinned_by_fsdp2'])} | {gib(record['param_shards']['arena'])} |")
+        print(f"| activation slots (bf16) | {gib(record['activations']['requested'])} | "
+              f"{gib(record['activations']['pinned_host_sync_store'])} | {gib(record['activations']['arena'])} |")
+        print(f"| fp32 gradient shards | {gib(record['gradients']['requested'])} | "
+              f"{gib(record['gradients']['pinned_by_fsdp2'])} | {gib(record['gradients']['arena'])} |")
+        total = record["page_locked_total"]
+        print(f"| total | {gib(total['requested'])} | {gib(total['pytorch_pinning'])} | {gib(total['arena'])} |")
+        if args.measure:
+            for store, rec in record["measured"].items():
+                print(f"measured ({store}): {gib(rec['page_locked_total'])} GiB page-locked "
+                      f"(caching host allocator {gib(rec['caching_host_allocator_bytes'])}, "
+                      f"arena {gib(rec['arena_page_locked_bytes'])})")
+        print_modes(record["host_memory_by_mode"], args)
+        print(f"wrote {out}\n")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits,
 from fsdp_speedloader.app.config import TrainConfig
 from fsdp_speedloader.app.data import build_loader, validate_data
 from fsdp_speedloader.app.faults import fault_from_env
+from fsdp_speedloader.app.host_memory import check_host_memory
 from fsdp_speedloader.app.launch import TrainingInterrupted, UserError, check_writable_dir
 from fsdp_speedloader.app.launch import rank as launch_rank
 from fsdp_speedloader.app.logger import MetricLogger, StepProgress, build_logger, check_wandb_credentials, \
@@ -103,11 +104,17 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
 
 def check_host_memory_plan(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *,
                            param_dtype: torch.dtype) -> None:
-    """The pinned host arena's budget check (``memory.arena.check_plan``) for a layer-major model that is sharded but
-    not yet materialised: ValueError, naming what to lower, when the activation slots of one step (U + 1 slots of
-    N x n x s x h) and the offloaded shards, their gradients and transfer copies that the arena will hold exceed the
-    host budget now. The arena checks again at the first step, to the byte (sizes here leave out its alignment)."""
+    """The host budget check for a layer-major model that is sharded but not yet materialised: with offloaded
+    parameters every tier of ``app.host_memory`` (parameter shards, gradients, optimizer states, activations,
+    transfer copies; ValueError in one line naming what each setting frees), else the activation slots of one step
+    (U + 1 slots of N x n x s x h) in the pinned arena. The arena checks its own slots again at the first step, to
+    the byte."""
     engine = speedloader_engine(model, missing_ok=True)
+    if engine is not None and engine.options.offload_params:
+        # Every tier (parameter shards, gradients, optimizer states, activations, transfer copies): memory/host_plan.py
+        shards = dict(zip(mesh.mesh_dim_names, mesh.shape)).get("dp_shard", 1)
+        check_host_memory(model, cfg, shards=shards, activation_dtype=param_dtype)
+        return
     if engine is None or not engine.options.uses_arena_store:
         return
     options, sched, s = engine.options, cfg.schedule, cfg.data.seq_len

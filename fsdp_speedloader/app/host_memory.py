@@ -1,0 +1,116 @@
+"""A training run's host memory plan, by tier (``memory/host_plan.py``), from its config and the model's shapes:
+what the trainer checks before the model takes host memory, and what ``tools/arena_report.py`` prints per mode.
+
+``host_memory_plan(model, cfg, shards=...)`` gives the plan of rank 0 (the largest shards) and, for each setting
+that would shrink it, the plan with that setting changed; ``check_host_memory(model, cfg, shards=...)`` refuses a
+plan over the host budget in one line naming those settings and the GiB each frees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fsdp_speedloader.app.config import TrainConfig
+from fsdp_speedloader.memory.arena import HostMemoryBudget
+from fsdp_speedloader.memory.host_plan import HostPlan, Shard, check_host_plan, plan_host_memory, savings_of, \
+    shard_numels
+from fsdp_speedloader.models import get_adapter
+
+_SMALLER_STATES = {"fp32": ("bf16", "int8"), "bf16": ("int8",), "int8": ()}
+
+
+def unit_and_root_shards(model: nn.Module, *, blocks_per_unit: int, shards: int, rank: int = 0
+                         ) -> tuple[list[list[Shard]], list[Shard]]:
+    """Each unit's parameter shards (``blocks_per_unit`` consecutive blocks per unit) and the root's (every other
+    parameter), on ``rank`` of ``shards``; from the parameters' global shapes (a meta model, sharded or not)."""
+    blocks = list(get_adapter(model).blocks)
+    units, seen = [], set()
+    for start in range(0, len(blocks), blocks_per_unit):
+        params = [p for block in blocks[start : start + blocks_per_unit] for p in block.parameters()]
+        seen.update(id(p) for p in params)
+        units.append([shard_numels(tuple(p.shape), shards, rank) for p in params if p.requires_grad])
+    root = [shard_numels(tuple(p.shape), shards, rank) for p in model.parameters()
+            if id(p) not in seen and p.requires_grad]
+    return units, root
+
+
+def _uses_ring(cfg: TrainConfig) -> bool:
+    """In-flight gradient slots: the overlapped optimizer stepping during the backward (no clipping), the arena
+    holding the gradients (offloaded, pinned)."""
+    return (cfg.optim.overlap_with_backward and cfg.optim.grad_clip == 0 and cfg.optim.grad_slots_in_flight > 0
+            and cfg.offload.params and cfg.offload.pin_memory)
+
+
+def _activations_on_host(cfg: TrainConfig) -> bool:
+    store = cfg.schedule.activation_store
+    return cfg.schedule.name in ("speedloader", "auto") and (store in ("host", "host_sync") or
+                                                              store == "auto" and cfg.offload.params)
+
+
+def plan_for(cfg: TrainConfig, units: list[list[Shard]], root: list[Shard], *, hidden_size: int,
+             activation_itemsize: int = 2) -> HostPlan:
+    """The host plan of ``cfg`` for these shards (activation slots: U + 1 of N x n x s x h)."""
+    sched = cfg.schedule
+    activations = ((len(units) + 1) * sched.num_sub_batches * sched.sub_batch_size * cfg.data.seq_len * hidden_size
+                   * activation_itemsize) if _activations_on_host(cfg) else 0
+    return plan_host_memory(units=units, root=root, root_on_host=cfg.offload.root,
+                            grad_slots_in_flight=cfg.optim.grad_slots_in_flight if _uses_ring(cfg) else 0,
+                            state_dtype=cfg.optim.state_dtype, activation_bytes=activations,
+                            transfer_itemsize=2 if cfg.offload.param_transfer_dtype else 0)
+
+
+def _with(cfg: TrainConfig, **sections) -> Optional[TrainConfig]:
+    """``cfg`` with fields of its sections replaced (``optim={"state_dtype": "bf16"}``); None when that config is
+    not a valid one (another setting would have to change with it)."""
+    try:
+        changes = {name: dataclasses.replace(getattr(cfg, name), **fields) for name, fields in sections.items()}
+        return dataclasses.replace(cfg, **changes)
+    except ValueError:
+        return None
+
+
+def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activation_itemsize: int = 2
+                     ) -> tuple[HostPlan, list[tuple[str, HostPlan]]]:
+    """(rank 0's plan, [(setting, the plan with that setting changed)]) for a run with offloaded parameters."""
+    units, root = unit_and_root_shards(model, blocks_per_unit=cfg.schedule.blocks_per_unit, shards=shards)
+    hidden = model.config.hidden_size
+
+    def plan(c: Optional[TrainConfig]) -> Optional[HostPlan]:
+        return None if c is None else plan_for(c, units, root, hidden_size=hidden,
+                                               activation_itemsize=activation_itemsize)
+
+    alternatives = [(f"optim.state_dtype={dtype}", plan(_with(cfg, optim={"state_dtype": dtype})))
+                    for dtype in _SMALLER_STATES[cfg.optim.state_dtype]]
+    if not _uses_ring(cfg) and cfg.offload.pin_memory:
+        ring = _with(cfg, optim={"overlap_with_backward": True, "grad_clip": 0.0,
+                                 "grad_slots_in_flight": cfg.optim.grad_slots_in_flight or 2})
+        alternatives.append(("optim.overlap_with_backward=true optim.grad_clip=0 (in-flight gradient slots)",
+                             plan(ring)))
+    if _activations_on_host(cfg):
+        alternatives.append(("schedule.activation_store=device (activations on the GPU)",
+                             plan(_with(cfg, schedule={"activation_store": "device"}))))
+    if cfg.offload.root:
+        alternatives.append(("offload.root=false (the root's states on the GPU)",
+                             plan(_with(cfg, offload={"root": False}))))
+    if cfg.offload.param_transfer_dtype:
+        alternatives.append(("offload.param_transfer_dtype=null",
+                             plan(_with(cfg, offload={"param_transfer_dtype": None}))))
+    return plan(cfg), [(setting, alt) for setting, alt in alternatives if alt is not None]
+
+
+def check_host_memory(model: nn.Module, cfg: TrainConfig, *, shards: int, activation_dtype: torch.dtype,
+                      budget: Optional[HostMemoryBudget] = None) -> HostPlan:
+    """Rank 0's plan (``host_memory_plan``); ``ValueError`` in one line, naming what each setting frees, when it
+    exceeds the host budget (detected when None: the arena's own budget)."""
+    itemsize = torch.empty((), dtype=activation_dtype).element_size()
+    plan, alternatives = host_memory_plan(model, cfg, shards=shards, activation_itemsize=itemsize)
+    sched = cfg.schedule
+    hint = (f"Or lower schedule.num_sub_batches (N={sched.num_sub_batches}), schedule.sub_batch_size "
+            f"(n={sched.sub_batch_size}) or data.seq_len (s={cfg.data.seq_len}), or raise schedule.blocks_per_unit; "
+            "the parameter shards shrink only with more ranks")
+    check_host_plan(plan, budget or HostMemoryBudget.detect(), savings=savings_of(plan, alternatives), hint=hint)
+    return plan

@@ -1,0 +1,81 @@
+"""The host memory plan by tier (``memory/host_plan.py``, ``app/host_memory.py``): the figures per mode, and the
+trainer's refusal of a plan over the host budget -- one line, before the model takes host memory, naming each
+setting that frees memory and by how much."""
+
+from __future__ import annotations
+
+import pytest
+
+import fsdp_speedloader.app.host_memory as host_memory_mod
+from dist_utils import tiny_config
+from fsdp_speedloader.app.host_memory import host_memory_plan, unit_and_root_shards
+from fsdp_speedloader.app.trainer import Trainer
+from fsdp_speedloader.memory.arena import GIB, HostMemoryBudget
+from fsdp_speedloader.memory.host_plan import check_host_plan, plan_host_memory, savings_of, shard_numels
+from fsdp_speedloader.models import build_model
+
+UNIT = [(1000, 1000), (24, 24)]  # two parameters per unit, one rank: (padded, local) elements
+
+
+def test_tiers_per_mode():
+    units, root = [UNIT] * 4, [(4000, 4000)]
+    exact = plan_host_memory(units=units, root=root)
+    unit_grads = 4096 + 512  # one unit's shards/gradients, each aligned to 512 B (4000 B -> 4096, 96 B -> 512)
+    assert exact.param_shards == exact.grads == 4 * unit_grads + 16384
+    assert exact.optimizer_states == 8 * (4 * 1024 + 4000)
+    assert exact.bytes_per_param()["optimizer_states"] == 8.0
+    ring = plan_host_memory(units=units, root=root, grad_slots_in_flight=2)
+    assert ring.grads == 2 * unit_grads + 16384  # two units' regions and the root's own slots
+    assert ring.param_shards == exact.param_shards and ring.optimizer_states == exact.optimizer_states
+    bf16 = plan_host_memory(units=units, root=root, grad_slots_in_flight=2, state_dtype="bf16")
+    assert bf16.optimizer_states == exact.optimizer_states // 2
+    on_device = plan_host_memory(units=units, root=root, root_on_host=False)
+    assert on_device.num_params == 4 * 1024 and on_device.optimizer_states == 8 * 4 * 1024
+    assert shard_numels((97, 64), 2, 0) == (49 * 64, 49 * 64) and shard_numels((97, 64), 2, 1) == (49 * 64, 48 * 64)
+
+
+def test_refusal_is_one_line_with_the_bytes_each_setting_frees():
+    plan = plan_host_memory(units=[UNIT] * 4, root=[(4000, 4000)])
+    smaller = plan_host_memory(units=[UNIT] * 4, root=[(4000, 4000)], state_dtype="int8")
+    budget = HostMemoryBudget(limit_bytes=smaller.total + 100, used_bytes=0, margin=0.0)
+    check_host_plan(smaller, budget)  # fits: nothing raised
+    with pytest.raises(ValueError) as info:
+        check_host_plan(plan, budget, savings=savings_of(plan, [("optim.state_dtype=int8", smaller)]), hint="hint")
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("the pinned host arena needs ")
+    freed = (plan.total - smaller.total) / GIB
+    assert f"optim.state_dtype=int8 frees {freed:.2f} GiB (enough alone)" in text
+
+
+def test_plan_of_a_model_and_config():
+    cfg = tiny_config("unused", offload={"params": True}, schedule={"name": "speedloader"}, model={"num_layers": 4})
+    model = build_model(cfg.model, device="meta")
+    units, root = unit_and_root_shards(model, blocks_per_unit=1, shards=1)
+    assert len(units) == cfg.model.num_layers
+    assert sum(local for unit in units for _, local in unit) + sum(local for _, local in root) == sum(
+        p.numel() for p in model.parameters())
+    plan, alternatives = host_memory_plan(model, cfg, shards=1)
+    settings = dict(alternatives)
+    assert {"optim.state_dtype=bf16", "optim.state_dtype=int8"} <= set(settings)
+    ring = settings["optim.overlap_with_backward=true optim.grad_clip=0 (in-flight gradient slots)"]
+    assert ring.grads < plan.grads and ring.param_shards == plan.param_shards
+    acts = settings["schedule.activation_store=device (activations on the GPU)"]
+    assert acts.activations == 0 < plan.activations
+    assert plan.activations == (cfg.model.num_layers + 1) * 2 * 2 * 32 * 64 * 2  # U + 1 slots of N x n x s x h, bf16
+
+
+def test_the_trainer_refuses_before_the_model_takes_host_memory(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, offload={"params": True}, schedule={"name": "speedloader"})
+    model = build_model(cfg.model, device="meta")
+    plan, alternatives = host_memory_plan(model, cfg, shards=1, activation_itemsize=4)
+    int8 = dict(alternatives)["optim.state_dtype=int8"]
+    budget = HostMemoryBudget(limit_bytes=(plan.total + int8.total) // 2, used_bytes=0, margin=0.0)
+    monkeypatch.setattr(host_memory_mod.HostMemoryBudget, "detect", classmethod(lambda cls, *a, **k: budget))
+    materialized = []
+    monkeypatch.setattr("fsdp_speedloader.app.trainer.materialize_model", lambda *a, **k: materialized.append(1))
+    with pytest.raises(ValueError) as info:
+        Trainer(cfg)
+    text = str(info.value)
+    assert "\n" not in text and not materialized
+    assert f"optim.state_dtype=int8 frees {(plan.total - int8.total) / GIB:.2f} GiB (enough alone)" in text
+    assert "lower schedule.num_sub_batches" in text
