@@ -245,6 +245,8 @@ def main() -> None:
         return "-" if n is None else f"{n / GIB:.2f}"
 
     models = [args.model] if args.model else [m for m in args.models.split(",") if m]
+    if args.out and len(models) != 1:
+        parser.error("--out names one record: pass one model (--models NAME)")
     for name in models:
         args.model = name
         record = {**harness.record_header("arena_report", __file__,
@@ -253,7 +255,7 @@ def main() -> None:
         if args.measure:
             record["measured"] = measure(args)
         default = REPO / "bench" / "results" / f"arena_report_{name}_w{args.world_size}.json"
-        out = harness.write_record(args.out if args.out and len(models) == 1 else default, record)
+        out = harness.write_record(args.out or default, record)
         print(f"{name}, world size {args.world_size}, rank {args.rank}: page-locked GiB, PyTorch's pinning vs the arena "
               "(a gradient slot per parameter, activations in the arena)")
         print("| what | requested | PyTorch's pinning | arena |\n|---|---|---|---|")
