@@ -35,6 +35,8 @@ from fsdp_speedloader.generation.kv_cache import KV_CACHE_MODES
 from fsdp_speedloader.generation.sampling import select_tokens
 from fsdp_speedloader.generation.step import ROOT_METHOD, GenerationRun, GenerationStepState, prompt_positions, \
     register_generation_methods, root_step
+from fsdp_speedloader.generation.weight_stream import WeightStream
+from fsdp_speedloader.quant import KV_CACHE_DTYPES, kv_codec, quantized_linears, quantized_weights
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,9 +83,20 @@ class GenerationStats:
 
 
 def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batches, do_sample, temperature,
-                  top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches) -> None:
+                  top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches, kv_cache_dtype=None) -> None:
     """ValueError, naming what to change, before anything is allocated."""
     speedloader_engine(model)  # ValueError unless prepared with apply_speedloader
+    if quantized_linears(model) and quantized_weights(model) is None:
+        raise ValueError("the model's linears are quantized but hold no weights yet: call fsdp_speedloader.quant."
+                         "materialize_quantized_weights(model, ...) after apply_speedloader")
+    if kv_cache_dtype is not None:
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; choose one of "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))} or None (the compute dtype)")
+        if kv_cache not in ("host", "split"):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} stores the host part of the KV cache in 8 bits: it "
+                             f"needs kv_cache='host' or 'split' (got kv_cache={kv_cache!r}; 'auto' may pick "
+                             "'device', where it would not apply)")
     for name, value in (("max_new_tokens", max_new_tokens), ("num_sub_batches", num_sub_batches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}; it must be an integer >= 1")
@@ -172,6 +185,7 @@ def generate(
     kv_cache: str = "auto",
     kv_device_sub_batches: Optional[int] = None,
     cpu_attention_sub_batches: int = 0,
+    kv_cache_dtype: Optional[str] = None,
     seed: Optional[int] = None,
     host_memory_limit_bytes: Optional[int] = None,
     return_stats: bool = False,
@@ -202,6 +216,13 @@ def generate(
             decoding attention runs on the CPU next to their cache (FlexGen's ``cpu_cache_compute``): the
             query and output cross the link instead of the cache. The others' cache is copied to the GPU.
             Balances link and CPU memory bandwidth; 0 (default): every host cache is copied.
+        kv_cache_dtype: None (the compute dtype), 'int8' or 'fp8' (e4m3): the host part of a 'host' or
+            'split' cache in 8 bits with one scale per (position, sequence, head): half the host memory, and
+            half the bytes over the link and read by host attention (``quant/kv.py``).
+
+    A model whose block linears were quantized (``quant.quantize_linears_`` and
+    ``quant.materialize_quantized_weights``) streams their packed int8 / int4 bytes unit by unit and dequantizes
+    them on the compute device (``weight_stream.py``); nothing to pass here.
         seed: seeds sampling (a private generator: the global RNG is untouched); None: global RNG.
         host_memory_limit_bytes: host budget of the KV arena (default: detected, see ``arena.py``).
         return_stats: also return a ``GenerationStats``.
@@ -211,14 +232,14 @@ def generate(
         (B, prompt_len + new tokens) LongTensor on ``input_ids``' device, as Hugging Face ``generate``.
     """
     _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batches, do_sample, temperature,
-                  top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches)
+                  top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches, kv_cache_dtype)
     eos = _eos_list(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
     run, prompts = _prepare_generation(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                                        num_sub_batches=num_sub_batches, kv_cache=kv_cache,
                                        kv_device_sub_batches=kv_device_sub_batches,
                                        cpu_attention_sub_batches=cpu_attention_sub_batches,
-                                       host_memory_limit_bytes=host_memory_limit_bytes)
+                                       host_memory_limit_bytes=host_memory_limit_bytes, kv_cache_dtype=kv_cache_dtype)
     generator = torch.Generator(device=run.device).manual_seed(seed) if do_sample and seed is not None else None
     select = functools.partial(select_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                generator=generator)
@@ -230,6 +251,8 @@ def generate(
     finally:
         if run.kv is not None:
             run.kv.close()
+        if run.weights is not None:
+            run.weights.close()
         model.train(was_training)
     out = torch.cat([prompts.ids, torch.stack(new_tokens, dim=1)], dim=1).to(input_ids.device)
     return (out, _report(run, prompts, len(new_tokens), timing)) if return_stats else out
@@ -256,7 +279,8 @@ class _Timing:
 def _prepare_generation(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], *,
                         max_new_tokens: int, num_sub_batches: int, kv_cache: str,
                         kv_device_sub_batches: Optional[int], cpu_attention_sub_batches: int,
-                        host_memory_limit_bytes: Optional[int]) -> tuple[GenerationRun, _Prompts]:
+                        host_memory_limit_bytes: Optional[int], kv_cache_dtype: Optional[str] = None
+                        ) -> tuple[GenerationRun, _Prompts]:
     """What stays fixed for the call: the prompts' mask and positions (on the host, where the masks are
     built), each unit's layer indices, and the generation methods on the model (registered once per model).
     The KV cache comes with the first step, inside the root's call, where the compute dtype is known."""
@@ -280,7 +304,12 @@ def _prepare_generation(model: nn.Module, input_ids: torch.Tensor, attention_mas
                device=engine.device, num_sub_batches=num_sub_batches, sub_batch_size=batch // num_sub_batches,
                capacity=prompt_len + max_new_tokens, kv_mode=kv_cache, kv_device_sub_batches=kv_device_sub_batches,
                cpu_attention_sub_batches=cpu_attention_sub_batches, host_memory_limit_bytes=host_memory_limit_bytes,
-               resources=resources, block_kwargs=frozenset(inspect.signature(type(blocks[0]).forward).parameters))
+               resources=resources, block_kwargs=frozenset(inspect.signature(type(blocks[0]).forward).parameters),
+               kv_codec=kv_codec(kv_cache_dtype))
+    weights = quantized_weights(model)
+    if weights is not None:
+        run.weights = WeightStream(weights, engine.units, engine.device, exchange=resources.weight_exchange)
+        resources.weight_exchange = run.weights.exchange
     return run, _Prompts(ids=input_ids.to(engine.device), mask=mask, positions=positions)
 
 
@@ -307,6 +336,8 @@ def _decode(model: nn.Module, run: GenerationRun, prompts: _Prompts, *, max_new_
     with routing as host_times, run_on_local_shards(local or ()):
         for step in range(max_new_tokens):
             state = _step_state(run, prompts, new_tokens, step)
+            if run.weights is not None:  # no copy of the first unit's weights after the last step
+                run.weights.another_step = step + 1 < max_new_tokens
             step_call(state)  # one layer-major step
             next_tokens = select(state.logits)
             if eos_t is not None:
@@ -362,6 +393,8 @@ def _report(run: GenerationRun, prompts: _Prompts, num_steps: int, timing: _Timi
         io.update({f"activation_{k}": v for k, v in run.store.step_stats().items()})
     if timing.host_attention is not None:
         io.update(timing.host_attention.as_dict())
+    if run.weights is not None:
+        io.update(run.weights.stats())
     batch, prompt_len = prompts.ids.shape
     return GenerationStats(batch_size=batch, prompt_len=prompt_len, num_steps=num_steps, prefill_s=timing.prefill_s,
                            decode_s=timing.total_s - timing.prefill_s, kv_cache=run.kv_mode, io=io)

@@ -37,7 +37,12 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from fsdp_speedloader.quant.kv import dequantize_kv, scales_of
+
 _PREFIX = "speedloader_host+"
+# 8-bit host cache: keys and values dequantized a few sequences at a time, at most this many bytes of them, so
+# the compute-dtype copy stays in the CPU's caches instead of going through host memory.
+_DEQUANTIZED_BYTES_PER_CALL = 16 << 20
 
 
 @dataclass(eq=False)  # compared by identity: nested routings each remove their own record
@@ -120,7 +125,9 @@ def _to_device(out: torch.Tensor, device: torch.device, record: Optional[HostAtt
 def _wrap(name: Optional[str]) -> Callable:
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         original = _original_function(module, name)
-        if key.device == query.device:
+        if key.device == query.device:  # a cache on the device (or no GPU at all: the host is the device)
+            if scales_of(key) is not None:  # an 8-bit host cache
+                return _attend_8bit(original, module, query, key, value, attention_mask, args, kwargs)
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         # Keys and values of this (sub-batch, layer) are in host memory: bring the query to them.
         query_host = _to_host(query)  # (n, H, q, d)
@@ -130,7 +137,10 @@ def _wrap(name: Optional[str]) -> Callable:
             torch.cuda.current_stream(query.device).synchronize()  # the query, the mask and this token's K/V
         t1 = time.perf_counter()
         with torch.profiler.record_function("speedloader::host_attention"):
-            out, weights = original(module, query_host, key, value, mask_host, *args, **kwargs)
+            if scales_of(key) is None:
+                out, weights = original(module, query_host, key, value, mask_host, *args, **kwargs)
+            else:
+                out, weights = _attend_8bit(original, module, query_host, key, value, mask_host, args, kwargs)
         record = _times[-1] if _times else None
         if record is not None:
             record.calls += 1
@@ -140,6 +150,26 @@ def _wrap(name: Optional[str]) -> Callable:
 
     attention.__qualname__ = f"host_attention[{name}]"
     return attention
+
+
+def _attend_8bit(original: Callable, module, query, key, value, mask, args, kwargs):
+    """The attention function over an 8-bit host cache: ``key`` / ``value`` (n, H_kv, T, d) codes with their
+    scales attached (``quant/kv.py``), dequantized into the query's dtype a few sequences at a time (attention
+    is independent per sequence), so only the codes and scales come from host memory."""
+    key_scales, value_scales = scales_of(key), scales_of(value)
+    n, heads, length, dim = key.shape
+    per_sequence = 2 * heads * length * dim * query.element_size()
+    step = max(1, _DEQUANTIZED_BYTES_PER_CALL // max(per_sequence, 1))
+    outs, weights = [], []
+    for j in range(0, n, step):
+        rows = slice(j, min(n, j + step))
+        k = dequantize_kv(key[rows], key_scales[rows], query.dtype)
+        v = dequantize_kv(value[rows], value_scales[rows], query.dtype)
+        m = mask[rows] if mask is not None and mask.shape[0] == n else mask
+        out, w = original(module, query[rows], k, v, m, *args, **kwargs)
+        outs.append(out)
+        weights.append(w)
+    return torch.cat(outs), (None if weights[0] is None else torch.cat(weights))
 
 
 def _register(name: Optional[str]) -> str:

@@ -69,6 +69,7 @@ import torch
 from fsdp_speedloader.generation.kv_layout import KVLayout, gather_runs, kv_layout_for  # noqa: F401
 from fsdp_speedloader.memory.arena import DEFAULT_MARGIN, ArenaPlan, HostMemoryBudget, PinnedArena
 from fsdp_speedloader.memory.exchange import FetchHandle, TensorExchange
+from fsdp_speedloader.quant.kv import KVCodec, attach_scales
 
 KV_CACHE_MODES = ("auto", "device", "split", "host", "off")
 
@@ -81,6 +82,11 @@ def _as_positions(key: torch.Tensor) -> torch.Tensor:
 def _as_attention(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # (T, 2, n, H_kv, d) -> keys and values as the attention expects them, (n, H_kv, T, d) views.
     return block[:, 0].permute(1, 2, 0, 3), block[:, 1].permute(1, 2, 0, 3)
+
+
+def _scales_as_attention(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # (T, 2, n, H_kv) scales -> keys' and values' (n, H_kv, T), as _as_attention lays out their codes.
+    return block[:, 0].permute(1, 2, 0), block[:, 1].permute(1, 2, 0)
 
 
 class KVCache(ABC):
@@ -188,40 +194,69 @@ class HostKVCache(KVCache):
 
     The arena and the exchange may outlive one generation (``reuse``): a later generation whose
     cache fits in the arena re-carves it without allocating or page-locking again.
+
+    With a ``codec`` (``kv_cache_dtype``) the host holds 8-bit codes and one scale per (position, sequence,
+    head) (``quant/kv.py``): half the host memory and half the bytes over the link or read by the CPU. Copied
+    blocks are dequantized on the device into the compute dtype; a new position is quantized once, written to
+    the host in 8 bits, and attention reads it back dequantized, as every later step will.
     """
 
     SLOT = "kv_cache"
+    SCALES_SLOT = "kv_cache_scales"
 
     def __init__(self, layout: KVLayout, device: torch.device, *, cpu_attention: int = 0,
                  arena: Optional[PinnedArena] = None, exchange: Optional[TensorExchange] = None,
-                 host_memory_limit_bytes: Optional[int] = None, host_memory_margin: float = DEFAULT_MARGIN) -> None:
+                 host_memory_limit_bytes: Optional[int] = None, host_memory_margin: float = DEFAULT_MARGIN,
+                 codec: Optional[KVCodec] = None) -> None:
         super().__init__(layout, device)
         if not 0 <= cpu_attention <= layout.num_sub_batches:
             raise ValueError(f"cpu_attention_sub_batches={cpu_attention}; the host cache holds "
                              f"{layout.num_sub_batches} sub-batches (0 .. {layout.num_sub_batches})")
         self.cpu_attention = cpu_attention  # sub-batches 0 .. cpu_attention - 1: attention on the host
         self.cpu_read_bytes = 0  # cache bytes those attentions read (instead of copying them)
-        if arena is None or self.SLOT not in arena or arena.capacity(self.SLOT) < layout.nbytes:
+        self.codec = codec
+        code_dtype = layout.dtype if codec is None else codec.code_dtype
+        slots = {self.SLOT: ((layout.numel,), code_dtype)}
+        if codec is not None:  # one scale per head_dim codes
+            slots[self.SCALES_SLOT] = ((layout.numel // layout.head_dim,), layout.dtype)
+        nbytes = {name: math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                  for name, (shape, dtype) in slots.items()}
+        if arena is None or any(name not in arena or arena.capacity(name) < n for name, n in nbytes.items()):
             if arena is not None:
                 arena.close()
-            plan = ArenaPlan().add(self.SLOT, "kv_cache", (layout.numel,), layout.dtype)
+            plan = ArenaPlan()
+            for name, (shape, dtype) in slots.items():
+                plan.add(name, "kv_cache", shape, dtype)
             budget = HostMemoryBudget.detect(host_memory_limit_bytes, margin=host_memory_margin)
             hint = (f"lower the batch ({layout.num_sub_batches} sub-batches x {layout.sub_batch_size} sequences), "
-                    f"the prompt length or max_new_tokens (capacity {layout.capacity} positions), or use "
-                    "kv_cache='off' (recompute) or 'device'")
+                    f"the prompt length or max_new_tokens (capacity {layout.capacity} positions), use "
+                    "kv_cache_dtype='int8' (half the bytes), or kv_cache='off' (recompute) or 'device'")
             arena = PinnedArena(plan, budget=budget, hint=hint, pin=device.type == "cuda")
         self.arena = arena
-        # One slot, carved into one (N, L_g, span, 2, n, H_kv, d) tensor per group of layers.
-        flat, start = arena.slot(self.SLOT, (layout.numel,), layout.dtype), 0
-        self.host: dict[int, torch.Tensor] = {}  # layer -> (N, span, 2, n, H_kv, d)
-        for layers, span in layout.groups:
-            shape = layout.group_shape(len(layers), span)
+        # position_bytes of what the host holds per (layer, sub-batch, position): codes (and scales).
+        self.host_position_bytes = (layout.position_bytes if codec is None else
+                                    layout.position_bytes // layout.dtype.itemsize
+                                    + layout.position_bytes // layout.head_dim)
+        # One slot, carved into one (N, L_g, span, 2, n, H_kv, d) tensor per group of layers (and, with a
+        # codec, one (N, L_g, span, 2, n, H_kv) tensor of scales).
+        self.host: dict[int, torch.Tensor] = self._carve(arena.slot(self.SLOT, (layout.numel,), code_dtype), ())
+        self.host_scales: dict[int, torch.Tensor] = {} if codec is None else self._carve(
+            arena.slot(self.SCALES_SLOT, (layout.numel // layout.head_dim,), layout.dtype), (layout.head_dim,))
+        self.exchange = exchange if exchange is not None else TensorExchange(device)
+        # (sub-batch, layer) -> its fetch (and, with a codec, its scales' fetch)
+        self._pending: dict[tuple[int, int], tuple[FetchHandle, Optional[FetchHandle]]] = {}
+        self._prefill_stores_unread = False  # host attention's first reads must wait for the prefill's stores
+
+    def _carve(self, flat: torch.Tensor, drop: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        """layer -> its (N, span, 2, n, H_kv, d) view of ``flat`` (without the trailing ``drop`` dims)."""
+        out, start = {}, 0
+        for layers, span in self.layout.groups:
+            shape = self.layout.group_shape(len(layers), span)
+            shape = shape[: len(shape) - len(drop)]
             group = flat[start : start + math.prod(shape)].view(shape)
             start += math.prod(shape)
-            self.host.update({layer: group[:, j] for j, layer in enumerate(layers)})
-        self.exchange = exchange if exchange is not None else TensorExchange(device)
-        self._pending: dict[tuple[int, int], FetchHandle] = {}
-        self._prefill_stores_unread = False  # host attention's first reads must wait for the prefill's stores
+            out.update({layer: group[:, j] for j, layer in enumerate(layers)})
+        return out
 
     def begin_step(self, past: int, query: int) -> None:
         super().begin_step(past, query)
@@ -254,34 +289,60 @@ class HostKVCache(KVCache):
             if (i, layer) not in self._pending:
                 # Every position this step reads, and the slots of the new ones (stale until written on the device).
                 length = min(self.past + self.query, self.layout.span(layer))
-                self.h2d_bytes += length * self.layout.position_bytes
-                self._pending[i, layer] = self.exchange.fetch(self.host[layer][i, :length])
+                self.h2d_bytes += length * self.host_position_bytes
+                scales = (self.exchange.fetch(self.host_scales[layer][i, :length]) if self.codec is not None
+                          else None)
+                self._pending[i, layer] = (self.exchange.fetch(self.host[layer][i, :length]), scales)
 
     def update(self, i, layer, key, value):
         self._check(i, layer, key)
         lay, past, host = self.layout, self.past, self.host[layer][i]  # host: (span, 2, n, H_kv, d)
+        codec, scales = self.codec, self.host_scales[layer][i] if self.codec is not None else None
         kept = lay.kept_runs(layer, past, self.query)
-        self.d2h_bytes += sum(n for _, _, n in kept) * lay.position_bytes
+        self.d2h_bytes += sum(n for _, _, n in kept) * self.host_position_bytes
         if past == 0:
             # (q, 2, n, H_kv, d): one contiguous tensor, one D2H copy (two where a window's ring wraps).
             new = torch.stack((_as_positions(key), _as_positions(value)), dim=1)
+            new, new_scales = (new, None) if codec is None else codec.quantize(new, lay.dtype)
             for slot, offset, n in kept:
                 self.exchange.store(new[offset : offset + n], host[slot : slot + n])
-            return key, value
+                if codec is not None:
+                    self.exchange.store(new_scales[offset : offset + n], scales[slot : slot + n])
+            return key, value  # the prompt attends to itself in the compute dtype; later steps read the codes
         visible = lay.visible_runs(layer, past, self.query)
         if i < self.cpu_attention:
             # Written on the compute stream: host attention waits for that stream before reading.
             new = torch.stack((_as_positions(key), _as_positions(value)), dim=1)
+            new, new_scales = (new, None) if codec is None else codec.quantize(new, lay.dtype)
             for slot, offset, n in kept:
                 host[slot : slot + n].copy_(new[offset : offset + n], non_blocking=True)
+                if codec is not None:
+                    scales[slot : slot + n].copy_(new_scales[offset : offset + n], non_blocking=True)
             if len(visible) > 1 and new.is_cuda:
                 # A wrapped window is joined by a copy on the host, now: it must read the new position too.
                 torch.cuda.current_stream(new.device).synchronize()
-            self.cpu_read_bytes += sum(n for _, _, n in visible) * lay.position_bytes
-            return _as_attention(gather_runs(host, visible))
+            self.cpu_read_bytes += sum(n for _, _, n in visible) * self.host_position_bytes
+            keys, values = _as_attention(gather_runs(host, visible))
+            if codec is None:
+                return keys, values
+            # The codes go to host attention with their scales (n, H_kv, kv_length); it dequantizes them there.
+            key_scales, value_scales = _scales_as_attention(gather_runs(scales, visible))
+            return attach_scales(keys, key_scales), attach_scales(values, value_scales)
         self.prefetch(i, (layer,))  # no-op when the schedule prefetched it
-        block = self.exchange.wait(self._pending.pop((i, layer)))  # (min(past + q, span), 2, n, H_kv, d), device
+        fetched, fetched_scales = self._pending.pop((i, layer))
+        block = self.exchange.wait(fetched)  # (min(past + q, span), 2, n, H_kv, d), device
         keys, values = _as_positions(key), _as_positions(value)
+        if codec is not None:
+            # Dequantized into the compute dtype; the new positions are quantized, stored in 8 bits, and read
+            # back dequantized, as every later step reads them.
+            block = codec.dequantize(block, self.exchange.wait(fetched_scales), lay.dtype)
+            new_codes, new_scales = codec.quantize(torch.stack((keys, values), dim=1), lay.dtype)
+            for slot, offset, n in kept:
+                block[slot : slot + n] = codec.dequantize(new_codes[offset : offset + n],
+                                                          new_scales[offset : offset + n], lay.dtype)
+                self.exchange.store(new_codes[offset : offset + n], host[slot : slot + n])
+                self.exchange.store(new_scales[offset : offset + n], scales[slot : slot + n])
+            return _as_attention(gather_runs(block, visible))
         for slot, offset, n in kept:
             new = block[slot : slot + n]
             new[:, 0].copy_(keys[offset : offset + n])
@@ -298,14 +359,22 @@ class HostKVCache(KVCache):
 
     def stats(self) -> dict:
         return {**super().stats(), "kv_cpu_attention_sub_batches": self.cpu_attention,
-                "kv_cpu_attention_read_bytes": self.cpu_read_bytes}
+                "kv_cpu_attention_read_bytes": self.cpu_read_bytes,
+                "kv_host_dtype": str(self.layout.dtype).removeprefix("torch.") if self.codec is None else self.codec.name,
+                "kv_host_bytes": self.host_bytes}
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the host holds (codes and scales)."""
+        per_position = self.host_position_bytes
+        return sum(len(layers) * span for layers, span in self.layout.groups) * self.layout.num_sub_batches * per_position
 
     def close(self) -> None:
         """Waits for queued copies; the arena stays with the caller for reuse (``self.arena``)."""
         self._pending.clear()
         self.exchange.drain()
         self.exchange.clear_ring()
-        self.host = None
+        self.host = self.host_scales = None
 
 
 class SplitKVCache(KVCache):
@@ -422,16 +491,20 @@ def choose_kv_mode(mode: str, layout: KVLayout, device: torch.device, *, device_
 def build_kv_cache(mode: str, layout: KVLayout, device: torch.device, *, device_sub_batches: int = 0,
                    cpu_attention: int = 0, arena: Optional[PinnedArena] = None,
                    exchange: Optional[TensorExchange] = None,
-                   host_memory_limit_bytes: Optional[int] = None) -> Optional[KVCache]:
+                   host_memory_limit_bytes: Optional[int] = None, codec: Optional[KVCodec] = None) -> Optional[KVCache]:
     """'device', 'split' (``device_sub_batches`` on the device), 'host' or 'off' (None: the caller
     recomputes the prefix every step). ``cpu_attention``: host sub-batches (the first ones) whose
-    decoding attention runs on the host (``host_attention.py``)."""
+    decoding attention runs on the host (``host_attention.py``). ``codec``: the host part in 8 bits
+    ('host' and 'split' only; the device part of 'split' keeps the compute dtype)."""
+    if codec is not None and mode not in ("host", "split"):
+        raise ValueError(f"kv_cache_dtype={codec.name!r} stores the host part of the cache in 8 bits: it needs "
+                         f"kv_cache='host' or 'split' (got {mode!r})")
     if mode == "off":
         return None
     if mode == "device":
         return DeviceKVCache(layout, device)
     host_kwargs = dict(cpu_attention=cpu_attention, arena=arena, exchange=exchange,
-                       host_memory_limit_bytes=host_memory_limit_bytes)
+                       host_memory_limit_bytes=host_memory_limit_bytes, codec=codec)
     if mode == "split":
         return SplitKVCache(layout, device, device_sub_batches, **host_kwargs)
     if mode == "host":

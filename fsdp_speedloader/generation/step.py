@@ -12,7 +12,9 @@ norm and LM head stay unsharded from the first step on)::
 
 ``unit_step`` is the schedule: which fetch, compute and store happen when (the order per sub-batch is
 ``for_each_sub_batch``'s). Activations go through the model's activation store, the KV cache through
-``kv_cache.py``; both copy on a ``TensorExchange``'s streams when CUDA is present. The loop over steps,
+``kv_cache.py``; both copy on a ``TensorExchange``'s streams when CUDA is present. A model with quantized
+linears (``quant/``) also brings each unit's packed weights in before its sub-batches run and queues the next
+unit's (``weight_stream.py``); FSDP2 unshards the rest of the unit as before. The loop over steps,
 token selection and the figures are ``generate.py``'s.
 
 Parity with Hugging Face ``generate`` (greedy, fp32): positions are ``cumsum(mask) - 1`` as ``generate``
@@ -41,8 +43,10 @@ from fsdp_speedloader.engine.chain import Unit
 from fsdp_speedloader.engine.speedloader import speedloader_engine
 from fsdp_speedloader.generation.kv_cache import KVCache, build_kv_cache, choose_kv_mode
 from fsdp_speedloader.generation.kv_layout import kv_layout_for
+from fsdp_speedloader.generation.weight_stream import WeightStream
 from fsdp_speedloader.models import BlockInputs, ModelAdapter
 from fsdp_speedloader.models.adapter import FULL_ATTENTION, SLIDING_ATTENTION
+from fsdp_speedloader.quant import KVCodec
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +108,8 @@ class GenerationRun:
     host_memory_limit_bytes: Optional[int]
     resources: "GenerationResources"
     kv: Optional[KVCache] = None
+    kv_codec: Optional[KVCodec] = None  # the host cache's 8-bit keys and values (kv_cache_dtype); None: compute dtype
+    weights: Optional[WeightStream] = None  # quantized weights (quant.quantize_linears_): fetched and dequantized per unit
     on_local_shards: bool = False  # the modules run on their local shards: no FSDP2 hooks (one rank, resident)
     block_kwargs: frozenset = frozenset()
     slots_planned: bool = False
@@ -117,6 +123,7 @@ class GenerationResources:
 
     kv_arena: object = None
     kv_exchange: object = None
+    weight_exchange: object = None  # the quantized weights' copies (WeightStream)
 
 
 def unit_step(unit: Unit, state: GenerationStepState) -> None:
@@ -142,7 +149,14 @@ def unit_step(unit: Unit, state: GenerationStepState) -> None:
         store.put(dst, i, unit.forward(run.adapter, x, state.block_inputs[i]))
 
     kv_prefetch = None if kv is None else (lambda j: kv.prefetch(j, layers))  # right behind each input's copy
-    for_each_sub_batch(store, src, n_sub, run_sub_batch, also=kv_prefetch)
+    if run.weights is None:
+        for_each_sub_batch(store, src, n_sub, run_sub_batch, also=kv_prefetch)
+        return
+    run.weights.begin_unit(unit.index)  # quantized weights: unit u's dequantized once, unit u + 1's copy queued
+    try:
+        for_each_sub_batch(store, src, n_sub, run_sub_batch, also=kv_prefetch)
+    finally:
+        run.weights.end_unit(unit.index)
 
 
 def root_step(state: GenerationStepState) -> None:
@@ -186,6 +200,8 @@ def root_step(state: GenerationStepState) -> None:
     store.end_step()
     if run.kv is not None:
         run.kv.end_step()
+    if run.weights is not None:
+        run.weights.end_step()
     state.logits = torch.cat(logits)
 
 
@@ -206,11 +222,13 @@ def _setup_kv(run: GenerationRun, dtype: torch.dtype) -> None:
     res = run.resources
     run.kv = build_kv_cache(run.kv_mode, layout, run.device, device_sub_batches=on_device,
                             cpu_attention=run.cpu_attention_sub_batches, arena=res.kv_arena,
-                            exchange=res.kv_exchange, host_memory_limit_bytes=run.host_memory_limit_bytes)
+                            exchange=res.kv_exchange, host_memory_limit_bytes=run.host_memory_limit_bytes,
+                            codec=run.kv_codec)
     if run.kv_mode in ("host", "split"):
         res.kv_arena, res.kv_exchange = run.kv.arena, run.kv.exchange
-    log.debug("KV cache: %s (%d of %d sub-batches on the device), %.3f GiB, (layers, positions) %s", run.kv_mode,
-              on_device, layout.num_sub_batches, layout.nbytes / 2**30,
+    log.debug("KV cache: %s (%d of %d sub-batches on the device, host part in %s), %.3f GiB in the compute dtype, "
+              "(layers, positions) %s", run.kv_mode, on_device, layout.num_sub_batches,
+              run.kv_codec.name if run.kv_codec else dtype, layout.nbytes / 2**30,
               [(len(layers), span) for layers, span in layout.groups])
 
 
