@@ -47,7 +47,10 @@ from fsdp_speedloader.engine.speedloader import apply_speedloader
 from fsdp_speedloader.generation.generate import generate
 from fsdp_speedloader.generation.kv_cache import KV_CACHE_MODES
 from fsdp_speedloader.models import ModelConfig, build_hf_config, build_model, materialize_model
+from fsdp_speedloader.models.config import MOE_FAMILIES
 from fsdp_speedloader.options import SpeedLoaderOptions
+from fsdp_speedloader.quant import KV_CACHE_DTYPES, WEIGHT_FORMATS, materialize_quantized_weights, quantize_linears_, \
+    weight_format
 from fsdp_speedloader.validation import check, check_choice, check_positive, dataclass_from_dict
 
 log = logging.getLogger("fsdp_speedloader.app.generate")
@@ -129,6 +132,13 @@ class GenerateConfig:
     """With kv_cache 'split': sub-batches whose cache stays on the GPU (null: as many as fit)."""
     cpu_attention_sub_batches: int = 0
     """With kv_cache 'host' or 'split': host sub-batches whose decoding attention runs on the CPU."""
+    kv_cache_dtype: Optional[str] = None
+    """null (the compute dtype), 'int8' or 'fp8': the host part of a 'host' or 'split' KV cache in 8 bits."""
+    weight_quant: Optional[str] = None
+    """null (the compute dtype), 'int8' or 'int4': the blocks' linear weights kept group-wise quantized (host
+    memory with offload=params, else the GPU), quantized while loading, dequantized on the GPU unit by unit."""
+    weight_quant_group_size: Optional[int] = None
+    """Elements per scale of weight_quant; null: 128 for int8, 64 for int4."""
     activation_store: str = "auto"
     """Block-boundary activations between units: 'auto', 'device' or 'host'."""
     forward_prefetch: int = 1
@@ -169,6 +179,22 @@ class GenerateConfig:
             host = self.num_sub_batches - (self.kv_device_sub_batches or 0)
             check(self.cpu_attention_sub_batches <= host, "cpu_attention_sub_batches",
                   f"must be at most the {host} sub-batches whose cache is on the host")
+        if self.kv_cache_dtype is not None:
+            check_choice(self.kv_cache_dtype, "kv_cache_dtype", KV_CACHE_DTYPES)
+            check(self.kv_cache in ("host", "split"), "kv_cache_dtype",
+                  f"stores the host part of the KV cache in 8 bits: it needs kv_cache=host or split (got "
+                  f"{self.kv_cache}; auto may pick device, where it would not apply)")
+        if self.weight_quant is not None:
+            check_choice(self.weight_quant, "weight_quant", WEIGHT_FORMATS)
+            weight_format(self.weight_quant, self.weight_quant_group_size)  # a bad group size fails here
+            check(self.checkpoint_path is None, "weight_quant",
+                  "quantizes while loading from model.path (a Hugging Face directory) or a seeded initialisation; a "
+                  "training checkpoint holds its linears unquantized in its own format: export it first "
+                  "(python -m fsdp_speedloader.app.export checkpoint=... out=DIR) and pass model.path=DIR")
+            check(self.model.family not in MOE_FAMILIES, "weight_quant",
+                  f"covers dense models; {self.model.family}'s experts are stacked parameters, not linears")
+        else:
+            check(self.weight_quant_group_size is None, "weight_quant_group_size", "applies to weight_quant only")
         check_choice(self.activation_store, "activation_store", ("auto", "device", "host"))
         check_choice(self.device, "device", ("auto", "cuda", "cpu"))
         check_choice(self.param_dtype, "param_dtype", ("auto", *DTYPES))
@@ -291,6 +317,8 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
         log.info("building the model: %s, %d rank(s) on %s, %s", model_cfg.name, world, device, dtype)
     # Inference keeps no fp32 master weights: parameters are stored (and offloaded) in the compute dtype.
     model = build_model(model_cfg, device="meta").to(dtype)
+    if cfg.weight_quant is not None:  # the block linears, before sharding; their bytes come with the weights below
+        quantize_linears_(model, weight_format(cfg.weight_quant, cfg.weight_quant_group_size))
     apply_speedloader(model, cfg.speedloader_options(), mesh=mesh)
     param_device = torch.device("cpu") if cfg.offload.params else device
     if checkpoint is not None:  # the trained weights (the model's entries only, never the optimizer state)
@@ -301,6 +329,13 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
             log.info("loaded %s from %s", model_cfg.name, checkpoint.step_dir)
     else:
         materialize_model(model, cfg.model, device=device, seed=cfg.seed, param_device=param_device)
+    host_limit = None if cfg.host_memory_limit_gib is None else int(cfg.host_memory_limit_gib * 2**30)
+    if cfg.weight_quant is not None:  # each linear read (or drawn) and quantized one at a time
+        if rank == 0:
+            log.info("quantizing the linears to %s while loading (%s)", cfg.weight_quant,
+                     "host memory" if cfg.offload.params else device)
+        materialize_quantized_weights(model, device=device, offload=cfg.offload.params, path=model_cfg.path,
+                                      seed=cfg.seed, std=model_cfg.init_std, host_memory_limit_bytes=host_limit)
 
     # Each rank takes every world-th prompt; the share is filled up to a multiple of N with copies.
     mine = list(range(rank, len(tokens), world))
@@ -313,11 +348,10 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     eos = eos_id if cfg.stop_at_eos and cfg.prompts.source == "file" else None
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, num_sub_batches=cfg.num_sub_batches, kv_cache=cfg.kv_cache,
                   kv_device_sub_batches=cfg.kv_device_sub_batches,
-                  cpu_attention_sub_batches=cfg.cpu_attention_sub_batches,
+                  cpu_attention_sub_batches=cfg.cpu_attention_sub_batches, kv_cache_dtype=cfg.kv_cache_dtype,
                   do_sample=cfg.sampling.do_sample, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
                   top_p=cfg.sampling.top_p, eos_token_id=eos, pad_token_id=pad_id, seed=cfg.seed + rank,
-                  host_memory_limit_bytes=None if cfg.host_memory_limit_gib is None
-                  else int(cfg.host_memory_limit_gib * 2**30))
+                  host_memory_limit_bytes=host_limit)
     if rank == 0:
         log.info("generating: %d prompt(s), %d on this rank in %d sub-batch(es), %d new tokens%s", len(tokens),
                  len(mine), cfg.num_sub_batches, cfg.max_new_tokens, " (after a 2-token warm-up)" if cfg.warmup else "")
