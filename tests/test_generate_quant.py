@@ -359,3 +359,20 @@ def test_int8_greedy_tokens_match_bf16_on_most_positions_of_a_trained_model():
     int4 = quant_quality.agreement(quant_quality.greedy(model, "int4", prompts, 16), reference)
     print(f"greedy agreement with bf16: int8 {int8}, int4 {int4}")
     assert int8["token_agreement"] >= 0.9, int8
+
+
+def test_bench_infer_runs_quantized_contenders_on_the_cpu(tmp_path):
+    """tools/bench_infer.py's speedloader spec with w= and kvq= (a check of the code path; no figure means
+    anything on a CPU)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench_infer.py"), "--device", "cpu", "--model", "opt_tiny",
+                           "--layers", "2", "--prompt-len", "8", "--gen-len", "3", "--offload", "yes",
+                           "--contender", "speedloader:4x2:split=1:cpu=1:w=int4:kvq=int8", "--name", "quant",
+                           "--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    row = json.loads((tmp_path / "quant.json").read_text())["results"][0]
+    assert row["status"] == "ok", row
+    assert (row["weight_quant"], row["kv_cache_dtype"], row["weights"]["weights_source"]) == ("int4", "int8", "dummy")
+    assert row["weights"]["weights_h2d_bytes"] == 3 * row["weights"]["weights_packed_bytes"]  # 3 steps

@@ -6,19 +6,26 @@ set to the same ``--gpu-memory-gib``), on the same model shape (``conf/model/<mo
 weights: nothing is downloaded), prompt length and generation length, and generates EVERY token
 (no projected timings, no EOS stop). A contender that fails or times out is recorded as such.
 
-  speedloader:BxN[:kv][:cpu=C]
+  speedloader:BxN[:kv][:cpu=C][:w=Q][:kvq=K]
                          this project: B prompts in N sub-batches; weights offloaded to the host when they
                          take more than half the budget (--offload to force), KV cache 'auto' (default),
                          'host', 'device', 'split', 'split=D' (the last D sub-batches on the GPU) or 'off';
-                         cpu=C: the first C host sub-batches attend on the CPU (cpu_attention_sub_batches)
+                         cpu=C: the first C host sub-batches attend on the CPU (cpu_attention_sub_batches);
+                         w=int8|int4: block linears group-wise quantized (dummy codes, nothing computed), streamed
+                         packed and dequantized on the GPU per unit; kvq=int8|fp8: the host KV cache in 8 bits
   accelerate:B           Hugging Face generate on a model dispatched by accelerate (device_map from
                          infer_auto_device_map with max_memory: the budget minus B's KV cache and a margin
                          on the GPU, the rest of the layers on the host)
   flexgen[:GBSxNGBS]     FlexGen 0.1.8 (OPT only), dummy weights, its published policy for the model
                          (FLEXGEN_POLICIES; --flexgen-percent / --flexgen-cpu-cache-compute override)
-  zero-inference:B       DeepSpeed ZeRO-Inference: ZeRO-3 with every parameter partitioned to page-locked host
+  zero-inference:B[:q4|:q8][:fp16|:bf16]
+                         DeepSpeed ZeRO-Inference: ZeRO-3 with every parameter partitioned to page-locked host
                          memory and gathered to the GPU module by module for each forward, Hugging Face generate
-                         (a mixture of experts' sparse blocks as ZeRO-3 leaf modules: one gather per layer)
+                         (a mixture of experts' sparse blocks as ZeRO-3 leaf modules: one gather per layer);
+                         q4 / q8: its weight quantization (quantized_initialization: group 64, asymmetric, every
+                         nn.Linear and nn.Embedding, dequantized at each use), in fp16 by default (its published
+                         setting and its CUDA dequantization kernel; bf16 runs its PyTorch fallback). Its KV
+                         offload needs a patched transformers 4.x fork and is not carried
 
 ``--model`` is any shape of ``conf/model/`` (opt_30b, llama2_13b, llama3_8b, mixtral_8x7b, ...). A contender that
 cannot run the model is not launched: its row says ``status: unsupported`` and why (FlexGen implements OPT
@@ -204,13 +211,21 @@ def run_speedloader(args, spec: str) -> dict:
     shape, *options = spec.split(":")
     batch, num_sub = (int(v) for v in shape.split("x"))
     on_cpu = sum(int(o.partition("=")[2]) for o in options if o.startswith("cpu="))
+    quant = {k: v for k, _, v in (o.partition("=") for o in options) if k in ("w", "kvq")}  # issue 21
+    options = [o for o in options if o.partition("=")[0] not in ("w", "kvq")]
     kv_cache, _, on_device = (([o for o in options if not o.startswith("cpu=")] or ["auto"])[0]).partition("=")
     maybe_init_process_group(args.device)
     device = _cap_gpu(args)
     cfg = _model_config(args)
     model = build_model(cfg, device="meta").to(torch.bfloat16)  # inference: no fp32 master weights
     experts = harness.set_experts_implementation(model, args.experts_implementation)  # its own generate: no switch
-    weight_bytes = sum(p.numel() for p in model.parameters()) * 2
+    if "w" in quant:  # the block linears become packed int8 / int4 (filled below, after sharding)
+        from fsdp_speedloader.quant import quantize_linears_, quantized_linears, weight_format
+
+        quantize_linears_(model, weight_format(quant["w"]))
+    weight_bytes = (sum(p.numel() for p in model.parameters()) * 2
+                    + sum(m.format.nbytes(m.out_features, m.in_features, torch.bfloat16)
+                          for _, m in (quantized_linears(model) if "w" in quant else ())))
     offload = args.offload == "yes" or (args.offload == "auto" and weight_bytes > 0.5 * args.gpu_memory_gib * 2**30)
     apply_speedloader(model, num_sub_batches=num_sub, offload_params=offload,
                       activation_store="host" if offload else "device", forward_prefetch=args.prefetch)
@@ -218,9 +233,14 @@ def run_speedloader(args, spec: str) -> dict:
     # the weights are never held twice (an init before the move would double the host memory).
     model.to_empty(device=torch.device("cpu") if offload else device)
     _rebuild_buffers(model, device)
+    if "w" in quant:  # a byte pattern and constant scales: no bf16 weight exists, nothing is quantized
+        from fsdp_speedloader.quant import materialize_quantized_weights
+
+        materialize_quantized_weights(model, device=device, offload=offload, dummy=True)
     ids = _prompts(args, batch, cfg.vocab_size)
     kwargs = dict(num_sub_batches=num_sub, kv_cache=kv_cache, eos_token_id=None,
-                  kv_device_sub_batches=int(on_device) if on_device else None, cpu_attention_sub_batches=on_cpu)
+                  kv_device_sub_batches=int(on_device) if on_device else None, cpu_attention_sub_batches=on_cpu,
+                  kv_cache_dtype=quant.get("kvq"))
     # Warm-up: lazy init, arenas (the longest geometry first, so the timed run re-plans nothing).
     warm = torch.cat([ids, ids[:, : args.gen_len - 1]], dim=1) if args.gen_len > 1 else ids
     generate(model, warm, max_new_tokens=1, **kwargs)
@@ -239,7 +259,8 @@ def run_speedloader(args, spec: str) -> dict:
     h, layers = cfg.hidden_size, len(adapter.blocks)
     units = layers  # blocks_per_unit 1
     io = {
-        "weights_h2d_bytes": block_bytes * args.gen_len if offload else 0,
+        # Quantized: the packed bytes the weight stream copied, and the blocks' remaining (bf16) parameters.
+        "weights_h2d_bytes": (block_bytes * args.gen_len if offload else 0) + stats.io.get("weights_h2d_bytes", 0),
         "kv_h2d_bytes": stats.io.get("kv_h2d_bytes", 0), "kv_d2h_bytes": stats.io.get("kv_d2h_bytes", 0),
         # Read by attention on the CPU from host memory (never crosses the link); its queries and outputs do.
         "kv_cpu_attention_read_bytes": stats.io.get("kv_cpu_attention_read_bytes", 0),
@@ -254,7 +275,9 @@ def run_speedloader(args, spec: str) -> dict:
 
     profile = harness.profile_summary(traced, lambda trace, _: summarize_decode_trace(trace)) if args.profile else None
     return {"batch_size": batch, "num_sub_batches": num_sub, "kv_cache": stats.kv_cache, "offload_weights": offload,
-            "experts_implementation": experts,
+            "experts_implementation": experts, "weight_quant": quant.get("w"), "kv_cache_dtype": quant.get("kvq"),
+            "weights": {k: v for k, v in stats.io.items() if k.startswith("weights_")},
+            "kv_host_bytes": stats.io.get("kv_host_bytes"),
             "forward_prefetch": args.prefetch, "num_layers": layers, "profile": profile,
             "kv_device_sub_batches": stats.io.get("kv_device_sub_batches"),
             "cpu_attention_sub_batches": stats.io.get("kv_cpu_attention_sub_batches", 0),
@@ -382,8 +405,8 @@ def run_flexgen(args, spec: str) -> dict:
 
 def zero_inference_config(block_numel: int, budget_bytes: int) -> dict:
     """ZeRO-Inference's DeepSpeed config: ZeRO-3, every parameter partitioned to page-locked host memory (its
-    published setting, without weight quantization or KV offload: those patch OPT, BLOOM and LLaMA modules
-    only), bf16, prefetching one block ahead, at most two blocks (or what half the budget holds) gathered at
+    published setting; its weight quantization is added by run_zero_inference's q4 / q8, its KV offload needs a
+    patched transformers and is not carried), bf16, prefetching one block ahead, at most two blocks (or what half the budget holds) gathered at
     once; parameters under 1e5 elements (norm scales) stay on the GPU."""
     live = max(2 * block_numel, min(budget_bytes // 4, 8 * block_numel))  # bf16: half the budget / 2 bytes
     return {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "steps_per_print": 10**9,
@@ -412,7 +435,10 @@ def run_zero_inference(args, spec: str) -> dict:
 
     from fsdp_speedloader.models import build_hf_config, build_model, get_adapter
 
-    batch = int(spec)
+    batch, *flags = spec.split(":")
+    batch = int(batch)
+    bits = {"q4": 4, "q8": 8}.get(next((f for f in flags if f in ("q4", "q8")), ""))  # issue 21: its quantization
+    dtype = torch.float16 if "fp16" in flags or (bits and "bf16" not in flags) else torch.bfloat16
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)
@@ -428,9 +454,16 @@ def run_zero_inference(args, spec: str) -> dict:
     ds_config = zero_inference_config(block_numel, int(args.gpu_memory_gib * 2**30) - kv)
     if not cuda:
         ds_config["zero_optimization"]["offload_param"]["pin_memory"] = False
+    if dtype == torch.float16:
+        ds_config["bf16"], ds_config["fp16"] = {"enabled": False}, {"enabled": True}
+    if bits:  # DeepSpeedExamples' zero_inference run_model.py setting: every nn.Linear / nn.Embedding at init
+        ds_config["weight_quantization"] = {"quantized_initialization": {
+            "num_bits": bits, "group_size": 64, "group_dim": 1, "symmetric": False}}
     t_build = time.perf_counter()
     hf_ds = HfDeepSpeedConfig(ds_config)  # noqa: F841 (kept alive: from_config builds under deepspeed.zero.Init)
-    model = AutoModelForCausalLM.from_config(build_hf_config(cfg), dtype=torch.bfloat16)  # initialised, partitioned
+    # Initialised, partitioned (quantized: Hugging Face's init then writes Gaussian values over the packed bytes
+    # it gathers, so with q4/q8 the weights are dummy values, as everyone's here).
+    model = AutoModelForCausalLM.from_config(build_hf_config(cfg), dtype=dtype)
     model.eval()
     experts = _same_experts_throughout(model, args)
     leaf_classes = []
@@ -464,6 +497,7 @@ def run_zero_inference(args, spec: str) -> dict:
               "prefill_tokens_per_s": batch * args.prompt_len / prefill,
               "decode_tokens_per_s": batch * (args.gen_len - 1) / max(total - prefill, 1e-9),
               "peak_hbm_gib": _peak_hbm_gib(device), "host_peak_rss_gib": harness.host_peak_rss_gib(),
+              "dtype": str(dtype).removeprefix("torch."), "weight_quantization": ds_config.get("weight_quantization"),
               "deepspeed": {"version": deepspeed.__version__, "zero_optimization": ds_config["zero_optimization"],
                             "z3_leaf_modules": leaf_classes, "build_and_initialize_s": build_s},
               "note": "full generate timed; prefill timed separately as a 1-token generate"}

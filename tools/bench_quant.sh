@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Issue 21's generation benchmarks on ONE H200 (128 GiB host), 24 GiB GPU budget for every contender, prompt 512,
+# generate 32, dummy weights, every contender in its own process (tools/bench_infer.py). Parts, each one device
+# command of at most ~9 minutes (estimates from bench/results/infer_opt30b_24g*.json: a bf16 OPT-30B speedloader
+# contender took 227 s end to end, 46 s of it generating; FlexGen 189 s; accelerate 358 s):
+#
+#   core (~9 min, the default):
+#     llama70b  LLaMA-2-70B shape, int4 weights (g64, 38.5 GB packed: the bf16 model, 138 GB, exceeds the host),
+#               int8 host KV cache: speedloader 256 x 16 (~200 s: setup ~60 s, warm-up prefill ~55 s, timed ~85 s)
+#     opt30b    OPT-30B, ONE invocation: speedloader int4 weights + int8 host KV, 208 x 16 (~150 s), then FlexGen
+#               0.1.8 with its OPT-30B policy (~190 s)
+#   zero (~9 min): DeepSpeed ZeRO-Inference with its 4-bit weights (fp16, group 64) appended to both records:
+#               OPT-30B zero-inference:16:q4 (~220 s?), LLaMA-2-70B zero-inference:32:q4 (~300 s?): no record yet,
+#               guesses (build under zero.Init + Hugging Face's init gathering every module, then generate)
+#   more (~8 min): OPT-30B speedloader int8 weights (~170 s) and bf16 weights with the int8 KV cache (~230 s),
+#               appended to the OPT-30B record (bf16 vs int8 vs int4 in one record, FlexGen's row from `core`)
+#   accelerate (~6 min, optional): OPT-30B accelerate:16 appended (its last row: 2.5 tokens/s, 358 s)
+#
+#   usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [PART...]       (default: core)
+#   e.g. three device commands:  bash tools/bench_quant.sh "$OUT" core ; ... zero ; ... more
+# Records: OUT_DIR/infer_llama2_70b_int4_p512_g32_24g.json and OUT_DIR/infer_opt30b_quant_p512_g32_24g.json
+# (tools/harness.py's header; a part appends its rows with --append), logs OUT_DIR/<part>.log, wall times
+# OUT_DIR/bench_quant_times.txt. Carry .wheels (tools/device_wheels.sh) and .whl (FlexGen's wheel, `pip download
+# flexgen==0.1.8 --no-deps -d .whl`; DeepSpeed 0.19.8 and hjson: tools/build_deepspeed_wheels.sh). The quantized
+# path itself needs no wheel: its formats and kernels are PyTorch's (docs/generation.md). A part's second step is
+# skipped when this call's elapsed time plus its estimate exceeds FSL_BENCH_BUDGET_S (default 570); rows are
+# written after every contender, so a command cut short keeps what finished. FSL_BENCH_DRY_RUN=1 prints the
+# commands instead.
+set -uo pipefail
+out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [core] [zero] [more] [accelerate]}
+shift
+parts=" ${*:-core} "
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+export FSL_COMMIT=${FSL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+# The budget of the 72.4 tokens/s run (infer_opt30b_24g_same_run.json); the machine's MemTotal starts small.
+export FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB=${FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB:-125}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/fsl_torch_extensions}  # DeepSpeed's quantizer op, built once
+budget=${FSL_BENCH_BUDGET_S:-570}
+dry=${FSL_BENCH_DRY_RUN:-0}
+opt=infer_opt30b_quant_p512_g32_24g
+llama=infer_llama2_70b_int4_p512_g32_24g
+common=(--gpu-memory-gib 24 --prompt-len 512 --gen-len 32)
+echo "commit $FSL_COMMIT, parts:$parts" | tee -a "$out/bench_quant_times.txt"
+
+[ "$dry" = 1 ] || {
+python3 -c "import hydra, wandb" 2>/dev/null || python3 -m pip install -q --no-index --find-links .wheels hydra-core wandb
+if [[ "$parts" == *" zero "* ]]; then
+  python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --find-links .whl --find-links .wheels deepspeed==0.19.8 hjson pydantic pydantic-core annotated-types \
+    typing-inspection typing-extensions || echo "deepspeed not installed: the zero-inference rows will say so"
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e .
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+ulimit -l unlimited 2>/dev/null || true
+}
+
+run() {  # run PART STEP ESTIMATE_S REQUIRED(1|0) COMMAND...: an optional step is skipped when over the budget
+  local key=$1 step=$2 estimate=$3 required=$4; shift 4
+  [[ "$parts" == *" $key "* ]] || return 0
+  if [ "$required" = 0 ] && [ $((SECONDS + estimate)) -gt "$budget" ]; then
+    echo "$key/$step: skipped (${SECONDS} s elapsed + ~${estimate} s > ${budget} s budget)" | tee -a "$out/bench_quant_times.txt"
+    return 0
+  fi
+  if [ "$dry" = 1 ]; then
+    echo "$* --out-dir $out"
+    return 0
+  fi
+  local start=$SECONDS
+  "$@" --out-dir "$out" 2>&1 | tee -a "$out/$key.log" | grep -v '^{' | tail -8
+  echo "$key/$step: $((SECONDS - start)) s (estimate ${estimate} s), ${SECONDS} s elapsed" | tee -a "$out/bench_quant_times.txt"
+}
+
+# core: LLaMA-2-70B int4 first (the row that could not run before), then OPT-30B int4 and FlexGen in ONE invocation.
+# 256 x 16: n = 16, 4 sub-batches' cache (64 sequences, 11 GB in bf16) on the GPU, 12 in the host arena in int8
+# (17 GB), 6 of those attending on the CPU; per decoding step the link carries 38.5 GB of packed weights.
+run core llama70b 220 1 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --timeout 300 \
+  --contender speedloader:256x16:split=4:cpu=6:w=int4:kvq=int8
+# 208 x 16: n = 13, 2 sub-batches (26 sequences, 19.5 GB) on the GPU as in the 72.4 tokens/s run, 14 on the host in
+# int8 (69 GB), 8 of those on the CPU; the link carries 16.6 GB of packed weights and 6 sub-batches' int8 cache.
+run core opt30b 330 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --timeout 270 \
+  --contender speedloader:208x16:split=2:cpu=8:w=int4:kvq=int8 --contender flexgen:32x2
+
+# zero: ZeRO-Inference's 4-bit weights (its KV offload needs a patched transformers: not carried).
+run zero opt30b 240 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append --timeout 300 \
+  --contender zero-inference:16:q4
+run zero llama70b 320 0 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --append \
+  --timeout 330 --contender zero-inference:32:q4
+
+# more: OPT-30B int8 weights (31 GB packed), and bf16 weights (59 GB) with the int8 KV cache (host: 125 GiB - 55 GiB
+# of weights leaves room for 150 int8 sequences where bf16 held 78).
+run more opt30b_int8 200 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
+  --timeout 270 --contender speedloader:208x16:split=2:cpu=8:w=int8:kvq=int8
+run more opt30b_bf16 260 0 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
+  --timeout 300 --contender speedloader:156x12:split=2:cpu=10:kvq=int8
+
+run accelerate opt30b 380 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
+  --timeout 420 --contender accelerate:16
