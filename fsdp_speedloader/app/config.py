@@ -81,7 +81,7 @@ class OptimConfig:
     """AdamW's moments: 'fp32' (torch.optim.AdamW, 8 B/param, exact: the default); 'bf16' (4 B/param, rounded to
     nearest after each step) or 'int8' (8-bit blockwise, 2 B/param): fsdp_speedloader's CompressedAdamW, torch's
     fused AdamW arithmetic on decoded chunks (docs/design.md §13; their loss is checked against fp32 by
-    tools/convergence_check.py). The parameters stay fp32."""
+    tools/convergence_check.py). The parameters stay fp32; parameters on the GPU keep fp32 moments."""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "optim.lr", f"got {self.lr}; must be > 0")

@@ -40,13 +40,15 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> OptimizersConta
 
 def build_adamw(parameters: list, cfg: OptimConfig) -> torch.optim.Optimizer:
     """One AdamW over the trainable ``parameters``: matrices with weight decay, the rest without. Its moments in
-    ``cfg.state_dtype``: fp32 (``torch.optim.AdamW``), or bf16 / int8 (``CompressedAdamW``)."""
+    ``cfg.state_dtype``: fp32 (``torch.optim.AdamW``), or bf16 / int8 (``CompressedAdamW``) for parameters in host
+    memory; parameters on the GPU (``offload.root=false``'s root, or no offload) keep fp32 moments, stepped by the
+    fused kernel on the device."""
     params = [p for p in parameters if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    if cfg.state_dtype != "fp32":
+    if cfg.state_dtype != "fp32" and all(p.device.type == "cpu" for p in params):
         return CompressedAdamW(groups, state_dtype=cfg.state_dtype, **kwargs)
     try:  # fused runs on CUDA and (torch >= 2.4) on CPU, including FSDP2's offloaded CPU DTensors
         return torch.optim.AdamW(groups, fused=True, **kwargs)
