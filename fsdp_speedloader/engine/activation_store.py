@@ -395,16 +395,12 @@ class ExchangeActivationStore(ActivationStore):
         return 0 if self._host is None else self._host.numel() * self._host.element_size()
 
 
-class DeviceActivationsHostStatesStore(ExchangeActivationStore):
-    """Activations on the compute device (``DeviceActivationStore``: no copies, HBM grows with N), and the
+class DeviceActivationsHostStatesStore(ExchangeActivationStore, DeviceActivationStore):
+    """Activations on the compute device (a ``DeviceActivationStore``: no copies, HBM grows with N), and the
     offloaded parameter shards, their gradients (a slot per parameter, or in-flight slots) and transfer copies in
     one exact-size pinned arena, as ``ExchangeActivationStore`` holds them: no power-of-two page-locked blocks of
     PyTorch's caching host allocator for FSDP2's shards and gradients. ``activation_store='device'`` with
-    offloaded, pinned parameters."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self._slots: dict[tuple[int, int], torch.Tensor] = {}
+    offloaded parameters (without pinning, or without ``hold_param_shards``, the arena stays empty)."""
 
     def _activation_slot_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (0,)
@@ -418,10 +414,10 @@ class DeviceActivationsHostStatesStore(ExchangeActivationStore):
         pass
 
     def put(self, slot: int, i: int, x: torch.Tensor) -> None:
-        self._slots[slot, i] = x
+        DeviceActivationStore.put(self, slot, i, x)
 
     def get(self, slot: int, i: int) -> torch.Tensor:
-        return self._slots[slot, i]
+        return DeviceActivationStore.get(self, slot, i)
 
     def end_step(self) -> None:
         self._slots.clear()
@@ -432,7 +428,7 @@ class DeviceActivationsHostStatesStore(ExchangeActivationStore):
 
     @property
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._slots.values())
+        return DeviceActivationStore.device_bytes.fget(self)
 
     @property
     def host_bytes(self) -> int:
