@@ -110,6 +110,17 @@ def count_collectives() -> tuple[dict, Callable[[], None]]:
     return counts, undo
 
 
+def steady_state_collectives(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> dict:
+    """``count_collectives`` of one training step of ``model``, after a first step (FSDP2's lazy init)."""
+    model(input_ids=ids, labels=labels).loss.backward()
+    counts, undo = count_collectives()
+    try:
+        model(input_ids=ids, labels=labels).loss.backward()
+    finally:
+        undo()
+    return dict(counts)
+
+
 def is_fsdp(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 

@@ -11,8 +11,8 @@ import itertools
 import pytest
 import torch
 
-from engine_cases import (assert_grads_close, batch, count_collectives, cpu_mesh, full_grad, is_fsdp, reference_grads,
-                          tiny_model)
+from engine_cases import (assert_grads_close, batch, cpu_mesh, full_grad, is_fsdp, reference_grads,
+                          steady_state_collectives, tiny_model)
 from fsdp_speedloader import apply_speedloader, speedloader_engine
 from fsdp_speedloader.parallel import apply_fsdp
 
@@ -93,14 +93,8 @@ def test_collectives_do_not_grow_with_num_sub_batches(blocks_per_unit):
     for n_sub in (1, 4):
         model = tiny_model("llama")
         apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=n_sub, blocks_per_unit=blocks_per_unit)
-        ids, labels = batch(n_sub)
-        model(input_ids=ids, labels=labels).loss.backward()  # first step: lazy init
-        counts, undo = count_collectives()
-        try:
-            model(input_ids=ids, labels=labels).loss.backward()
-        finally:
-            undo()
-        counts_by_n[n_sub] = dict(counts)  # world size 1: unshards need no all-gather collective
+        # world size 1: unshards need no all-gather collective
+        counts_by_n[n_sub] = steady_state_collectives(model, *batch(n_sub))
     units = 4 // blocks_per_unit
     # Forward: root + every unit once; backward: every unit once (the root stays unsharded).
     expected = {"unshard": 2 * units + 1, "all_gather": 0, "reduce_scatter": units + 1}

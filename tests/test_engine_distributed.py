@@ -13,7 +13,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from dist_utils import run_distributed
-from engine_cases import assert_grads_close, batch, count_collectives, cpu_mesh, reference_grads, tiny_model
+from engine_cases import (assert_grads_close, batch, cpu_mesh, reference_grads, steady_state_collectives,
+                          tiny_model)
 from fsdp_speedloader import apply_speedloader, speedloader_engine
 
 CASES = list(itertools.product(("llama", "opt"), (1, 3), (1, 2), ("device", "host"), (False, True)))
@@ -51,14 +52,7 @@ def _collective_counts(rank: int, world_size: int) -> dict:
     out = {}
     for n_sub in (1, 4):
         model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=n_sub, blocks_per_unit=2)
-        ids, labels = batch(n_sub, seed=rank)
-        model(input_ids=ids, labels=labels).loss.backward()
-        counts, undo = count_collectives()
-        try:
-            model(input_ids=ids, labels=labels).loss.backward()
-        finally:
-            undo()
-        out[n_sub] = dict(counts)
+        out[n_sub] = steady_state_collectives(model, *batch(n_sub, seed=rank))
     return out
 
 

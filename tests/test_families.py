@@ -32,12 +32,7 @@ GRID = [(n, per_unit, offload, ("device", "host")[(k // 2 + k) % 2])
         for k, (n, per_unit, offload) in enumerate(itertools.product((1, 3), (1, 2), (False, True)))]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: threads only add noise on a shared 2-core machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _padded(ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

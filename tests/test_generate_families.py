@@ -83,12 +83,7 @@ def _kv_modes(num_sub_batches: int) -> list[tuple[str, dict]]:
     return modes
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: threads only add noise on a shared 2-core machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("family", list(BUILDERS))

@@ -37,7 +37,9 @@ def _batch(rows: int, seq_len: int, vocab: int = 2048, seed: int = 0):
 
 
 def _grads(model) -> dict:
-    return {n: p.grad.full_tensor().float().cpu() for n, p in model.named_parameters()}
+    """Full fp32 gradients on the CPU, of an FSDP-sharded model or a plain one."""
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float().cpu()
+            for n, p in model.named_parameters()}
 
 
 def _rel_err(a: dict, b: dict) -> float:

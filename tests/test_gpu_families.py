@@ -20,11 +20,11 @@ import torch
 from fsdp_speedloader import apply_speedloader
 from fsdp_speedloader.models import ModelConfig, build_model, get_adapter
 from fsdp_speedloader.parallel import apply_fsdp, build_mesh, maybe_init_process_group
+from test_gpu_engine import _batch, _grads, _rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 BF16 = torch.bfloat16
-VOCAB = 2048
-SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1024, vocab_size=VOCAB,
+SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1024, vocab_size=2048,
              max_position_embeddings=4096)
 FAMILIES = {
     "gemma3": dict(family="gemma3", head_dim=64, sliding_window=64, sliding_window_pattern=2, rope_theta=1e6,
@@ -48,25 +48,6 @@ def _model(family: str):
         for router in getattr(adapter, "routers", []):
             router.weight.mul_(20.0)
     return model
-
-
-def _batch(rows: int, seq_len: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (rows, seq_len), generator=gen)
-    labels = ids.clone()
-    labels[0, :7] = -100
-    return ids, labels
-
-
-def _grads(model) -> dict:
-    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float().cpu()
-            for n, p in model.named_parameters()}
-
-
-def _rel_err(a: dict, b: dict) -> float:
-    num = sum((a[k] - b[k]).norm() ** 2 for k in a) ** 0.5
-    den = sum(b[k].norm() ** 2 for k in b) ** 0.5
-    return float(num / den)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

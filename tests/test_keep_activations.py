@@ -37,12 +37,7 @@ def _parity(rank: int, world_size: int, family: str, keep: int, offload: bool, s
     assert_grads_close(model, ref_grads)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("family,keep,offload,store,per_unit", CASES)

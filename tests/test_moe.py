@@ -15,20 +15,15 @@ import pytest
 import torch
 from transformers.models.mixtral import modeling_mixtral
 
-from engine_cases import (SEQ_LEN, assert_grads_close, batch, count_collectives, cpu_mesh,
-                          family_config, tiny_family_model)
+from engine_cases import (SEQ_LEN, assert_grads_close, batch, cpu_mesh,
+                          family_config, steady_state_collectives, tiny_family_model)
 from fsdp_speedloader import apply_speedloader
 from fsdp_speedloader.models import ModelConfig, build_model, get_adapter
 
 MOE = ["mixtral", "qwen3_moe"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _skewed_model(family: str) -> torch.nn.Module:
@@ -111,14 +106,7 @@ def test_one_unshard_per_unit_whatever_the_number_of_sub_batches(family, blocks_
         model = tiny_family_model(family)
         apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=n_sub, blocks_per_unit=blocks_per_unit,
                           offload_params=True)
-        ids, labels = batch(n_sub)
-        model(input_ids=ids, labels=labels).loss.backward()  # first step: lazy init
-        counts, undo = count_collectives()
-        try:
-            model(input_ids=ids, labels=labels).loss.backward()
-        finally:
-            undo()
-        counts_by_n[n_sub] = dict(counts)
+        counts_by_n[n_sub] = steady_state_collectives(model, *batch(n_sub))
     units = 4 // blocks_per_unit
     expected = {"unshard": 2 * units + 1, "all_gather": 0, "reduce_scatter": units + 1}
     assert counts_by_n == {1: expected, 4: expected}
