@@ -78,10 +78,11 @@ run() {  # run PART STEP ESTIMATE_S REQUIRED(1|0) COMMAND...: an optional step i
 # (17 GB), 6 of those attending on the CPU; per decoding step the link carries 38.5 GB of packed weights.
 run core llama70b 220 1 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --timeout 300 \
   --contender speedloader:256x16:split=4:cpu=6:w=int4:kvq=int8
-# 208 x 16: n = 13, 2 sub-batches (26 sequences, 19.5 GB) on the GPU as in the 72.4 tokens/s run, 14 on the host in
-# int8 (69 GB), 8 of those on the CPU; the link carries 16.6 GB of packed weights and 6 sub-batches' int8 cache.
+# 208 x 16: n = 13, 1 sub-batch's cache (13 sequences, 9.7 GB) on the GPU (the 72.4 tokens/s run kept 2, but the
+# int4 dequantization's temporaries need room), 15 on the host in int8 (74 GB), 9 of those on the CPU; the link
+# carries 16.6 GB of packed weights and 6 sub-batches' int8 cache (29.6 GB).
 run core opt30b 330 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --timeout 270 \
-  --contender speedloader:208x16:split=2:cpu=8:w=int4:kvq=int8 --contender flexgen:32x2
+  --contender speedloader:208x16:split=1:cpu=9:w=int4:kvq=int8 --contender flexgen:32x2
 
 # zero: ZeRO-Inference's 4-bit weights (its KV offload needs a patched transformers: not carried).
 run zero opt30b 240 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append --timeout 300 \
@@ -92,7 +93,7 @@ run zero llama70b 320 0 python3 tools/bench_infer.py --model llama2_70b "${commo
 # more: OPT-30B int8 weights (31 GB packed), and bf16 weights (59 GB) with the int8 KV cache (host: 125 GiB - 55 GiB
 # of weights leaves room for 150 int8 sequences where bf16 held 78).
 run more opt30b_int8 200 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
-  --timeout 270 --contender speedloader:208x16:split=2:cpu=8:w=int8:kvq=int8
+  --timeout 270 --contender speedloader:208x16:split=1:cpu=9:w=int8:kvq=int8
 run more opt30b_bf16 260 0 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
   --timeout 300 --contender speedloader:156x12:split=2:cpu=10:kvq=int8
 

@@ -24,7 +24,7 @@ What is measured (all in bf16 compute, as on the GPU; the fp32 row is the refere
 On this CPU-only machine every kernel is the CPU's (the eager dequantization the GPU runs too: no CUDA-only
 kernel exists in these paths). Writes ``bench/results/<name>.json`` and prints a markdown table::
 
-    python tools/quant_quality.py                       # trains (about 5 minutes on 2 cores) or loads, evaluates
+    python tools/quant_quality.py                       # trains (~13 minutes on 2 free cores) or loads, evaluates
     python tools/quant_quality.py --steps 100 --name quant_quality_smoke
 """
 
