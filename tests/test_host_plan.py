@@ -44,7 +44,7 @@ def test_refusal_is_one_line_with_the_bytes_each_setting_frees():
     text = str(info.value)
     assert "\n" not in text and text.startswith("the pinned host arena needs ")
     freed = (plan.total - smaller.total) / GIB
-    assert f"optim.state_dtype=int8 frees {freed:.2f} GiB (enough alone)" in text
+    assert f"optim.state_dtype=int8 frees {freed:.2f} GiB (enough)" in text
 
 
 def test_plan_of_a_model_and_config():
@@ -77,5 +77,5 @@ def test_the_trainer_refuses_before_the_model_takes_host_memory(tmp_path, monkey
         Trainer(cfg)
     text = str(info.value)
     assert "\n" not in text and not materialized
-    assert f"optim.state_dtype=int8 frees {(plan.total - int8.total) / GIB:.2f} GiB (enough alone)" in text
+    assert f"optim.state_dtype=int8 frees {(plan.total - int8.total) / GIB:.2f} GiB (enough)" in text
     assert "lower schedule.num_sub_batches" in text

@@ -99,6 +99,19 @@ def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activat
     if cfg.offload.param_transfer_dtype:
         alternatives.append(("offload.param_transfer_dtype=null",
                              plan(_with(cfg, offload={"param_transfer_dtype": None}))))
+    # The three that keep the run's shape together (the smallest states, in-flight gradients, activations on the GPU).
+    combined, names = cfg, []
+    if cfg.optim.state_dtype != "int8":
+        combined, names = _with(combined, optim={"state_dtype": "int8"}), names + ["optim.state_dtype=int8"]
+    if combined is not None and not _uses_ring(combined) and cfg.offload.pin_memory:
+        combined = _with(combined, optim={"overlap_with_backward": True, "grad_clip": 0.0,
+                                          "grad_slots_in_flight": cfg.optim.grad_slots_in_flight or 2})
+        names.append("in-flight gradient slots")
+    if combined is not None and _activations_on_host(combined):
+        combined = _with(combined, schedule={"activation_store": "device"})
+        names.append("schedule.activation_store=device")
+    if len(names) > 1:
+        alternatives.append((f"all of {' + '.join(names)}", plan(combined)))
     return plan(cfg), [(setting, alt) for setting, alt in alternatives if alt is not None]
 
 

@@ -11,14 +11,15 @@
 
 The parameters stay as they are (fp32 masters when the model is fp32), and so does the arithmetic: each step runs
 torch's own fused AdamW kernel (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` calls) on fp32
-moments decoded chunk by chunk into a small scratch buffer (``chunk_elements()``, one per thread and device,
-reused: it stays in cache), then encodes them back. So ``state_dtype="bf16"`` gives, bit for bit, fused AdamW whose moments are
-rounded to bf16 after each step (``tests/test_compressed_adamw.py``), at about the speed of fp32 fused AdamW (it
-moves fewer bytes: ``tools/bench_cpu_optim.py``).
+moments decoded chunk by chunk into a scratch buffer (``chunk_elements()``, one per thread and device, reused),
+then encodes them back. So ``state_dtype="bf16"`` gives, bit for bit, fused AdamW whose moments are rounded to
+bf16 after each step (``tests/test_compressed_adamw.py``), in about twice fused fp32 AdamW's time per thread;
+``int8`` takes 15-25 times as long (its codes are about twenty elementwise passes; ``tools/bench_cpu_optim.py``).
 
 Why not a library: on CPU tensors torchao's low-bit and bf16 stochastic-rounding AdamW (torch.compile'd per
-parameter) and bitsandbytes' 8-bit AdamW (its CPU fallback) measured 20 to 60 times slower than fused fp32 AdamW
-(``bench/results/cpu_optim_*.json``): a 13B model's host step would take longer than its GPU step.
+parameter) and bitsandbytes' 8-bit AdamW (its CPU fallback) measured 25 to 100 times slower than fused fp32 AdamW
+(``bench/results/cpu_optim_step_llama7b_blocks*.json``): a 13B model's host step would take longer than its GPU
+step.
 
 Works on plain tensors and on FSDP2's DTensor parameters (each rank steps its local shard; the states are DTensors
 like the parameters, so ``torch.distributed.checkpoint`` saves and loads them sharded, in their stored dtype).

@@ -125,7 +125,7 @@ def check_host_plan(plan: HostPlan, budget: HostMemoryBudget, *, savings: Sequen
         return
     over = plan.total - budget.available_bytes
     ranked = sorted((s for s in savings if s[1] > 0), key=lambda s: -s[1])
-    options = "; ".join(f"{setting} frees {freed / GIB:.2f} GiB{' (enough alone)' if freed >= over else ''}"
+    options = "; ".join(f"{setting} frees {freed / GIB:.2f} GiB{' (enough)' if freed >= over else ''}"
                         for setting, freed in ranked)
     raise ValueError(
         f"the pinned host arena needs {plan.arena / GIB:.2f} GiB and the optimizer states "
