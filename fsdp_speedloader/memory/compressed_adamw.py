@@ -47,11 +47,10 @@ per moment)."""
 
 BLOCK = 2048  # int8: elements per quantisation block (one fp32 scale each, per moment)
 # Elements decoded at a time per intra-op thread (a multiple of BLOCK): 32 MiB of fp32 scratch per thread, a whole
-# 7B/13B weight matrix per chunk on 16 threads. Smaller chunks stay in cache (one thread of the development CPU:
-# 2.6 s per 1e9 parameters at 2^18, 2.8 at 2^20, 4.6 at 2^22; fused fp32 AdamW 1.4-1.6), but each operation on a
-# chunk is a parallel region, which waits for every intra-op thread: where the cores are shared (the training's own
-# threads run beside the optimizer's), many small regions cost far more than the cache saves (2 threads on a loaded
-# machine: 61 s at 2^18, 33 s at 2^20, 17 s at 2^22; fused fp32 3.8, one region per parameter).
+# 7B/13B weight matrix per chunk on 16 threads. Smaller chunks stay in cache, but each operation on a chunk is a
+# parallel region that waits for every intra-op thread: where the training's own threads share the cores, many small
+# regions cost far more than the cache saves (measured per chunk size: docs/design.md §13,
+# bench/results/cpu_optim_step_llama7b_blocks*.json).
 CHUNK_PER_THREAD = 1 << 22
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _SCALES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
