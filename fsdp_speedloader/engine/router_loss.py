@@ -32,6 +32,9 @@ class RouterLoss:
         self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.float32, device=device)  # T
         self.prob_per_expert = torch.zeros(num_experts, dtype=torch.float32, device=device)  # P
         self.rows = torch.zeros((), dtype=torch.float32, device=device)  # R
+        self._one = torch.ones((), dtype=torch.float32, device=device)  # expanded: a count of 1 per assignment
+        # Per sub-batch, the mask repeated once per routed expert (None: every token counts).
+        self._assignment_masks = [None if m is None else m.repeat_interleave(top_k) for m in self.masks]
         self.prob_grad: Optional[torch.Tensor] = None  # dL/dP, (E,): set by the head's backward
 
     def _routing(self, logits: torch.Tensor) -> torch.Tensor:
@@ -44,7 +47,8 @@ class RouterLoss:
         for logits in router_logits:
             routing = self._routing(logits)
             chosen = torch.topk(routing, self.top_k, dim=-1).indices.reshape(-1)
-            weight = torch.ones_like(chosen, dtype=torch.float32) if mask is None else mask.repeat_interleave(self.top_k)
+            weight = self._assignment_masks[sub_batch]
+            weight = self._one.expand(chosen.shape) if weight is None else weight
             self.tokens_per_expert.scatter_add_(0, chosen, weight)  # no device sync, unlike bincount
             if mask is None:
                 self.prob_per_expert += routing.float().sum(dim=0)
