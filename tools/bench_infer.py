@@ -186,7 +186,32 @@ def summarize_decode_trace(path: str) -> dict:
                                         if lo <= x < hi) / 1e6,
             "h2d_gb": total / 1e9, "h2d_gb_during_cpu_attention": inside / 1e9,
             "h2d_GBps_during_cpu_attention": inside / 1e9 / attend_s if attend_s else None,
-            "h2d_GBps_otherwise": (total - inside) / 1e9 / (span_s - attend_s) if span_s > attend_s else None}
+            "h2d_GBps_otherwise": (total - inside) / 1e9 / (span_s - attend_s) if span_s > attend_s else None,
+            **where_time_goes(events, lo, hi)}
+
+
+def where_time_goes(events: list, lo: float, hi: float, top: int = 12) -> dict:
+    """Between ``lo`` and ``hi`` (trace microseconds): the GPU's busy fraction (kernels and copies, merged), the
+    kernels and the host's ``aten::`` ops with the most total time, and the kernel launches per second: what
+    bounds a decoding step when it is neither the link nor the host's attention."""
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X"
+                 and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and lo <= e["ts"] < hi)
+    busy, end = 0.0, lo
+    for a, b in gpu:  # the union of the GPU's intervals (copies overlap kernels)
+        a = max(a, end)
+        if b > a:
+            busy, end = busy + b - a, b
+    def totals(cat: str, prefix: str = "") -> list:
+        t: dict = {}
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") == cat and lo <= e["ts"] < hi and e["name"].startswith(prefix):
+                t[e["name"]] = t.get(e["name"], 0.0) + e["dur"]
+        return [{"name": k[:120], "s": v / 1e6} for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:top]]
+    launches = sum(1 for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+                   and "Launch" in e.get("name", "") and lo <= e["ts"] < hi)
+    span = (hi - lo) / 1e6
+    return {"gpu_busy_fraction": busy / (hi - lo) if hi > lo else None, "kernel_launches_per_s": launches / span,
+            "top_kernels": totals("kernel"), "top_host_ops": totals("cpu_op", "aten::")}
 
 
 def _kv_bytes(cfg, batch: int, positions: int) -> int:
