@@ -235,6 +235,31 @@ def test_the_next_forward_waits_only_for_the_steps_it_reads():
     assert position[("forward", 1)] < position[("step", units - 1)], second  # the last unit's step overlapped
 
 
+def test_step_stats_count_the_cpu_steps_and_what_showed_of_them():
+    """``step_stats()``: the worker's optimizer seconds (each inner step slowed by 20 ms here) and the main
+    thread's seconds blocked on them (the second forward waits for the root's deferred step), then reset."""
+    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
+    overlapped = OverlappedOptimizer(model, _adamw, max_norm=CLIPS)
+    for opt in overlapped.optimizers:
+        def slow_step(step=opt.step):
+            time.sleep(0.02)
+            step()
+        opt.step = slow_step
+    try:
+        for step in range(2):
+            ids, labels = batch(NUM_SUB, seed=step)
+            model(input_ids=ids, labels=labels).loss.backward()
+            overlapped.step()
+            overlapped.zero_grad()
+        overlapped.wait()
+        stats = overlapped.step_stats()
+        assert stats["optimizer_busy_s"] >= 2 * len(overlapped.optimizers) * 0.02, stats
+        assert stats["optimizer_wait_s"] >= 0.02, stats
+        assert overlapped.step_stats() == {"optimizer_busy_s": 0.0, "optimizer_wait_s": 0.0}
+    finally:
+        overlapped.close()
+
+
 def test_close_applies_the_queued_steps_and_unhooks_the_model():
     model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
     fsdp_hooks = dict(model._forward_pre_hooks)

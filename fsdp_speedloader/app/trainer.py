@@ -336,6 +336,8 @@ class Trainer:
         metrics["tokens"] = self.step * self.world_size * self.cfg.schedule.batch_size * self.cfg.data.seq_len
         if engine is not None:  # copy bytes, compute-stream waits on copies, arena bytes (read at the step end)
             metrics.update(engine.store.step_stats())
+        if hasattr(self.optimizer, "step_stats"):  # the overlapped CPU step: its busy seconds and what showed
+            metrics.update(self.optimizer.step_stats())
         return metrics
 
     # --- the loop ------------------------------------------------------------------------------

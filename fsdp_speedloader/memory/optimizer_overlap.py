@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import time
 import weakref
 from typing import Callable, Iterator, Optional
 
@@ -215,6 +216,10 @@ class OverlappedOptimizer(OptimizersContainer):
         self._cond = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
         self._error: Optional[BaseException] = None
+        # Seconds since the last step_stats(): the worker's optimizer arithmetic (norms, clip scaling, steps) and
+        # the main thread's time blocked on it (the next forward's waits, step()'s): what shows of the CPU step.
+        self._busy_s = 0.0
+        self._wait_s = 0.0
         self._worker = threading.Thread(target=self._run, name="fsdp_speedloader-optimizer", daemon=True)
         self._worker.start()
         self._engine.grad_ready_hook = self.on_unit_grads_ready
@@ -255,7 +260,7 @@ class OverlappedOptimizer(OptimizersContainer):
         if self._deferred:
             return self._step_deferred()
         self.last_grad_norm, self.last_step_skipped = None, False
-        self.wait()
+        self._timed_wait()
         for index, opt in enumerate(self.optimizers):
             if index not in self._stepped:
                 opt.step()
@@ -263,7 +268,7 @@ class OverlappedOptimizer(OptimizersContainer):
         self._stepped.clear()
 
     def _step_deferred(self) -> None:
-        self.wait()  # the per-tensor norms of units U .. 1, from the worker
+        self._timed_wait()  # the per-tensor norms of units U .. 1, from the worker
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]  # clip_grad_norm_'s list
         norms, self._norms = self._norms, {}
         norm = total_norm(grads, norms)  # the root's per-tensor norms are taken here; all ranks all-reduce here
@@ -293,9 +298,11 @@ class OverlappedOptimizer(OptimizersContainer):
         needed = list(range(max(index, 1) - 1, min(index + depth, len(self._units))))  # inner indices of units
         if index == 0:
             needed.append(len(self._units))
+        start = time.perf_counter()
         with self._cond:
             while self._error is None and any(i in self._pending for i in needed):
                 self._cond.wait()
+        self._wait_s += time.perf_counter() - start
         if self._error is not None:  # left for wait() / close() to report and clear
             raise RuntimeError("an overlapped optimizer step failed") from self._error
 
@@ -313,6 +320,19 @@ class OverlappedOptimizer(OptimizersContainer):
         """Each inner optimizer's ``zero_grad``, once its step is applied (``call_after_step``)."""
         for index, opt in enumerate(self.optimizers):
             self.call_after_step(index, functools.partial(opt.zero_grad, set_to_none=set_to_none))
+
+    def _timed_wait(self) -> None:
+        start = time.perf_counter()
+        self.wait()
+        self._wait_s += time.perf_counter() - start
+
+    def step_stats(self) -> dict:
+        """Seconds since the last call (then reset): ``optimizer_busy_s``, the worker's optimizer arithmetic, and
+        ``optimizer_wait_s``, the main thread's time blocked on it (the next forward's waits for deferred steps,
+        ``step()``'s wait for the last unit's). Wait near 0 with busy > 0: the CPU step is hidden."""
+        stats = {"optimizer_busy_s": self._busy_s, "optimizer_wait_s": self._wait_s}
+        self._busy_s = self._wait_s = 0.0
+        return stats
 
     def wait(self) -> None:
         """Blocks until every queued unit step (and norm) is done; re-raises a worker error."""
@@ -348,15 +368,17 @@ class OverlappedOptimizer(OptimizersContainer):
             kind, index, payload = item
             try:
                 if self._error is None:
-                    if kind == "apply":
-                        self._apply(index, payload)
-                    else:
+                    if kind != "apply":
                         for event in payload:
                             event.synchronize()  # blocks this thread only, until the gradient is on the host
-                        if kind == "norms":
-                            tensor_norms([p.grad for p in self._param_lists[index] if p.grad is not None], self._norms)
-                        else:
-                            self._apply(index, None)
+                    start = time.perf_counter()
+                    if kind == "apply":
+                        self._apply(index, payload)
+                    elif kind == "norms":
+                        tensor_norms([p.grad for p in self._param_lists[index] if p.grad is not None], self._norms)
+                    else:
+                        self._apply(index, None)
+                    self._busy_s += time.perf_counter() - start  # this thread alone writes it
             except BaseException as e:  # reported to the main thread by wait() or before_unit_forward()
                 self._fail(e)
             finally:
