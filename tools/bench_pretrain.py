@@ -247,6 +247,9 @@ def summarize_run(run_dir: Path) -> dict:
         "peak_gpu_mem_allocated_gib": max(r.get("peak_gpu_mem_allocated_gib", 0.0) for r in rows),
         "peak_host_rss_gib": max(r.get("host_rss_gib", 0.0) for r in rows),
         "num_skipped_steps": last.get("num_skipped_steps", 0),  # optimizer steps skipped (non-finite gradients)
+        # The overlapped CPU step, steps 3..: its seconds per step and the seconds of them the training waited.
+        **{f"median_{k}": statistics.median(r[k] for r in rows[2:]) for k in ("optimizer_busy_s", "optimizer_wait_s")
+           if len(rows) > 2 and all(k in r for r in rows[2:])},
         "wandb_runs": wandb_runs,
         "curve": {"step": [r["step"] for r in rows], "tokens": [r["tokens"] for r in rows],
                   "elapsed_s": [r["elapsed_s"] for r in rows], "loss": losses},
