@@ -222,7 +222,8 @@ def test_num_label_tokens_shifts_like_hugging_face():
 
 def test_step_metrics_formulas():
     m = StepMetrics(device=torch.device("cpu"), world_size=4, tokens_per_step_per_device=1000,
-                    flops_per_token=6e9, recompute_flops_per_token=2e9, peak_tflops=1.0)
+                    flops_per_token=6e9, recompute_flops_per_token=2e9, peak_tflops=1.0,
+                    attention_flops_per_token=1.5e9)
     m.start_step()
     m.mark_data_ready()
     out = m.end_step(loss=2.0, lr=1e-3, grad_norm=None)
@@ -231,9 +232,22 @@ def test_step_metrics_formulas():
     assert out["tokens_per_s"] == pytest.approx(4 * per_device)
     assert out["mfu"] == pytest.approx(per_device * 6e9 / 1e12)
     assert out["hfu"] == pytest.approx(per_device * 8e9 / 1e12)
+    assert out["mfu_no_attention"] == pytest.approx(per_device * 4.5e9 / 1e12)
     assert 0 <= out["data_wait_s"] <= out["step_time_s"]
     assert math.isnan(out["grad_norm"])
     assert 0 < host_rss_gib() < 1024
+
+
+def test_attention_flops_of_llama2_7b_by_hand():
+    """12 L h s at seq 4096 for LLaMA-2-7B (32 layers, 32 heads x 128): 12 x 32 x 4096 x 4096 = 6.44e9, and
+    flops_per_token = 6 x (non-embedding parameters) + that."""
+    from fsdp_speedloader.models import ModelConfig, build_model, get_adapter
+
+    adapter = get_adapter(build_model(ModelConfig(name="llama2_7b", hidden_size=4096, num_layers=32, num_heads=32,
+                                                  intermediate_size=11008, vocab_size=32000,
+                                                  max_position_embeddings=4096), device="meta"))
+    assert adapter.attention_flops_per_token(4096) == 12 * 32 * 4096 * 4096 == 6_442_450_944
+    assert adapter.flops_per_token(4096) == 6 * adapter.num_non_embedding_params() + 6_442_450_944
 
 
 def test_logger_rank0_writes_jsonl_other_ranks_nothing(tmp_path):

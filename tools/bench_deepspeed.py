@@ -242,6 +242,7 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
     meta = build_model(cfg)  # meta: the figures (FLOPs, sizes) every contender uses; before ZeRO-3 is enabled
     adapter = get_adapter(meta)
     flops_per_token = adapter.flops_per_token(args.seq_len)
+    attention_flops_per_token = adapter.attention_flops_per_token(args.seq_len)
     block_numel = sum(p.numel() for p in adapter.blocks[0].parameters())
     model_numel = sum(p.numel() for p in meta.parameters())
     del meta, adapter
@@ -318,7 +319,7 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
         "contender": "deepspeed-offload", "sub_batch_size": sub_batch, "num_sub_batches": num_sub,
         "experts_implementation": experts,
         **bt.step_figures(fb_times, opt_times, losses, tokens=ids.numel(), flops_per_token=flops_per_token,
-                          peak_tflops=args.peak_tflops),
+                          peak_tflops=args.peak_tflops, attention_flops_per_token=attention_flops_per_token),
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / GIB if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else 0.0,
         "deepspeed": {"version": deepspeed.__version__, "zero_optimization": ds_config["zero_optimization"],

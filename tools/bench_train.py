@@ -168,8 +168,10 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
 
 
 def step_figures(fb_times: list, opt_times: list, losses: list, *, tokens: int, flops_per_token: float,
-                 peak_tflops: float) -> dict:
-    """The figures every contender reports (the medians of the timed steps), DeepSpeed's included."""
+                 peak_tflops: float, attention_flops_per_token: float = 0.0) -> dict:
+    """The figures every contender reports (the medians of the timed steps), DeepSpeed's included. MFU counts
+    ``flops_per_token`` (6 N + 12 L h s), ``mfu_no_attention`` leaves the attention term out (6 N), HFU adds the
+    recomputed forward."""
     fb, opt = statistics.median(fb_times), statistics.median(opt_times)
     recompute_per_token = flops_per_token / 3  # every block's forward runs twice: + (2 N + 4 L h s)
     peak = peak_tflops * 1e12
@@ -177,6 +179,7 @@ def step_figures(fb_times: list, opt_times: list, losses: list, *, tokens: int, 
         "tokens_per_step": tokens, "fwd_bwd_s": fb, "optimizer_s": opt, "step_s": fb + opt,
         "tokens_per_s_fwd_bwd": tokens / fb, "tokens_per_s": tokens / (fb + opt),
         "mfu_fwd_bwd": tokens / fb * flops_per_token / peak, "mfu": tokens / (fb + opt) * flops_per_token / peak,
+        "mfu_no_attention": tokens / (fb + opt) * (flops_per_token - attention_flops_per_token) / peak,
         "hfu_fwd_bwd": tokens / fb * (flops_per_token + recompute_per_token) / peak,
         "host_peak_rss_gib": harness.host_peak_rss_gib(), "losses": losses, "flops_per_token": flops_per_token,
         "step_times_s": [a + b for a, b in zip(fb_times, opt_times)],
@@ -343,7 +346,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         "max_gpu_memory_gib": cap, "experts_implementation": experts,
         "num_fsdp_units": len(units), "blocks_per_fsdp_unit": blocks_per_fsdp_unit,
         **step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
-                       flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops),
+                       flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops,
+                       attention_flops_per_token=adapter.attention_flops_per_token(args.seq_len)),
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
     }

@@ -60,15 +60,19 @@ class StepMetrics:
         flops_per_token: model FLOPs per token, forward + backward (``adapter.flops_per_token``).
         recompute_flops_per_token: extra hardware FLOPs per token from recomputation (0 if none).
         peak_tflops: dense peak TFLOP/s of one device (MFU/HFU denominator).
+        attention_flops_per_token: the attention part of ``flops_per_token`` (``adapter.attention_flops_per_token``):
+            ``mfu_no_attention`` leaves it out, the convention of the reports that count 6 N only.
     """
 
     def __init__(self, *, device: torch.device, world_size: int, tokens_per_step_per_device: int,
-                 flops_per_token: float, recompute_flops_per_token: float = 0.0, peak_tflops: float) -> None:
+                 flops_per_token: float, recompute_flops_per_token: float = 0.0, peak_tflops: float,
+                 attention_flops_per_token: float = 0.0) -> None:
         self.device = torch.device(device)
         self.world_size = world_size
         self.tokens_per_step_per_device = tokens_per_step_per_device
         self.flops_per_token = flops_per_token
         self.hardware_flops_per_token = flops_per_token + recompute_flops_per_token
+        self.attention_flops_per_token = attention_flops_per_token
         self.peak_flops = peak_tflops * 1e12
         self._is_cuda = self.device.type == "cuda"
         self._t0: Optional[float] = None
@@ -113,6 +117,7 @@ class StepMetrics:
             "flops_per_token": self.flops_per_token,
             "hardware_flops_per_token": self.hardware_flops_per_token,
             "mfu": mfu,
+            "mfu_no_attention": mfu * (1.0 - self.attention_flops_per_token / self.flops_per_token),
             "hfu": hfu,
             "host_rss_gib": host_rss_gib(),
         }

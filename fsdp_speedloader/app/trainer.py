@@ -247,7 +247,8 @@ class Trainer:
         self.metrics = StepMetrics(device=self.device, world_size=self.world_size,
                                    tokens_per_step_per_device=sched.batch_size * cfg.data.seq_len,
                                    flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops,
-                                   peak_tflops=cfg.peak_tflops)
+                                   peak_tflops=cfg.peak_tflops,
+                                   attention_flops_per_token=self.adapter.attention_flops_per_token(cfg.data.seq_len))
         self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_dir, rank=self.rank, device=self.device,
                                          model_config=cfg.model, tokenizer=cfg.data.tokenizer)
         self.step = 0

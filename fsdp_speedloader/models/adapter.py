@@ -185,12 +185,16 @@ class ModelAdapter(ABC):
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs of one token, forward + backward: 6 N + 12 L h s (PaLM appendix B), h the attention width
+        """Model FLOPs of one token, forward + backward: 6 N + 12 L h s (PaLM appendix B)."""
+        return 6.0 * self.num_non_embedding_params() + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """The attention term of ``flops_per_token``: 12 L h s, the score and value matmuls (QK^T and AV, forward +
+        backward, counted over the whole sequence as PaLM does, not halved for causality), h the attention width
         (heads x head_dim; Gemma-3's differs from the model width). Sliding windows are not discounted."""
         c = self.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        width = c.num_attention_heads * head_dim
-        return 6.0 * self.num_non_embedding_params() + 12.0 * c.num_hidden_layers * width * seq_len
+        return 12.0 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len
 
 
 def config_layer_types(config, num_layers: int) -> tuple[str, ...]:
