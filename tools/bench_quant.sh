@@ -4,11 +4,13 @@
 # command of at most ~9 minutes (estimates from bench/results/infer_opt30b_24g*.json: a bf16 OPT-30B speedloader
 # contender took 227 s end to end, 46 s of it generating; FlexGen 189 s; accelerate 358 s):
 #
-#   core (~9 min, the default):
+#   core (~5 min, the default):
 #     llama70b  LLaMA-2-70B shape, int4 weights (g64, 38.5 GB packed: the bf16 model, 138 GB, exceeds the host),
-#               int8 host KV cache: speedloader 256 x 16 (~200 s: setup ~60 s, warm-up prefill ~55 s, timed ~85 s)
-#     opt30b    OPT-30B, ONE invocation: speedloader int4 weights + int8 host KV, 208 x 16 (~150 s), then FlexGen
-#               0.1.8 with its OPT-30B policy (~190 s)
+#               int8 host KV cache: speedloader 256 x 16 (303 s end to end on f922d2f:
+#               bench/results/infer_llama2_70b_int4_p512_g32_24g.json)
+#   opt30b (~9 min): OPT-30B, ONE invocation: speedloader int4 weights + int8 host KV, 208 x 16 (~150 s), then
+#               FlexGen 0.1.8 with its OPT-30B policy (~190 s). Its own device command: after llama70b in one
+#               command it was cut by the 600 s limit.
 #   zero (~9 min): DeepSpeed ZeRO-Inference with its 4-bit weights (fp16, group 64) appended to both records:
 #               OPT-30B zero-inference:16:q4 (~220 s?), LLaMA-2-70B zero-inference:32:q4 (~300 s?): no record yet,
 #               guesses (build under zero.Init + Hugging Face's init gathering every module, then generate)
@@ -17,7 +19,7 @@
 #   accelerate (~6 min, optional): OPT-30B accelerate:16 appended (its last row: 2.5 tokens/s, 358 s)
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [PART...]       (default: core)
-#   e.g. three device commands:  bash tools/bench_quant.sh "$OUT" core ; ... zero ; ... more
+#   e.g. four device commands:  bash tools/bench_quant.sh "$OUT" core ; ... opt30b ; ... zero ; ... more
 # Records: OUT_DIR/infer_llama2_70b_int4_p512_g32_24g.json and OUT_DIR/infer_opt30b_quant_p512_g32_24g.json
 # (tools/harness.py's header; a part appends its rows with --append), logs OUT_DIR/<part>.log, wall times
 # OUT_DIR/bench_quant_times.txt. Carry .wheels (tools/device_wheels.sh) and .whl (FlexGen's wheel, `pip download
@@ -27,7 +29,7 @@
 # written after every contender, so a command cut short keeps what finished. FSL_BENCH_DRY_RUN=1 prints the
 # commands instead.
 set -uo pipefail
-out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [core] [zero] [more] [accelerate]}
+out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [core] [opt30b] [zero] [more] [accelerate]}
 shift
 parts=" ${*:-core} "
 mkdir -p "$out"
@@ -73,15 +75,15 @@ run() {  # run PART STEP ESTIMATE_S REQUIRED(1|0) COMMAND...: an optional step i
   echo "$key/$step: $((SECONDS - start)) s (estimate ${estimate} s), ${SECONDS} s elapsed" | tee -a "$out/bench_quant_times.txt"
 }
 
-# core: LLaMA-2-70B int4 first (the row that could not run before), then OPT-30B int4 and FlexGen in ONE invocation.
+# core: LLaMA-2-70B int4 (the row that could not run before); opt30b: OPT-30B int4 and FlexGen in ONE invocation.
 # 256 x 16: n = 16, 4 sub-batches' cache (64 sequences, 11 GB in bf16) on the GPU, 12 in the host arena in int8
 # (17 GB), 6 of those attending on the CPU; per decoding step the link carries 38.5 GB of packed weights.
-run core llama70b 220 1 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --timeout 300 \
+run core llama70b 310 1 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --timeout 300 \
   --contender speedloader:256x16:split=4:cpu=6:w=int4:kvq=int8
 # 208 x 16: n = 13, 1 sub-batch's cache (13 sequences, 9.7 GB) on the GPU (the 72.4 tokens/s run kept 2, but the
 # int4 dequantization's temporaries need room), 15 on the host in int8 (74 GB), 9 of those on the CPU; the link
 # carries 16.6 GB of packed weights and 6 sub-batches' int8 cache (29.6 GB).
-run core opt30b 330 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --timeout 270 \
+run opt30b opt30b 340 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --timeout 270 \
   --contender speedloader:208x16:split=1:cpu=9:w=int4:kvq=int8 --contender flexgen:32x2
 
 # zero: ZeRO-Inference's 4-bit weights (its KV offload needs a patched transformers: not carried).
