@@ -43,3 +43,35 @@ def test_summarize_decode_trace_without_host_attention(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": [_event("aten::mm", 0, 10, cat="cpu_op")]}))
     assert "no host attention" in bench_infer.summarize_decode_trace(str(path))["error"]
+
+
+def test_where_time_goes_merges_the_gpu_intervals_and_ranks_kernels_and_host_ops():
+    events = [
+        _event("gemm", 0, 400, cat="kernel"),
+        _event("Memcpy HtoD (Pinned -> Device)", 200, 400, cat="gpu_memcpy"),  # overlaps the gemm: busy 0..600
+        _event("gemm", 800, 100, cat="kernel"),
+        _event("norm", 950, 10, cat="kernel"),
+        _event("aten::mm", 0, 30, cat="cpu_op"),
+        _event("aten::mm", 100, 30, cat="cpu_op"),
+        _event("cudaLaunchKernel", 5, 1, cat="cuda_runtime"),
+        _event("gemm", 5000, 100, cat="kernel"),  # outside the window: not counted
+    ]
+    got = bench_infer.where_time_goes(events, 0, 1000)
+    assert got["gpu_busy_fraction"] == pytest.approx((600 + 100 + 10) / 1000)
+    assert got["top_kernels"][0] == {"name": "gemm", "s": pytest.approx(500e-6)}
+    assert got["top_host_ops"] == [{"name": "aten::mm", "s": pytest.approx(60e-6)}]
+    assert got["kernel_launches_per_s"] == pytest.approx(1 / 1e-3)
+
+
+def test_count_decode_ops_counts_every_group_of_a_split_cache():
+    """tools/count_decode_ops.py: with the cache on the device a decoding step runs the whole batch through a
+    layer at once; with a split cache each sub-batch is a group of its own, so its ops per layer grow with N."""
+    import count_decode_ops
+
+    from fsdp_speedloader.parallel import maybe_init_process_group
+
+    maybe_init_process_group("cpu")
+    device, split16, split32 = (count_decode_ops.count(name, n) for name, n in
+                                (("device", 16), ("split", 16), ("split", 32)))
+    assert device["ops_per_layer"] > 0
+    assert split32["ops_per_layer"] > 1.5 * split16["ops_per_layer"] > 1.5 * device["ops_per_layer"]
