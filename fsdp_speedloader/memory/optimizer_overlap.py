@@ -216,10 +216,12 @@ class OverlappedOptimizer(OptimizersContainer):
         self._cond = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
         self._error: Optional[BaseException] = None
-        # Seconds since the last step_stats(): the worker's optimizer arithmetic (norms, clip scaling, steps) and
-        # the main thread's time blocked on it (the next forward's waits, step()'s): what shows of the CPU step.
+        # Running totals, each written by one thread only: the worker's optimizer arithmetic (norms, clip scaling,
+        # steps) and the main thread's time blocked on it (the next forward's waits, step()'s); step_stats()
+        # reports what they grew by since its last call.
         self._busy_s = 0.0
         self._wait_s = 0.0
+        self._reported = (0.0, 0.0)
         self._worker = threading.Thread(target=self._run, name="fsdp_speedloader-optimizer", daemon=True)
         self._worker.start()
         self._engine.grad_ready_hook = self.on_unit_grads_ready
@@ -327,11 +329,12 @@ class OverlappedOptimizer(OptimizersContainer):
         self._wait_s += time.perf_counter() - start
 
     def step_stats(self) -> dict:
-        """Seconds since the last call (then reset): ``optimizer_busy_s``, the worker's optimizer arithmetic, and
+        """Seconds since the last call: ``optimizer_busy_s``, the worker's optimizer arithmetic, and
         ``optimizer_wait_s``, the main thread's time blocked on it (the next forward's waits for deferred steps,
         ``step()``'s wait for the last unit's). Wait near 0 with busy > 0: the CPU step is hidden."""
-        stats = {"optimizer_busy_s": self._busy_s, "optimizer_wait_s": self._wait_s}
-        self._busy_s = self._wait_s = 0.0
+        busy, wait = self._busy_s, self._wait_s
+        stats = {"optimizer_busy_s": busy - self._reported[0], "optimizer_wait_s": wait - self._reported[1]}
+        self._reported = (busy, wait)
         return stats
 
     def wait(self) -> None:
