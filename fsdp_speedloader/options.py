@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 from fsdp_speedloader.validation import check, check_choice
 
 ACTIVATION_STORES = ("auto", "device", "host", "host_sync")
@@ -55,6 +56,15 @@ class SpeedLoaderOptions:
     the GPU from forward to backward, so that their backward skips the recompute (exact). Each costs one
     sub-batch's activations of one unit in GPU memory; 0: every pair is recomputed; more than units x
     num_sub_batches: none is. ``tune`` sizes it to the GPU memory left over."""
+    sdpa_backend: str = "auto"
+    """The one ``scaled_dot_product_attention`` backend the blocks may use in forward and recompute: 'cudnn',
+    'flash', 'efficient', 'math', or 'auto' (PyTorch picks per call)."""
+    liger_kernels: bool = False
+    """Liger's Triton kernels for RMSNorm, the SwiGLU MLP and RoPE (LLaMA-layout families, CUDA, liger-kernel
+    installed: the ``kernels`` extra), bound per module before sharding; the state dict is unchanged."""
+    float8_training: Optional[str] = None
+    """None, or a torchao recipe ('tensorwise', 'rowwise', 'rowwise_with_gw_hp'): the blocks' linears compute
+    in float8 (sm89+, torchao installed: the ``kernels`` extra); weights, transfers and optimizer stay as they are."""
 
     def __post_init__(self) -> None:
         for name, low in (("num_sub_batches", 1), ("blocks_per_unit", 1), ("forward_prefetch", 0),
@@ -63,6 +73,10 @@ class SpeedLoaderOptions:
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
             check(ok, name, f"got {value!r}; it must be an integer >= {low}")
         check_choice(self.activation_store, "activation_store", ACTIVATION_STORES)
+        check_choice(self.sdpa_backend, "sdpa_backend", SDPA_BACKENDS)
+        check(isinstance(self.liger_kernels, bool), "liger_kernels", f"got {self.liger_kernels!r}; pass True or False")
+        if self.float8_training is not None:
+            check_choice(self.float8_training, "float8_training", FLOAT8_RECIPES)
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             check(value is None or isinstance(value, torch.dtype) and value.is_floating_point, name,

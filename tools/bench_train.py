@@ -38,6 +38,10 @@ likewise run the blocks through one ``torch.compile``d forward; ``:root=device``
 norm and LM head of a speedloader contender on the GPU):
   python tools/bench_train.py --model llama2_7b --layers 8 --seq-len 4096 --max-gpu-memory-gib 40 \
       --contender speedloader-overlap:4x2 --contender speedloader-overlap:4x2:transfer=bf16 --steps 3 --warmup 1
+Kernel levers (``fsdp_speedloader.kernels``, every contender but DeepSpeed, recorded per row): ``:sdpa=cudnn`` (or
+flash, efficient, math) pins the blocks' attention backend, ``:liger`` binds Liger's RMSNorm, SwiGLU and RoPE,
+``:fp8`` (or ``:fp8=rowwise``) makes the blocks' linears torchao float8 (MFU stays against the bf16 peak);
+tools/bench_kernels.sh runs the table of issue 22 with them.
 The speedloader contenders are built from one ``SpeedLoaderOptions``; the FSDP2 contenders are the trainer's
 canonical schedule (``fsdp_speedloader.app.trainer.apply_schedule``), and their step is the trainer's own
 (``fsdp_speedloader.app.trainer.canonical_forward_backward``).
@@ -194,21 +198,32 @@ class Contender(NamedTuple):
     root_on_device: bool
     cap: Optional[str] = None  # its own GPU cap: GiB, or 'none' (uncapped); None: --max-gpu-memory-gib
     keep: int = 0  # speedloader: keep_activations, (unit, sub-batch) pairs that skip the recompute
+    sdpa: str = "auto"  # the blocks' scaled_dot_product_attention backend (kernels.sdpa_backend)
+    liger: bool = False  # Liger's RMSNorm, SwiGLU and RoPE (kernels.liger_kernels)
+    fp8: Optional[str] = None  # a torchao float8 recipe for the blocks' linears (kernels.float8_training)
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
-    """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K]' -> a ``Contender``.
+    """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K][:sdpa=B][:liger]
+    [:fp8[=RECIPE]]' -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
     (speedloader contenders): the embeddings, final norm and LM head keep their states on the GPU. ``cap``
     (every contender): its own GPU-memory cap in GiB, or none, instead of ``--max-gpu-memory-gib``. ``keep``
-    (speedloader contenders): ``keep_activations``, pairs whose backward skips the recompute."""
+    (speedloader contenders): ``keep_activations``, pairs whose backward skips the recompute. The kernel levers
+    (every contender but DeepSpeed; ``fsdp_speedloader.kernels``): ``sdpa`` the attention backend (auto, cudnn,
+    flash, efficient, math), ``liger`` Liger's kernels, ``fp8`` torchao float8 linears (tensorwise unless a recipe
+    is named)."""
+    from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
+
     name, shape, *options = spec.split(":")
     transfer = default_transfer if name.startswith("speedloader") else None
     compiled = default_compile and name != "deepspeed-offload"
     root_on_device = False
     cap = None
     keep = 0
+    sdpa, liger, fp8 = "auto", False, None
+    kernels_ok = name != "deepspeed-offload"
     for option in options:
         key, _, value = option.partition("=")
         if key in ("compile", "eager") and not value and name != "deepspeed-offload":
@@ -221,12 +236,19 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             cap = value
         elif key == "keep" and value.isdigit() and name.startswith("speedloader"):
             keep = int(value)
+        elif key == "sdpa" and value in SDPA_BACKENDS and kernels_ok:
+            sdpa = value
+        elif key == "liger" and not value and kernels_ok:
+            liger = True
+        elif key == "fp8" and (not value or value in FLOAT8_RECIPES) and kernels_ok:
+            fp8 = value or "tensorwise"
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
                              "(speedloader contenders), ':compile' or ':eager' (every contender but "
-                             "deepspeed-offload), ':cap=GiB|none' (every contender) and ':keep=K' (speedloader "
-                             "contenders: keep_activations)")
-    return Contender(name, shape, transfer, compiled, root_on_device, cap, keep)
+                             "deepspeed-offload), ':cap=GiB|none' (every contender), ':keep=K' (speedloader "
+                             f"contenders: keep_activations), ':sdpa={'|'.join(SDPA_BACKENDS)}', ':liger' and "
+                             f"':fp8[={'|'.join(FLOAT8_RECIPES)}]' (every contender but deepspeed-offload)")
+    return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8)
 
 
 def _positive_float(text: str) -> bool:
@@ -243,18 +265,20 @@ def gpu_cap_gib(contender: Contender, default: Optional[float]) -> Optional[floa
     return None if contender.cap == "none" else float(contender.cap)
 
 
-def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, num_sub: int, compiled: bool):
+def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, num_sub: int, compiled: bool,
+                           kernels=None):
     """An FSDP2 contender as the trainer's canonical schedule (``apply_schedule`` shards by it): gradient
     accumulation over ``num_sub`` micro-batches, every block recomputed, one FSDP unit per block;
     ``fsdp2-offload`` reduce-scatters after the last micro-batch only, ``fsdp2-offload-rs`` and ``ondevice``
     after every one."""
-    from fsdp_speedloader.app.config import DataConfig, OffloadConfig, ScheduleConfig, TrainConfig
+    from fsdp_speedloader.app.config import DataConfig, KernelsConfig, OffloadConfig, ScheduleConfig, TrainConfig
 
     schedule = ScheduleConfig(name="canonical", sub_batch_size=sub_batch, num_sub_batches=num_sub,
                               activation_checkpointing=True, forward_prefetch=args.prefetch, compile_blocks=compiled,
                               gradient_sync="last" if name == "fsdp2-offload" else "every")
     return TrainConfig(model=model_config(args), data=DataConfig(seq_len=args.seq_len), schedule=schedule,
-                       offload=OffloadConfig(params=name != "ondevice"), device=args.device, param_dtype="bfloat16")
+                       offload=OffloadConfig(params=name != "ondevice"), kernels=kernels or KernelsConfig(),
+                       device=args.device, param_dtype="bfloat16")
 
 
 def run_worker(args: argparse.Namespace) -> dict:
@@ -263,6 +287,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     from fsdp_speedloader import SpeedLoaderOptions, apply_speedloader, fsdp2, speedloader_engine
+    from fsdp_speedloader.app.config import KernelsConfig
     from fsdp_speedloader.app.trainer import apply_schedule, canonical_forward_backward, num_label_tokens
     from fsdp_speedloader.models import build_model, get_adapter, materialize_model
     from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
@@ -289,17 +314,20 @@ def run_worker(args: argparse.Namespace) -> dict:
     offload = name != "ondevice"
     layer_major = name.startswith("speedloader")
     mesh = build_mesh(args.device)
-    gradient_sync = None
+    gradient_sync, scope = None, None
     if layer_major:
         options = SpeedLoaderOptions(
             num_sub_batches=num_sub, activation_store=args.activation_store, offload_params=True,
             param_dtype=torch.bfloat16, forward_prefetch=args.prefetch,
             param_transfer_dtype=torch.bfloat16 if transfer == "bf16" else None, compile_blocks=compiled,
-            offload_root=not root_on_device, keep_activations=contender.keep)
+            offload_root=not root_on_device, keep_activations=contender.keep, sdpa_backend=contender.sdpa,
+            liger_kernels=contender.liger, float8_training=contender.fp8)
         apply_speedloader(model, options, mesh=mesh)
     else:
-        train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled)
-        apply_schedule(model, train_cfg, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kernels = KernelsConfig(sdpa_backend=contender.sdpa, liger_kernels=contender.liger,
+                                float8_training=contender.fp8)
+        train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled, kernels)
+        scope = apply_schedule(model, train_cfg, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         gradient_sync = train_cfg.schedule.gradient_sync
     # FSDP units besides the root: each holds whole blocks (a mixture of experts' block with all its experts).
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
@@ -328,7 +356,7 @@ def run_worker(args: argparse.Namespace) -> dict:
             loss.backward()
             return loss.detach()
         return canonical_forward_backward(model, input_ids, input_ids, sub_batch_size=sub_batch,
-                                          num_tokens=num_tokens, gradient_sync=gradient_sync)
+                                          num_tokens=num_tokens, gradient_sync=gradient_sync, scope=scope)
 
     def optimizer_step() -> None:
         optim.step()
@@ -344,6 +372,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         "contender": name, "contender_spec": args.worker, "param_transfer_dtype": transfer, "compiled": compiled,
         "root_on_device": root_on_device, "sub_batch_size": sub_batch, "num_sub_batches": num_sub,
         "max_gpu_memory_gib": cap, "experts_implementation": experts,
+        "sdpa_backend": contender.sdpa, "liger_kernels": contender.liger, "float8_training": contender.fp8,
         "num_fsdp_units": len(units), "blocks_per_fsdp_unit": blocks_per_fsdp_unit,
         **step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
                        flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops,
@@ -440,6 +469,9 @@ def main() -> None:
             cap = r.get("max_gpu_memory_gib", args.max_gpu_memory_gib)
             label = (r["contender"] + (f" ({transfer} transfer)" if transfer else "")
                      + (" compiled" if r.get("compiled") else "") + (", root on GPU" if r.get("root_on_device") else "")
+                     + (f", sdpa={r['sdpa_backend']}" if r.get("sdpa_backend", "auto") != "auto" else "")
+                     + (", liger" if r.get("liger_kernels") else "")
+                     + (f", fp8 {r['float8_training']}" if r.get("float8_training") else "")
                      + (f", cap {cap:g} GiB" if cap != args.max_gpu_memory_gib and cap else "")
                      + (", uncapped" if args.max_gpu_memory_gib and not cap else ""))
             print(f"| {label} | {r['sub_batch_size']}x{r['num_sub_batches']} | {r['tokens_per_s_fwd_bwd']:.0f} "

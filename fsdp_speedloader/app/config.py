@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 from fsdp_speedloader.models.config import ModelConfig
 from fsdp_speedloader.validation import check, check_choice, check_positive, dataclass_from_dict
 
@@ -161,6 +162,25 @@ class ScheduleConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """Opt-in kernel levers of the training step (both schedules; docs/configuration.md, docs/design.md)."""
+
+    sdpa_backend: str = "auto"
+    """The one scaled_dot_product_attention backend of the blocks, forward and recompute: 'cudnn', 'flash',
+    'efficient', 'math', or 'auto' (PyTorch picks per call)."""
+    liger_kernels: bool = False
+    """Liger's Triton RMSNorm, SwiGLU and RoPE, bound per module (LLaMA-layout families, CUDA, the kernels extra)."""
+    float8_training: Optional[str] = None
+    """null, or a torchao float8 recipe for the blocks' linears: 'tensorwise', 'rowwise' or 'rowwise_with_gw_hp'
+    (sm89+ GPU, the kernels extra; best with schedule.compile_blocks=true)."""
+
+    def __post_init__(self) -> None:
+        check_choice(self.sdpa_backend, "kernels.sdpa_backend", SDPA_BACKENDS)
+        if self.float8_training is not None:
+            check_choice(self.float8_training, "kernels.float8_training", FLOAT8_RECIPES)
+
+
+@dataclass
 class OffloadConfig:
     """What lives in host memory."""
 
@@ -245,6 +265,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     steps: int = 200

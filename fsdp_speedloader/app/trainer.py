@@ -27,6 +27,7 @@ Library code: no Hydra, no W&B (``logger.build_logger`` imports W&B only when as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -50,6 +51,7 @@ from fsdp_speedloader.app.launch import TrainingInterrupted, UserError, check_wr
 from fsdp_speedloader.app.launch import rank as launch_rank
 from fsdp_speedloader.app.logger import MetricLogger, StepProgress, build_logger, check_wandb_credentials, \
     progress_bar_enabled
+from fsdp_speedloader.kernels import KernelScope, apply_kernels
 from fsdp_speedloader.app.metrics import StepMetrics, num_block_params, recompute_flops_per_token
 from fsdp_speedloader.models import build_hf_config, build_model, get_adapter, materialize_model
 from fsdp_speedloader.app.optim import build_lr_scheduler, build_optimizer
@@ -79,17 +81,22 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *, param_dtype: torch.dtype,
-                   reduce_dtype: torch.dtype) -> None:
-    """Shards the (meta) ``model`` in place for ``cfg.schedule.name``.
+                   reduce_dtype: torch.dtype) -> KernelScope:
+    """Shards the (meta) ``model`` in place for ``cfg.schedule.name``; returns the scope the canonical step enters
+    (``canonical_forward_backward``'s ``scope``: the SDPA backend, Liger's RoPE).
 
-    canonical: optional per-block activation checkpointing, FSDP2 units of ``blocks_per_unit`` blocks,
-    forward prefetch, optionally compiled blocks. speedloader: ``apply_speedloader`` (which shards the same units itself).
+    canonical: ``cfg.kernels`` applied, optional per-block activation checkpointing, FSDP2 units of
+    ``blocks_per_unit`` blocks, forward prefetch, optionally compiled blocks. speedloader: ``apply_speedloader``
+    (which applies the kernels and shards the same units itself; its units enter the scope).
     """
     sched = cfg.schedule
     if sched.name == "speedloader":
         apply_speedloader(model, speedloader_options(cfg, param_dtype=param_dtype, reduce_dtype=reduce_dtype),
                           mesh=mesh)
-        return
+        return contextlib.nullcontext
+    kernels = cfg.kernels
+    scope = apply_kernels(model, get_adapter(model).blocks, device_type=mesh.device_type, sdpa=kernels.sdpa_backend,
+                          liger_kernels=kernels.liger_kernels, float8_training=kernels.float8_training)
     if sched.activation_checkpointing:  # before sharding: FSDP's hooks then sit inside the checkpoint
         enable_activation_checkpointing(model)
     if sched.compile_blocks:  # lazy; before sharding, so a refusal leaves the model untouched
@@ -100,6 +107,7 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
                                        offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory,
                                        offload_root=cfg.offload.root)
     parallel.set_forward_prefetch(model, unit_modules, sched.forward_prefetch)
+    return scope
 
 
 def check_host_memory_plan(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *,
@@ -143,18 +151,21 @@ def num_label_tokens(labels: torch.Tensor) -> int:
 
 
 def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
-                               sub_batch_size: int, num_tokens: int, gradient_sync: str = "every") -> torch.Tensor:
+                               sub_batch_size: int, num_tokens: int, gradient_sync: str = "every",
+                               scope: KernelScope = contextlib.nullcontext) -> torch.Tensor:
     """The canonical schedule's step (FSDP2 gradient accumulation): one forward and backward per micro-batch of
     ``sub_batch_size``; returns the effective-batch mean loss, detached. ``gradient_sync='last'`` reduce-scatters
-    only after the last micro-batch (unsharded gradients accumulate on the device meanwhile)."""
+    only after the last micro-batch (unsharded gradients accumulate on the device meanwhile). ``scope``
+    (``apply_schedule``'s) covers the backward too: activation checkpointing recomputes the blocks there."""
     total = torch.zeros((), device=input_ids.device)
     micro_batches = list(zip(input_ids.split(sub_batch_size), labels.split(sub_batch_size)))
     for k, (ids, lab) in enumerate(micro_batches):
         if gradient_sync == "last":  # no reduce-scatter until the last micro-batch's backward
             model.set_requires_gradient_sync(k == len(micro_batches) - 1)
         # Token sum / T of the whole batch: the micro-batch losses add up to the batch mean.
-        loss = model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False).loss
-        loss.backward()
+        with scope():
+            loss = model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False).loss
+            loss.backward()
         total += loss.detach()
     return total
 
@@ -233,7 +244,7 @@ class Trainer:
             num_block_params=num_block_params(self.adapter.blocks), num_layers=len(self.adapter.blocks),
             hidden_size=model.config.hidden_size, seq_len=cfg.data.seq_len) if recompute else 0.0
         self.num_params = sum(p.numel() for p in model.parameters())
-        apply_schedule(model, cfg, self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        self.kernel_scope = apply_schedule(model, cfg, self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         check_host_memory_plan(model, cfg, self.mesh, param_dtype=param_dtype)  # before the shards take host memory
         param_device = torch.device("cpu") if cfg.offload.params else self.device
         materialize_model(model, cfg.model, device=self.device, seed=cfg.seed, param_device=param_device)
@@ -296,7 +307,8 @@ class Trainer:
             loss.backward()
             return loss.detach()
         return canonical_forward_backward(self.model, input_ids, labels, sub_batch_size=sched.sub_batch_size,
-                                          num_tokens=num_tokens, gradient_sync=sched.gradient_sync)
+                                          num_tokens=num_tokens, gradient_sync=sched.gradient_sync,
+                                          scope=self.kernel_scope)
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics (the loss averaged over ranks)."""

@@ -114,10 +114,13 @@ def kept_pairs(num_units: int, num_sub_batches: int, count: int) -> frozenset[tu
 
 @dataclass(eq=False)
 class Unit:
-    """``blocks_per_unit`` consecutive blocks: one FSDP group, one chain step. ``index`` is 1-based."""
+    """``blocks_per_unit`` consecutive blocks: one FSDP group, one chain step. ``index`` is 1-based. ``scope``: what
+    every run of its blocks enters, the forward's and the recompute's alike (``kernels.kernel_scope``: the SDPA
+    backend, Liger's RoPE)."""
 
     index: int
     blocks: Sequence[nn.Module]
+    scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     @functools.cached_property
     def fsdp_params(self) -> list:
@@ -125,8 +128,9 @@ class Unit:
 
     def forward(self, adapter: ModelAdapter, x: torch.Tensor, inputs: BlockInputs, *, compiled: bool = False
                 ) -> torch.Tensor:
-        for block in self.blocks:
-            x = adapter.run_block(block, x, inputs, compiled=compiled)
+        with self.scope():
+            for block in self.blocks:
+                x = adapter.run_block(block, x, inputs, compiled=compiled)
         return x
 
 

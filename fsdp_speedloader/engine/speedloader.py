@@ -22,6 +22,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from fsdp_speedloader.engine.activation_store import ActivationStore, ExchangeActivationStore, build_activation_store
 from fsdp_speedloader.engine.chain import EmbedFunction, HeadLossFunction, TrainStepState, Unit, UnitFunction, num_label_tokens, shift_labels
 from fsdp_speedloader.engine.router_loss import RouterLoss
+from fsdp_speedloader.kernels import apply_kernels
 from fsdp_speedloader.fsdp2 import check_torch_version, enable_single_rank_prefetch, fast_path_stats, fsdp_params_of, \
     refresh_param_transfer, require_fsdp2_internals
 from fsdp_speedloader.models import ModelAdapter, get_adapter
@@ -196,6 +197,9 @@ def apply_speedloader(model: nn.Module, options: Optional[SpeedLoaderOptions] = 
         check_mesh(mesh)
     if speedloader_engine(model, missing_ok=True) is not None:
         raise ValueError("apply_speedloader was already applied to this model")
+    # Before sharding, so FSDP2 wraps the modules that will run; its checks fail before anything changed.
+    scope = apply_kernels(model, adapter.blocks, device_type=mesh.device_type, sdpa=options.sdpa_backend,
+                          liger_kernels=options.liger_kernels, float8_training=options.float8_training)
 
     blocks = list(adapter.blocks)
     groups = [blocks[i : i + options.blocks_per_unit] for i in range(0, len(blocks), options.blocks_per_unit)]
@@ -212,7 +216,7 @@ def apply_speedloader(model: nn.Module, options: Optional[SpeedLoaderOptions] = 
         enable_single_rank_prefetch(unit_modules)
     units = []
     for index, (module, group) in enumerate(zip(unit_modules, groups), start=1):
-        unit = Unit(index=index, blocks=group)
+        unit = Unit(index=index, blocks=group, scope=scope)
         setattr(module, _UNIT_METHOD, functools.partial(_unit_call, unit))
         register_fsdp_forward_method(module, _UNIT_METHOD)
         units.append((module, unit))
