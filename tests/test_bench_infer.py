@@ -65,7 +65,7 @@ def test_where_time_goes_merges_the_gpu_intervals_and_ranks_kernels_and_host_ops
 
 def test_count_decode_ops_counts_every_group_of_a_split_cache():
     """tools/count_decode_ops.py: with the cache on the device a decoding step runs the whole batch through a
-    layer at once; with a split cache each host sub-batch is a group of its own, so its ops per layer grow with N."""
+    layer at once; with a split cache each sub-batch is a group of its own, so its ops per layer grow with N."""
     import count_decode_ops
 
     from fsdp_speedloader.parallel import maybe_init_process_group

@@ -280,25 +280,6 @@ def test_split_kv_copies_only_the_host_sub_batches():
     assert len(set(per_position.values())) == 1, per_position  # the bytes scale with the host sub-batches only
 
 
-@pytest.mark.parametrize("kv_cache, on_device, groups", [("split", 3, 2), ("split", 1, 4), ("host", None, 4),
-                                                        ("device", None, 1)])
-def test_a_decoding_step_runs_the_device_cached_sub_batches_as_one_group(kv_cache, on_device, groups):
-    """Decoder-layer calls per decoding step: one per host sub-batch and one for all the sub-batches whose cache
-    is on the device (the whole batch with kv_cache='device'); the prefill runs each sub-batch on its own."""
-    ids, mask = _prompts(4, seed=11)
-    model = _prepared("llama", 4)
-    unit, calls = speedloader_engine(model).units[0][1], []
-    forward = unit.forward
-    unit.forward = lambda adapter, x, inputs: (calls.append(x.shape[0]), forward(adapter, x, inputs))[1]
-    try:
-        generate(model, ids, mask, max_new_tokens=NEW, num_sub_batches=4, kv_cache=kv_cache,
-                 kv_device_sub_batches=on_device)
-    finally:
-        del unit.forward
-    assert len(calls) == 4 + groups * (NEW - 1), calls
-    assert sum(calls[-groups:]) == 4  # the last step's groups cover the batch (one sequence per sub-batch)
-
-
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_cpu_attention_sub_batches_attend_next_to_the_host_cache(family):
     """The first C host sub-batches attend on the host (their cache handed to attention where it is):

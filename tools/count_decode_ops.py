@@ -3,10 +3,10 @@
 A GPU decoding step of many small groups is bound by what the host issues per group, not by FLOPs or bytes: every
 op that launches a kernel costs microseconds of host time. This counts the ``aten::`` ops of a decoding step
 (the profiler's events of a 4-token generation minus a 2-token one, halved) for a tiny LLaMA (4 layers, hidden
-128, 64 sequences in ``--num-sub-batches`` sub-batches) under each configuration, per layer. A decoding step runs
-each group of ``KVCache.decode_groups`` through a layer in one call: the whole batch with the cache on the
-device, each host sub-batch on its own and the device-cached ones together with a split cache. The counts do not
-depend on the model's size, so they carry over to a 70B decode of the same schedule. ::
+128, 64 sequences in ``--num-sub-batches`` sub-batches) under each configuration, per layer. With the whole cache
+on the device a decoding step runs the whole batch through each layer as one group (``whole_batch_decode``);
+otherwise each sub-batch is a group of its own. The counts do not depend on the model's size, so they carry over
+to a 70B decode of the same schedule. ::
 
     python tools/count_decode_ops.py --out bench/results/decode_ops_per_layer.json
 

@@ -370,11 +370,11 @@ def _step_state(run: GenerationRun, prompts: _Prompts, new_tokens: list[torch.Te
         past, ids = prompt_len + step - 1, new_tokens[-1][:, None]
         step_pos = positions[:, -1:] + step
     step_mask = None if mask is None else torch.cat([mask, torch.ones(batch, step, dtype=mask.dtype)], 1)
-    # Host overhead, not the weights, bounds a decoding step (a decoder-layer call per layer and group): the
-    # sub-batches whose cache is on the device need no fetch of their own and the step's activations are one
-    # token per sequence, so they run through each unit as ONE group (all of them with the whole cache there).
-    groups = run.kv.decode_groups() if past > 0 and run.kv is not None else [1] * run.num_sub_batches
-    return GenerationStepState(run=run, input_ids=list(ids.split([g * run.sub_batch_size for g in groups])),
+    # Host overhead, not the weights, bounds a decoding step (a decoder-layer call per layer and group): with
+    # the KV cache on the device, nothing is fetched per sub-batch, and the step's activations are one token
+    # per sequence, so each unit runs ONCE on the whole batch.
+    whole_batch = past > 0 and run.kv is not None and run.kv.whole_batch_decode
+    return GenerationStepState(run=run, input_ids=list(ids.split(batch if whole_batch else run.sub_batch_size)),
                                mask=step_mask, positions=step_pos, past=past)
 
 

@@ -21,7 +21,7 @@ Modes:
   so the layout only has to let attention read any group of rows as a view. ``update`` writes the new
   positions in place and hands the attention views of ``kv[l, :past + q, :, rows]``. Rows of the whole
   batch are one view too, which lets a decoding step run each unit once on all N sub-batches
-  (``decode_groups``: one decoder-layer call per layer instead of N).
+  (``whole_batch_decode``: one decoder-layer call per layer instead of N).
 - ``SplitKVCache``: the last D sub-batches' cache on the device, the first N - D sub-batches' in the
   host arena (a ``HostKVCache`` and a ``DeviceKVCache`` of their own sub-batches). Each step copies
   only the host part: when the batch outgrows the GPU, the sequences that still fit there cost no link
@@ -96,11 +96,8 @@ class KVCache(ABC):
     attention calls ``update`` through ``view(i)``; ``end_step()``.
     """
 
-    def decode_groups(self) -> list[int]:
-        """Sub-batches per group of a decoding step, in order: each group runs through a layer in one call, and
-        ``view(g)`` of group ``g`` covers its rows. A decoding step is bound by the host's ops per (layer, group)
-        (docs/generation.md), so caches whose sub-batches can share a call say so. Here: one group each."""
-        return [1] * self.layout.num_sub_batches
+    #: A decoding step may run all sub-batches as one group (``view(0)`` then covers the whole batch).
+    whole_batch_decode = False
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         self.layout = layout
@@ -155,11 +152,10 @@ class DeviceKVCache(KVCache):
     """The whole cache on the compute device: no copies.
 
     ``update(i, ...)`` with keys of ``k`` sequences addresses rows ``i*k .. (i+1)*k`` of the batch: sub-batch
-    ``i`` when ``k = n``, the whole batch when ``i = 0, k = N x n`` (``decode_groups``).
+    ``i`` when ``k = n``, the whole batch when ``i = 0, k = N x n`` (``whole_batch_decode``).
     """
 
-    def decode_groups(self) -> list[int]:
-        return [self.layout.num_sub_batches]  # every row is one view: the whole batch in one call
+    whole_batch_decode = True
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         super().__init__(layout, device)
@@ -397,11 +393,6 @@ class SplitKVCache(KVCache):
 
     def _part(self, i: int) -> tuple[KVCache, int]:
         return (self.on_host, i) if i < self.num_host else (self.on_device, i - self.num_host)
-
-    def decode_groups(self) -> list[int]:
-        # The host sub-batches one by one (each fetches or attends on its own), then the device ones as one group:
-        # group num_host is the device part's whole batch (its view 0 of D x n rows).
-        return [*self.on_host.decode_groups(), self.num_device]
 
     def begin_step(self, past: int, query: int) -> None:
         super().begin_step(past, query)

@@ -69,9 +69,8 @@ class GenerationStepState:
     containers and dataclasses it finds in forward arguments (on CUDA the root's call copies them
     to the device), which would lose ``logits`` written into the copy. ``past`` positions are
     cached; this step adds ``input_ids[i].shape[1]``. ``input_ids`` has one entry per group that runs
-    through a unit in one call: the N sub-batches, or in a decoding step the cache's groups
-    (``KVCache.decode_groups``: the whole batch with the cache on the device, the device part as one group
-    with a split cache).
+    through a unit in one call: the N sub-batches, or one (the whole batch) in a decoding step with the
+    KV cache on the device (``KVCache.whole_batch_decode``).
     """
 
     def __init__(self, *, run: "GenerationRun", input_ids: list[torch.Tensor], mask: Optional[torch.Tensor],
@@ -181,8 +180,7 @@ def root_step(state: GenerationStepState) -> None:
     store.begin_step(2, n_sub, (n, q, h), act_dtype, device)
     if run.kv is not None:
         run.kv.begin_step(state.past, q)
-    state.block_inputs = _step_inputs(run, act_dtype, state.mask, state.positions, state.past,
-                                      [ids.shape[0] for ids in state.input_ids])
+    state.block_inputs = _step_inputs(run, act_dtype, state.mask, state.positions, state.past, n_sub)
     for i in range(n_sub):
         store.put(0, i, adapter.embed(state.input_ids[i], state.block_inputs[i].kwargs["position_ids"]))
     for module, unit in run.units:
@@ -282,11 +280,11 @@ def _rotary_takes_layer_type(rotary_class: type) -> bool:
 
 
 def _step_inputs(run: GenerationRun, dtype: torch.dtype, mask: Optional[torch.Tensor], positions: torch.Tensor,
-                 past: int, group_rows: list[int]) -> list[BlockInputs]:
-    """Block keyword arguments of every group (``group_rows``: its sequences, in batch order), built once per step:
-    those all layers share, and each layer type's mask and rotary table. ``mask`` (B, past + q) and ``positions``
-    (B, q) on the host."""
-    device, config = run.device, run.adapter.config
+                 past: int, num_groups: int) -> list[BlockInputs]:
+    """Block keyword arguments of every group (sub-batch, or the whole batch), built once per step: those all
+    layers share, and each layer type's mask and rotary table. ``mask`` (B, past + q) and ``positions`` (B, q)
+    on the host."""
+    n, device, config = positions.shape[0] // num_groups, run.device, run.adapter.config
     first_layer = {}  # layer type -> a layer of that type: the cache reports its mask sizes
     for layer, layer_type in enumerate(run.layer_types):
         first_layer.setdefault(layer_type, layer)
@@ -294,9 +292,8 @@ def _step_inputs(run: GenerationRun, dtype: torch.dtype, mask: Optional[torch.Te
     rotary_by_type = rotary is not None and _rotary_takes_layer_type(type(rotary))
     like = torch.empty((), dtype=dtype, device=device)  # the rotary modules read only its dtype and device
     out = []
-    start = 0
-    for i, num_rows in enumerate(group_rows):
-        rows, start = slice(start, start + num_rows), start + num_rows
+    for i in range(num_groups):
+        rows = slice(i * n, (i + 1) * n)
         pos = positions[rows]
         sub_mask = None if mask is None else mask[rows]
         by_type = {}
