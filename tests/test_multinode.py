@@ -268,3 +268,22 @@ def test_bench_scale_runs_cases_and_records_them_on_cpu(tmp_path):
         has_matplotlib = False
     assert (tmp_path / "results" / "smoke.png").is_file() == has_matplotlib
     assert has_matplotlib or "pip install matplotlib" in proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_scale_real_workers_on_cpu(tmp_path):
+    """bench_train's real workers under real torchrun on the CPU (gloo), 1 and 2 ranks: ``--device`` reaches the
+    workers, and the overlapped optimizer's contender runs at world size 2 as the weak-scaling run asks."""
+    cmd = [sys.executable, str(TOOLS / "bench_scale.py"), "--device", "cpu", "--model", "llama_tiny", "--layers", "2",
+           "--seq-len", "64", "--shape", "1x2", "--gpus", "1,2", "--ethernet", "", "--contenders",
+           "speedloader-overlap", "--steps", "2", "--warmup", "1", "--threads-per-rank", "1",
+           "--out-dir", str(tmp_path / "results"), "--name", "real", "--budget-s", "400"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, tail(proc.stdout + proc.stderr)
+    import json
+
+    record = json.loads((tmp_path / "results" / "real.json").read_text())
+    runs = {r["case"]: r for r in record["results"]}
+    assert [runs[c]["status"] for c in ("1gpu", "2gpu")] == ["ok", "ok"], tail(proc.stdout)
+    assert [runs[c]["world_size"] for c in ("1gpu", "2gpu")] == [1, 2] and len(runs["2gpu"]["ranks"]) == 2
+    assert all(r["contender"] == "speedloader-overlap" for r in runs["2gpu"]["ranks"])

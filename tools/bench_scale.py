@@ -12,7 +12,8 @@ per-GPU tokens/s stays flat under perfect weak scaling. Cases (each contender ru
 Contenders: tools/bench_train.py's workers, launched unchanged under torchrun (its ``--worker`` CLI;
 one RESULT line per rank, kept apart with torchrun's ``--log-dir``): ``speedloader``, ``fsdp2-offload``
 and ``deepspeed-offload`` (ZeRO-3, parameters and DeepSpeedCPUAdam on the host, micro-batch n, N
-accumulation steps; tools/bench_deepspeed.py), the last only when deepspeed is installed. A contender
+accumulation steps; tools/bench_deepspeed.py), the last only when deepspeed is installed; on request also
+``speedloader-overlap`` (each unit's CPU AdamW step overlapped with the backward). A contender
 may carry bench_train's options after its name (``speedloader:compile:root=device``,
 ``fsdp2-offload:compile``); the targets compare each contender's fastest variant.
 Every rank gets the same number of CPU threads (``--threads-per-rank``, default cores / largest
@@ -56,7 +57,9 @@ from bench_train import parse_contender  # noqa: E402
 REPO = harness.REPO
 
 BENCH_TRAIN = TOOLS / "bench_train.py"
-CONTENDERS = ("speedloader", "fsdp2-offload", "deepspeed-offload")
+CONTENDERS = ("speedloader", "fsdp2-offload", "deepspeed-offload")  # the default set
+# Also accepted: the layer-major engine with each unit's CPU optimizer step overlapped with the backward.
+MORE_CONTENDERS = ("speedloader-overlap",)
 CASE_ORDER = ("1gpu", "4gpu", "2x2-ethernet", "2gpu")  # the priority within a contender
 MIN_RUN_S = 60.0  # a run is not started with less budget than this left
 
@@ -65,6 +68,12 @@ def split_contender(spec: str) -> tuple[str, str]:
     """'NAME[:option...]' -> (NAME, ':option...'): bench_train's options, which follow the shape there."""
     name, _, options = spec.partition(":")
     return name, f":{options}" if options else ""
+
+
+def family(spec: str) -> str:
+    """'speedloader' for every layer-major contender (plain or overlapped), else the contender's name."""
+    name = split_contender(spec)[0]
+    return "speedloader" if name.startswith("speedloader") else name
 
 
 def contender_shape(spec: str, shape: str) -> tuple[str, str]:
@@ -126,7 +135,7 @@ def worker_args(args: argparse.Namespace, contender: str) -> list[str]:
     return [str(args.worker_script or BENCH_TRAIN), "--worker", worker_spec(contender, args.shape), "--model", args.model,
             "--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops), "--prefetch", str(args.prefetch),
-            "--activation-store", args.activation_store,
+            "--activation-store", args.activation_store, "--device", args.device,
             *(["--max-gpu-memory-gib", str(args.max_gpu_memory_gib)] if args.max_gpu_memory_gib else [])]
 
 
@@ -233,7 +242,7 @@ def targets(results: Sequence[dict]) -> dict:
             four["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"] if one and four else None)
     fastest: dict = {}
     for (contender, case), r in ok.items():
-        name = split_contender(contender)[0]
+        name = family(contender)
         if case.endswith("-ethernet") and (name not in fastest or r["tokens_per_s"] > fastest[name]["tokens_per_s"]):
             fastest[name] = r
     out["ethernet_variants"] = {name: r["contender"] for name, r in fastest.items()}
@@ -245,7 +254,7 @@ def targets(results: Sequence[dict]) -> dict:
         # Against every variant too (e.g. each micro-batch of the same effective batch), not only the fastest.
         out["ethernet_speedloader_over_each"] = {
             contender: best / r["tokens_per_s"] for (contender, case), r in ok.items()
-            if case.endswith("-ethernet") and split_contender(contender)[0] != "speedloader"}
+            if case.endswith("-ethernet") and family(contender) != "speedloader"}
     out["goals"] = {"weak_scaling_per_gpu_4_over_1 (speedloader)": ">= 1.0",
                     "ethernet_speedloader_over fsdp2-offload": ">= 5", "ethernet_speedloader_over deepspeed-offload": ">= 3"}
     return out
@@ -299,7 +308,7 @@ def plot(record: dict, path: Path) -> Optional[Path]:
     if eth:  # one horizontal bar per run: any number of variants stays readable; failed runs named, not drawn
         right = axes.pop(0)
         base = max((r["tokens_per_s"] for r in eth if r.get("status") == "ok"
-                    and split_contender(r["contender"])[0] == "speedloader"), default=None)
+                    and family(r["contender"]) == "speedloader"), default=None)
         names = list(dict.fromkeys(split_contender(r["contender"])[0] for r in eth))
         rows = eth[::-1]  # the first run on top
         values = [r["tokens_per_s_per_gpu"] if r.get("status") == "ok" else 0.0 for r in rows]
@@ -311,7 +320,7 @@ def plot(record: dict, path: Path) -> Optional[Path]:
                 text = f" {r.get('status')}"
             else:
                 text = f" {value:,.0f}"
-                if base and split_contender(r["contender"])[0] != "speedloader":
+                if base and family(r["contender"]) != "speedloader":
                     text += f"  (speedloader {base / r['tokens_per_s']:.2f}x)"
             right.annotate(text, (value, y), va="center", fontsize=7)
         right.set_xlim(0, 1.45 * max(values + [1.0]))
@@ -385,9 +394,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
     contenders = [c for c in args.contenders.split(",") if c]
-    unknown = sorted({split_contender(c)[0] for c in contenders} - set(CONTENDERS))
+    unknown = sorted({split_contender(c)[0] for c in contenders} - {*CONTENDERS, *MORE_CONTENDERS})
     if unknown:
-        parser.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
+        parser.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS + MORE_CONTENDERS)}")
     for contender in contenders:  # the shape's and bench_train's own checks of the options, before any launch
         try:
             parse_contender(worker_spec(contender, args.shape), None)
