@@ -154,3 +154,35 @@ def test_int8_states_resume_exactly_at_world_size_2(tmp_path):
     for uninterrupted, resumed, out in run_distributed(_resume_2_ranks, 2, str(tmp_path)):
         assert [m["loss"] for m in resumed] == [m["loss"] for m in uninterrupted[2:]]
         assert out["same_params"]
+
+
+# --- on the GPU: offloaded shards on a CUDA mesh ------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("root_on_device", [False, True])
+def test_compressed_states_stay_with_offloaded_shards_on_a_cuda_mesh(tmp_path, state_dtype, root_on_device):
+    """FSDP2 keeps an offloaded shard as a DTensor of a CUDA mesh whose local tensor is on the CPU; every moment
+    and int8 scale must live beside it (``DTensor.from_local`` would move a scale to the mesh's device: the int8
+    step then failed mixing devices, found training a 56-layer model with the root on the GPU)."""
+    from fsdp_speedloader.parallel import maybe_init_process_group
+
+    maybe_init_process_group("cuda")
+    cfg = tiny_config(tmp_path, device="cuda", steps=3, schedule={"name": "speedloader"},
+                      offload={"params": True, "root": not root_on_device},
+                      optim={"state_dtype": state_dtype, "overlap_with_backward": True, "grad_clip": 0.0})
+    trainer = Trainer(cfg)
+    losses = [m["loss"] for m in trainer.train()]
+    assert all(math.isfinite(x) for x in losses)
+    checked = 0
+    for opt in trainer.optimizer:
+        for p, state in opt.state.items():
+            where = p.to_local().device if hasattr(p, "to_local") else p.device
+            for key, value in state.items():
+                if key != "step":
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    assert local.device == where, (key, local.device, where)
+                    checked += 1
+    assert checked > 0

@@ -66,9 +66,12 @@ def _scales_like(p: torch.Tensor, blocks: int) -> torch.Tensor:
     ``p`` is one (every rank holds the same count, sized for the largest shard, so the global shape is even)."""
     if isinstance(p, DTensor):
         shards = math.prod(p.device_mesh.size(d) for d, pl in enumerate(p.placements) if pl.is_shard())
-        local = torch.zeros(blocks, dtype=torch.float32, device=p.to_local().device)
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                  shape=torch.Size([blocks * shards]), stride=(1,))
+        device = p.to_local().device
+        scales = DTensor.from_local(torch.zeros(blocks, dtype=torch.float32, device=device), p.device_mesh,
+                                    p.placements, run_check=False, shape=torch.Size([blocks * shards]), stride=(1,))
+        # from_local moves the local tensor to the mesh's device type: an offloaded shard's scales (a CUDA mesh,
+        # the shard on the CPU) go back to where the shard and its codes are, as FSDP2 keeps offloaded shards.
+        return scales if scales.to_local().device == device else scales.to(device)
     return torch.zeros(blocks, dtype=torch.float32, device=p.device)
 
 
