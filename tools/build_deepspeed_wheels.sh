@@ -42,7 +42,11 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 
 if ! ls .whl/deepspeed-"$DS_VERSION"-py3-none-any.whl >/dev/null 2>&1; then
   # A throwaway venv that sees this machine's torch (any version >= 2.0, CPU is enough) plus `wheel`.
-  "$PY" -m venv --system-site-packages "$tmp/venv"
+  # (A virtual environment's python does not pass its own packages on: $PY's sys.path is added instead.)
+  "$PY" -c "import torch" || { echo "torch must be importable by $PY to build deepspeed" >&2; exit 1; }
+  "$PY" -m venv "$tmp/venv"
+  "$PY" -c "import site, sys; print('\n'.join(p for p in sys.path if p.endswith('-packages')))" \
+    > "$("$tmp/venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')/outer.pth"
   "$tmp/venv/bin/python" -c "import torch" || { echo "torch must be importable by $PY to build deepspeed" >&2; exit 1; }
   "$tmp/venv/bin/python" -c "import wheel" 2>/dev/null || "$tmp/venv/bin/python" -m pip install -q wheel
   "$tmp/venv/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$tmp/sdist" "deepspeed==$DS_VERSION"
