@@ -127,6 +127,22 @@ def test_a_contender_may_have_its_own_gpu_cap():
             bench_train.parse_contender(bad, None)
 
 
+def test_the_overlapped_contender_may_compress_its_optimizer_states():
+    assert bench_train.parse_contender("speedloader-overlap:2x4:states=int8", None).states == "int8"
+    assert bench_train.parse_contender("speedloader-overlap:2x4", None).states == "fp32"
+    for bad in ("speedloader:2x4:states=bf16", "fsdp2-offload:2x4:states=bf16", "speedloader-overlap:2x4:states=fp8"):
+        with pytest.raises(ValueError, match="states"):
+            bench_train.parse_contender(bad, None)
+
+
+def test_the_trace_timeline_splits_the_step_between_compute_copies_and_the_host():
+    """Intervals in microseconds: compute 0-40 and 60-80, copies 30-70: both 20 us, compute alone 40, copies
+    alone 20, and of a 100 us step 20 us with nothing on the GPU."""
+    t = bench_train.timeline(100e-6, [(0, 40), (60, 80)], [(30, 50), (45, 70)])
+    expected = {"compute_and_copies_s": 20e-6, "compute_only_s": 40e-6, "copies_only_s": 20e-6, "gpu_idle_s": 20e-6}
+    assert t == pytest.approx(expected)
+
+
 def test_a_speedloader_contender_may_keep_activations():
     assert bench_train.parse_contender("speedloader-overlap:1x8:root=device:keep=40", None).keep == 40
     assert bench_train.parse_contender("speedloader:1x8", None).keep == 0
@@ -277,7 +293,8 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
     """Each contender builds the model from the ModelConfig (the family's Hugging Face class), runs the same experts
     kernel, shards one MoE block per FSDP unit, and computes the same loss (same seeded weights, same batch);
     DeepSpeed too where it is installed."""
-    contenders = ["speedloader-overlap:2x2:root=device", "fsdp2-offload:2x2", "ondevice:1x4:cap=none"]
+    contenders = ["speedloader-overlap:2x2:root=device", "speedloader-overlap:2x2:root=device:states=bf16",
+                  "fsdp2-offload:2x2", "ondevice:1x4:cap=none"]
     if importlib.util.find_spec("deepspeed") is not None:
         contenders.append("deepspeed-offload:2x2")
     argv = ["--device", "cpu", "--model", _yaml(tmp_path, "qwen3_moe"), "--layers", "2", "--seq-len", "32", "--steps",
@@ -299,6 +316,11 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
         else:
             assert r["num_fsdp_units"] == 2 and r["blocks_per_fsdp_unit"] == [1]  # one MoE block, all experts, a unit
     assert rows["ondevice:1x4:cap=none"]["max_gpu_memory_gib"] is None
+    for spec, states in (("speedloader-overlap:2x2:root=device", "fp32"),
+                         ("speedloader-overlap:2x2:root=device:states=bf16", "bf16")):
+        assert rows[spec]["optimizer_states"] == states and rows[spec]["optimizer_busy_s"] > 0  # the CPU step ran
+        assert rows[spec]["optimizer_wait_s"] >= 0
+    assert "optimizer_busy_s" not in rows["fsdp2-offload:2x2"]
     first = [r["losses"][0] for r in rows.values()]
     assert max(first) - min(first) < 1e-3 * abs(first[0])
 

@@ -90,14 +90,45 @@ def model_config(args: argparse.Namespace):
     return harness.model_config(args.model, layers=args.layers, min_positions=args.seq_len)
 
 
+def _merged(intervals: list) -> list:
+    """The union of (start_us, end_us) intervals as sorted, disjoint intervals."""
+    out: list = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
 def _union_s(intervals: list) -> float:
     """Seconds covered by the union of (start_us, end_us) intervals."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
+    return sum(b - a for a, b in _merged(intervals)) / 1e6
+
+
+def _overlap_s(first: list, second: list) -> float:
+    """Seconds during which both unions of intervals are busy."""
+    a, b = _merged(first), _merged(second)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
     return total / 1e6
+
+
+def timeline(step_s: float, compute: list, copies: list) -> dict:
+    """Where the step's time went on the GPU: compute and copies together, compute alone, copies alone, and
+    neither (the GPU waited for the host: Python, launches, synchronisations, the CPU optimizer). A step whose
+    'neither' is large is bound by the host, whatever the link or the kernels would allow."""
+    both = _overlap_s(compute, copies)
+    compute_s, copies_s = _union_s(compute), _union_s(copies)
+    idle = max(0.0, step_s - (compute_s + copies_s - both))
+    return {"compute_and_copies_s": both, "compute_only_s": compute_s - both, "copies_only_s": copies_s - both,
+            "gpu_idle_s": idle}
 
 
 def summarize_trace(path: str, step_s: float) -> dict:
@@ -110,8 +141,11 @@ def summarize_trace(path: str, step_s: float) -> dict:
     kernels: dict = {}
     copies: dict = {}
     by_name: dict = {}
+    host_calls: dict = {}  # CUDA runtime calls on the host (launches, synchronisations, event waits)
     for e in events:
         cat = e.get("cat", "")
+        if e.get("ph") == "X" and cat == "cuda_runtime":
+            host_calls[e["name"]] = host_calls.get(e["name"], 0.0) + e["dur"] / 1e6
         if e.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         span = (e["ts"], e["ts"] + e["dur"])
@@ -132,7 +166,15 @@ def summarize_trace(path: str, step_s: float) -> dict:
         "compute_idle_fraction": (1 - busy[compute] / step_s) if compute else None,
         "copies": {k: {"gib": v["bytes"] / 2**30, "busy_s": _union_s(v["spans"])} for k, v in copies.items()},
         "top_kernels_s": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:15]),
+        "timeline": timeline(step_s, kernels.get(_stream_key(compute), []) if compute else [],
+                             [span for c in copies.values() for span in c["spans"]]),
+        "top_host_cuda_calls_s": dict(sorted(host_calls.items(), key=lambda kv: -kv[1])[:8]),
     }
+
+
+def _stream_key(name: str):
+    """The kernels dict's key of a stream named by ``str(key)``."""
+    return int(name) if name.lstrip("-").isdigit() else name
 
 
 def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Namespace, *, sync: Callable,
@@ -201,11 +243,12 @@ class Contender(NamedTuple):
     sdpa: str = "auto"  # the blocks' scaled_dot_product_attention backend (kernels.sdpa_backend)
     liger: bool = False  # Liger's RMSNorm, SwiGLU and RoPE (kernels.liger_kernels)
     fp8: Optional[str] = None  # a torchao float8 recipe for the blocks' linears (kernels.float8_training)
+    states: str = "fp32"  # speedloader-overlap: AdamW's moments of host-resident parameters (optim.state_dtype)
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
     """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K][:sdpa=B][:liger]
-    [:fp8[=RECIPE]]' -> a ``Contender``.
+    [:fp8[=RECIPE]][:states=fp32|bf16|int8]' -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
     (speedloader contenders): the embeddings, final norm and LM head keep their states on the GPU. ``cap``
@@ -213,7 +256,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     (speedloader contenders): ``keep_activations``, pairs whose backward skips the recompute. The kernel levers
     (every contender but DeepSpeed; ``fsdp_speedloader.kernels``): ``sdpa`` the attention backend (auto, cudnn,
     flash, efficient, math), ``liger`` Liger's kernels, ``fp8`` torchao float8 linears (tensorwise unless a recipe
-    is named)."""
+    is named). ``states`` (speedloader-overlap): the host optimizer's moments (``optim.state_dtype``)."""
     from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 
     name, shape, *options = spec.split(":")
@@ -223,6 +266,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     cap = None
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
+    states = "fp32"
     kernels_ok = name != "deepspeed-offload"
     for option in options:
         key, _, value = option.partition("=")
@@ -242,13 +286,16 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             liger = True
         elif key == "fp8" and (not value or value in FLOAT8_RECIPES) and kernels_ok:
             fp8 = value or "tensorwise"
+        elif key == "states" and value in ("fp32", "bf16", "int8") and name == "speedloader-overlap":
+            states = value
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
                              "(speedloader contenders), ':compile' or ':eager' (every contender but "
                              "deepspeed-offload), ':cap=GiB|none' (every contender), ':keep=K' (speedloader "
                              f"contenders: keep_activations), ':sdpa={'|'.join(SDPA_BACKENDS)}', ':liger' and "
-                             f"':fp8[={'|'.join(FLOAT8_RECIPES)}]' (every contender but deepspeed-offload)")
-    return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8)
+                             f"':fp8[={'|'.join(FLOAT8_RECIPES)}]' (every contender but deepspeed-offload), "
+                             "':states=fp32|bf16|int8' (speedloader-overlap)")
+    return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states)
 
 
 def _positive_float(text: str) -> bool:
@@ -337,6 +384,10 @@ def run_worker(args: argparse.Namespace) -> dict:
     engine = speedloader_engine(model) if layer_major else None
 
     def build_adamw(params):
+        if contender.states != "fp32" and all(p.device.type == "cpu" for p in params):
+            from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
+
+            return CompressedAdamW(params, state_dtype=contender.states, lr=1e-5)
         return torch.optim.AdamW(params, lr=1e-5, fused=True)
 
     if name == "speedloader-overlap":
@@ -358,8 +409,12 @@ def run_worker(args: argparse.Namespace) -> dict:
         return canonical_forward_backward(model, input_ids, input_ids, sub_batch_size=sub_batch,
                                           num_tokens=num_tokens, gradient_sync=gradient_sync, scope=scope)
 
+    overlap_stats: list = []  # speedloader-overlap: each step's optimizer_busy_s / optimizer_wait_s
+
     def optimizer_step() -> None:
         optim.step()
+        if name == "speedloader-overlap":
+            overlap_stats.append(optim.step_stats())
         if layer_major and name != "speedloader-overlap":  # the overlapped optimizer casts in its worker
             engine.refresh_param_transfer()  # a no-op without transfer copies
         optim.zero_grad(set_to_none=True)
@@ -382,6 +437,10 @@ def run_worker(args: argparse.Namespace) -> dict:
     }
     if profile is not None:
         result["profile"] = profile
+    if overlap_stats:  # the timed steps' medians: busy is the CPU step's seconds, wait what showed of them
+        timed = overlap_stats[args.warmup:args.warmup + args.steps]
+        result["optimizer_states"] = contender.states
+        result.update({k: statistics.median(st[k] for st in timed) for k in timed[0]})
     if layer_major:
         result["host_activation_gib"] = engine.store.host_bytes / 2**30
         result["exchange"] = engine.store.step_stats()  # the last measured step: copy bytes, compute-stream waits
