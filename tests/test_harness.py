@@ -132,6 +132,29 @@ def test_error_summary_prefers_exception_lines():
     assert harness.error_summary("") == "no output"
 
 
+def test_error_summary_finds_a_workers_exit_message_above_torchruns_report():
+    output = """[node0] deepspeed-offload: ZeRO-3 offload needs about 211 GiB of host memory (raise the limit)
+[node0] E1126 13:20:01 failed (exitcode: 1) local_rank: 0 (pid: 81) of binary: python3
+[node0] ============================================================
+[node0] /work/tools/bench_train.py FAILED
+[node0] ------------------------------------------------------------
+[node0] Failures:
+[node0]   <NO_OTHER_FAILURES>
+[node0] ------------------------------------------------------------
+[node0] Root Cause (first observed failure):
+[node0] [0]:
+[node0]   time      : 2026-11-26_13:20:01
+[node0]   host      : gpu-host
+[node0]   rank      : 0 (local_rank: 0)
+[node0]   exitcode  : 1 (pid: 81)
+[node0]   error_file: <N/A>
+[node0]   traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+[node0] ============================================================
+"""
+    summary = harness.error_summary(output)
+    assert "needs about 211 GiB of host memory" in summary and "error_file" not in summary
+
+
 def test_worker_command_passes_the_drivers_arguments_on():
     argv = ["--model", "llama2_7b", "--contender", "speedloader:1x8", "--contender=ondevice:1x8", "--steps", "3",
             "--out-dir", "/tmp/a:b"]

@@ -50,6 +50,10 @@ from fsdp_speedloader.app.sweep_report import STATUSES, is_oom  # noqa: F401 (ST
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "RESULT "
 _EXCEPTION_LINE = re.compile(r"\w+(Error|Exception)\b:")
+# torchrun's failure report (a box of '=' lines naming the error file, the rank, the exit code): what a worker
+# printed before it, a SystemExit's message say, is the cause.
+_TORCHRUN_REPORT = re.compile(r"^(\[\w+\]\s*)?(=+|-+|error_file:|traceback\s*:|To enable traceback|Failures:|Root Cause|"
+                              r"<NO_OTHER_FAILURES>|time\s*:|host\s*:|rank\s*:|exitcode\s*:|\[\d+\]:|[\w./-]+ FAILED)")
 
 
 # --- the record -------------------------------------------------------------------------------------
@@ -121,11 +125,12 @@ def write_record(path: str | Path, record: dict) -> Path:
 
 
 def error_summary(text: str, max_lines: int = 3) -> str:
-    """One line: the output's first exception lines (torchrun's ChildFailedError wrapper left out), or its
-    last lines when it has none."""
+    """One line: the output's first exception lines (torchrun's ChildFailedError wrapper left out), or, when it
+    has none, its last lines before torchrun's failure report (a worker's SystemExit message)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if _EXCEPTION_LINE.search(line) and "ChildFailedError" not in line]
-    picked = list(dict.fromkeys(errors))[:max_lines] if errors else lines[-max_lines:]
+    others = [line for line in lines if not _TORCHRUN_REPORT.search(line)] or lines
+    picked = list(dict.fromkeys(errors))[:max_lines] if errors else others[-max_lines:]
     return " | ".join(picked)[-1500:] or "no output"
 
 
