@@ -351,3 +351,37 @@ def test_trainer_skips_a_nonfinite_step_and_goes_on(tmp_path, caplog):
     logged = [json.loads(line) for line in (tmp_path / "overlap" / "metrics.jsonl").read_text().splitlines()]
     assert [r["num_skipped_steps"] for r in logged if "loss" in r] == [0, 1, 1, 1, 1]
     _assert_same_run(plain, overlapped, _run(plain, bad_step=2), history)
+
+
+def test_worker_threads_sets_the_cpu_threads_of_the_optimizer_worker_only():
+    """``worker_threads=1``: the inner steps run on the worker thread with one CPU thread, the same parameters as
+    with torch's default (exact), and the main thread keeps its own thread count."""
+    main_threads = torch.get_num_threads()
+    results = []
+    for threads in (0, 1):
+        model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
+        overlapped = OverlappedOptimizer(model, _adamw, max_norm=CLIPS, worker_threads=threads)
+        seen = []
+        for opt in overlapped.optimizers:
+            def counted_step(step=opt.step):
+                seen.append((threading.current_thread().name, torch.get_num_threads()))
+                step()
+            opt.step = counted_step
+        try:
+            ids, labels = batch(NUM_SUB, seed=0)
+            model(input_ids=ids, labels=labels).loss.backward()
+            overlapped.step()
+            overlapped.wait()
+        finally:
+            overlapped.close()
+        on_worker = {n for name, n in seen if name == "fsdp_speedloader-optimizer"}
+        assert on_worker == ({1} if threads else {main_threads}), seen
+        results.append([_full(p).clone() for p in model.parameters()])
+    assert torch.get_num_threads() == main_threads
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_worker_threads_must_be_a_count():
+    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
+    with pytest.raises(ValueError, match="worker_threads"):
+        OverlappedOptimizer(model, _adamw, worker_threads=-1)

@@ -244,11 +244,12 @@ class Contender(NamedTuple):
     liger: bool = False  # Liger's RMSNorm, SwiGLU and RoPE (kernels.liger_kernels)
     fp8: Optional[str] = None  # a torchao float8 recipe for the blocks' linears (kernels.float8_training)
     states: str = "fp32"  # speedloader-overlap: AdamW's moments of host-resident parameters (optim.state_dtype)
+    threads: int = 0  # speedloader-overlap: the optimizer worker's CPU threads (optim.worker_threads; 0: default)
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
     """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K][:sdpa=B][:liger]
-    [:fp8[=RECIPE]][:states=fp32|bf16|int8]' -> a ``Contender``.
+    [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K]' -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
     (speedloader contenders): the embeddings, final norm and LM head keep their states on the GPU. ``cap``
@@ -256,7 +257,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     (speedloader contenders): ``keep_activations``, pairs whose backward skips the recompute. The kernel levers
     (every contender but DeepSpeed; ``fsdp_speedloader.kernels``): ``sdpa`` the attention backend (auto, cudnn,
     flash, efficient, math), ``liger`` Liger's kernels, ``fp8`` torchao float8 linears (tensorwise unless a recipe
-    is named). ``states`` (speedloader-overlap): the host optimizer's moments (``optim.state_dtype``)."""
+    is named). ``states`` and ``threads`` (speedloader-overlap): the host optimizer's moments (``optim.state_dtype``) and
+    its worker's CPU threads (``optim.worker_threads``)."""
     from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 
     name, shape, *options = spec.split(":")
@@ -266,7 +268,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     cap = None
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
-    states = "fp32"
+    states, threads = "fp32", 0
     kernels_ok = name != "deepspeed-offload"
     for option in options:
         key, _, value = option.partition("=")
@@ -288,14 +290,16 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             fp8 = value or "tensorwise"
         elif key == "states" and value in ("fp32", "bf16", "int8") and name == "speedloader-overlap":
             states = value
+        elif key == "threads" and value.isdigit() and int(value) > 0 and name == "speedloader-overlap":
+            threads = int(value)
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
                              "(speedloader contenders), ':compile' or ':eager' (every contender but "
                              "deepspeed-offload), ':cap=GiB|none' (every contender), ':keep=K' (speedloader "
                              f"contenders: keep_activations), ':sdpa={'|'.join(SDPA_BACKENDS)}', ':liger' and "
                              f"':fp8[={'|'.join(FLOAT8_RECIPES)}]' (every contender but deepspeed-offload), "
-                             "':states=fp32|bf16|int8' (speedloader-overlap)")
-    return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states)
+                             "':states=fp32|bf16|int8' and ':threads=K' (speedloader-overlap)")
+    return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads)
 
 
 def _positive_float(text: str) -> bool:
@@ -393,7 +397,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     if name == "speedloader-overlap":
         from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
-        optim = OverlappedOptimizer(model, build_adamw)
+        optim = OverlappedOptimizer(model, build_adamw, worker_threads=contender.threads)
     else:
         optim = build_adamw(model.parameters())
     gen = torch.Generator().manual_seed(0)
@@ -440,6 +444,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     if overlap_stats:  # the timed steps' medians: busy is the CPU step's seconds, wait what showed of them
         timed = overlap_stats[args.warmup:args.warmup + args.steps]
         result["optimizer_states"] = contender.states
+        result["optimizer_worker_threads"] = contender.threads or torch.get_num_threads()
         result.update({k: statistics.median(st[k] for st in timed) for k in timed[0]})
     if layer_major:
         result["host_activation_gib"] = engine.store.host_bytes / 2**30

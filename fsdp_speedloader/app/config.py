@@ -78,6 +78,10 @@ class OptimConfig:
     the gradients of this many units, reused in turn, instead of a slot per parameter (4 B/param -> about
     grad_slots_in_flight units' worth; exact, docs/design.md §13); 0: a slot per parameter. Clipping needs every
     gradient after the backward: then there is a slot per parameter whatever this says."""
+    worker_threads: int = 0
+    """With overlap_with_backward: the CPU threads of the worker that steps the units (torch.set_num_threads in
+    that thread); 0: torch's default (every core). Fewer than the cores leaves the thread that launches the GPU's
+    work a core while the step runs beside the backward (docs/results.md, the MoE profile). Exact either way."""
     state_dtype: str = "fp32"
     """AdamW's moments: 'fp32' (torch.optim.AdamW, 8 B/param, exact: the default); 'bf16' (4 B/param, rounded to
     nearest after each step) or 'int8' (8-bit blockwise, 2 B/param): fsdp_speedloader's CompressedAdamW, torch's
@@ -93,6 +97,7 @@ class OptimConfig:
         check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2", "use values in [0, 1)")
         check(self.grad_clip >= 0, "optim.grad_clip", f"got {self.grad_clip}; use 0 to turn clipping off")
         check_positive(self.grad_slots_in_flight, "optim.grad_slots_in_flight", allow_zero=True)
+        check_positive(self.worker_threads, "optim.worker_threads", allow_zero=True)
         check_choice(self.state_dtype, "optim.state_dtype", ("fp32", "bf16", "int8"))
 
 

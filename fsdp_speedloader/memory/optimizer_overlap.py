@@ -194,16 +194,20 @@ class OverlappedOptimizer(OptimizersContainer):
     ``grad_slots_in_flight``: without clipping or skipping (the steps run during the backward), the host gradient
     slots of this many units, reused in turn, instead of one per parameter (the arena's gradients shrink from the
     units' whole size to R units'); 0: one per parameter. Each unit's ``.grad`` is None once its step ran.
+    ``worker_threads``: the worker thread's CPU threads (``torch.set_num_threads`` there); 0: torch's default.
     """
 
     def __init__(self, model: nn.Module, build: BuildOptimizer, *, max_norm: float = 0.0,
-                 skip_nonfinite: bool = False, grad_slots_in_flight: int = 2) -> None:
+                 skip_nonfinite: bool = False, grad_slots_in_flight: int = 2, worker_threads: int = 0) -> None:
         if speedloader_engine(model, missing_ok=True) is None:
             raise ValueError("OverlappedOptimizer needs a model prepared with apply_speedloader")
         if not (isinstance(grad_slots_in_flight, int) and grad_slots_in_flight >= 0):
             raise ValueError(f"grad_slots_in_flight={grad_slots_in_flight!r}: use an integer >= 1 for in-flight "
                              "gradient slots, or 0 for one slot per parameter")
+        if not (isinstance(worker_threads, int) and worker_threads >= 0):
+            raise ValueError(f"worker_threads={worker_threads!r}: use an integer >= 1, or 0 for torch's default")
         super().__init__(model, build, max_norm=max_norm, skip_nonfinite=skip_nonfinite)
+        self._worker_threads = worker_threads
         self._units = [module for module, _ in self._engine.units]
         self._deferred = self.needs_grad_norm
         # The inner optimizers the worker steps in deferred mode: those over host parameters. The others (the
@@ -367,6 +371,8 @@ class OverlappedOptimizer(OptimizersContainer):
 
     # --- the worker's side -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._worker_threads:
+            torch.set_num_threads(self._worker_threads)  # this thread's OpenMP pool: the CPU steps' arithmetic
         while (item := self._queue.get()) is not None:
             kind, index, payload = item
             try:
