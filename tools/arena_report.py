@@ -10,6 +10,8 @@ Modes (``fsdp_speedloader/memory/host_plan.py``; activations per ``--activation-
                    overlapped optimizer without clipping (optim.overlap_with_backward=true optim.grad_clip=0); exact
   bf16-states      in-flight gradients and bf16 moments (optim.state_dtype=bf16)
   int8-states      in-flight gradients and 8-bit blockwise moments (optim.state_dtype=int8)
+  bf16-master-int8 the same with bf16 master weights (optim.master_dtype=bf16: 2-byte shards and gradients,
+                   stochastic rounding; not exact)
 
 For each it prints bytes per parameter by tier, the total, whether it fits ``--host-gib`` (default 128: the
 arena's budget, less its 10% margin and ``--host-overhead-gib`` for the process itself), and the largest model of the
@@ -119,12 +121,14 @@ MODES = {
     "in-flight-grads": dict(grad_slots_in_flight=None, state_dtype="fp32"),
     "bf16-states": dict(grad_slots_in_flight=None, state_dtype="bf16"),
     "int8-states": dict(grad_slots_in_flight=None, state_dtype="int8"),
+    "bf16-master-int8": dict(grad_slots_in_flight=None, state_dtype="int8", master_dtype="bf16"),
 }
 
 
 def compute_modes(args: argparse.Namespace, model_name: str) -> dict:
     """Per mode: the host plan by tier (bytes and bytes per parameter), whether it fits, the largest that does."""
     from fsdp_speedloader.app.host_memory import unit_and_root_shards
+    from fsdp_speedloader.memory.bf16_master import MASTER_BYTES_PER_PARAM
     from fsdp_speedloader.memory.host_plan import TIERS, plan_host_memory
     from fsdp_speedloader.models import build_model
 
@@ -144,12 +148,14 @@ def compute_modes(args: argparse.Namespace, model_name: str) -> dict:
         plan = plan_host_memory(units=units, root=root, root_on_host=not args.root_on_device,
                                 grad_slots_in_flight=in_flight, state_dtype=spec["state_dtype"],
                                 activation_bytes=activations,
-                                transfer_itemsize=2 if args.param_transfer else 0)
+                                transfer_itemsize=2 if args.param_transfer else 0,
+                                param_itemsize=MASTER_BYTES_PER_PARAM[spec.get("master_dtype", "fp32")])
         # What scales with the parameters, and what does not (activations; the in-flight regions: one unit's).
         fixed = plan.activations + (plan.grads if in_flight else 0)
         per_param = (plan.total - fixed) / plan.num_params
         largest = (budget - fixed) / per_param if budget > fixed else 0
         out[mode] = {"grad_slots_in_flight": in_flight, "state_dtype": spec["state_dtype"],
+                     "master_dtype": spec.get("master_dtype", "fp32"),
                      "bytes": plan.by_tier(), "total_bytes": plan.total, "num_params": plan.num_params,
                      "bytes_per_param": plan.bytes_per_param(), "fits": plan.total <= budget,
                      "budget_bytes": budget, "largest_params_that_fit": int(largest)}

@@ -8,6 +8,8 @@ weights in the same batch order:
   fp32   optim.state_dtype=fp32 (the reference: exact)
   bf16   optim.state_dtype=bf16 (bf16 moments, rounded to nearest after each step)
   int8   optim.state_dtype=int8 (8-bit blockwise moments)
+  bf16-master  optim.master_dtype=bf16 optim.state_dtype=int8 (bf16 master weights with stochastic rounding and
+               int8 moments: the smallest mode, ~4.2 B/param)
 
 A mode passes when its loss after the last step -- the mean of the last ``--window`` steps' losses, the same batches
 for every mode -- is within ``--tolerance`` (default 1%) of fp32's. Writes bench/results/<name>.json (device,
@@ -17,7 +19,7 @@ torch, commit, command, config, per mode: the loss curve, the final loss, its re
 <out-dir>/<name>_runs/*/wandb/offline-run-*``), unless ``--no-wandb``.
 
 Usage (CPU, a few minutes):
-  python tools/convergence_check.py                                   # llama_tiny, 300 steps, fp32/bf16/int8
+  python tools/convergence_check.py                                   # llama_tiny, 300 steps, every mode
   python tools/convergence_check.py --steps 20 --modes fp32,bf16 --override model.num_layers=2   # quick
 Exits 1 when a mode misses the tolerance.
 """
@@ -35,12 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a pack
 import harness  # noqa: E402
 
 REPO = harness.REPO
-MODES = {"fp32": ["optim.state_dtype=fp32"], "bf16": ["optim.state_dtype=bf16"], "int8": ["optim.state_dtype=int8"]}
+MODES = {"fp32": ["optim.state_dtype=fp32"], "bf16": ["optim.state_dtype=bf16"], "int8": ["optim.state_dtype=int8"],
+         "bf16-master": ["optim.master_dtype=bf16", "optim.state_dtype=int8"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="fp32,bf16,int8", help=f"comma-separated, of {list(MODES)}; fp32 first")
+    p.add_argument("--modes", default="fp32,bf16,int8,bf16-master", help=f"comma-separated, of {list(MODES)}; fp32 first")
     p.add_argument("--model", default="llama_tiny")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seq-len", type=int, default=256)
@@ -66,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def mode_overrides(args: argparse.Namespace, mode: str, run_dir: Path) -> list[str]:
-    """The Hydra overrides of one mode: the same run but for ``optim.state_dtype``."""
+    """The Hydra overrides of one mode: the same run but for ``optim.state_dtype`` (and ``optim.master_dtype``)."""
     common = [f"model={args.model}", f"data.seq_len={args.seq_len}", f"seed={args.seed}", f"device={args.device}",
               f"steps={args.steps}", "log_every=1", "offload=params", "schedule=speedloader",
               f"schedule.sub_batch_size={args.sub_batch_size}", f"schedule.num_sub_batches={args.num_sub_batches}",

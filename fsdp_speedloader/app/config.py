@@ -88,6 +88,12 @@ class OptimConfig:
     fused AdamW arithmetic on decoded chunks (docs/design.md §13; their loss is checked against fp32 by
     tools/convergence_check.py). The parameters stay fp32; parameters on the GPU keep fp32 moments."""
 
+    master_dtype: str = "fp32"
+    """The host copy of the parameters (offload=params): 'fp32' (exact, the default) or 'bf16' (2 B/param instead of
+    4, and the gradients with them; each update stochastically rounded, memory/bf16_master.py; not exact: checked
+    by tools/convergence_check.py). bf16 needs compressed moments (state_dtype bf16 or int8). The root's parameters
+    stay fp32 when they live on the GPU (offload.root=false)."""
+
     def __post_init__(self) -> None:
         check(self.lr > 0, "optim.lr", f"got {self.lr}; must be > 0")
         check(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"got {self.min_lr_ratio}; use [0, 1]")
@@ -99,6 +105,10 @@ class OptimConfig:
         check_positive(self.grad_slots_in_flight, "optim.grad_slots_in_flight", allow_zero=True)
         check_positive(self.worker_threads, "optim.worker_threads", allow_zero=True)
         check_choice(self.state_dtype, "optim.state_dtype", ("fp32", "bf16", "int8"))
+        check_choice(self.master_dtype, "optim.master_dtype", ("fp32", "bf16"))
+        check(self.master_dtype == "fp32" or self.state_dtype != "fp32", "optim.master_dtype",
+              "bf16 master weights are stepped by the compressed AdamW: set optim.state_dtype=bf16 or int8 too "
+              "(or optim.master_dtype=fp32)")
 
 
 @dataclass
@@ -315,6 +325,12 @@ class TrainConfig:
                   "set optim.overlap_with_backward=false")
             check(self.offload.params, "optim.overlap_with_backward",
                   f"{why}; it needs the parameters there: set offload=params (or optim.overlap_with_backward=false)")
+        if self.optim.master_dtype != "fp32":
+            check(self.offload.params, "optim.master_dtype",
+                  f"optim.master_dtype={self.optim.master_dtype} shrinks the host copy of offloaded parameters; "
+                  "set offload=params (or optim.master_dtype=fp32)")
+            check(self.offload.param_transfer_dtype is None, "optim.master_dtype",
+                  "bf16 master weights already cross to the GPU in bf16: set offload.param_transfer_dtype=null")
         if self.offload.param_transfer_dtype is not None:
             what = f"offload.param_transfer_dtype={self.offload.param_transfer_dtype}"
             check(self.schedule.name in ("speedloader", "auto") and self.schedule.activation_store in ("auto", "host"),

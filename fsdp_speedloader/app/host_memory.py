@@ -16,6 +16,7 @@ from torch import nn
 
 from fsdp_speedloader.app.config import TrainConfig
 from fsdp_speedloader.memory.arena import HostMemoryBudget
+from fsdp_speedloader.memory.bf16_master import MASTER_BYTES_PER_PARAM
 from fsdp_speedloader.memory.host_plan import HostPlan, Shard, check_host_plan, plan_host_memory, savings_of, \
     shard_numels
 from fsdp_speedloader.models import get_adapter
@@ -60,7 +61,8 @@ def plan_for(cfg: TrainConfig, units: list[list[Shard]], root: list[Shard], *, h
     return plan_host_memory(units=units, root=root, root_on_host=cfg.offload.root,
                             grad_slots_in_flight=cfg.optim.grad_slots_in_flight if _uses_ring(cfg) else 0,
                             state_dtype=cfg.optim.state_dtype, activation_bytes=activations,
-                            transfer_itemsize=2 if cfg.offload.param_transfer_dtype else 0)
+                            transfer_itemsize=2 if cfg.offload.param_transfer_dtype else 0,
+                            param_itemsize=MASTER_BYTES_PER_PARAM[cfg.optim.master_dtype])
 
 
 def _with(cfg: TrainConfig, **sections) -> Optional[TrainConfig]:
@@ -85,6 +87,12 @@ def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activat
 
     alternatives = [(f"optim.state_dtype={dtype}", plan(_with(cfg, optim={"state_dtype": dtype})))
                     for dtype in _SMALLER_STATES[cfg.optim.state_dtype]]
+    if cfg.optim.master_dtype == "fp32":  # bf16 master weights need compressed moments: bf16 ones unless smaller
+        states = cfg.optim.state_dtype if cfg.optim.state_dtype != "fp32" else "bf16"
+        alternatives.append((f"optim.master_dtype=bf16{'' if states == cfg.optim.state_dtype else ' optim.state_dtype=bf16'}"
+                             " (bf16 master weights, stochastic rounding)",
+                             plan(_with(cfg, optim={"master_dtype": "bf16", "state_dtype": states},
+                                        offload={"param_transfer_dtype": None}))))
     if not _uses_ring(cfg) and cfg.offload.pin_memory:
         ring = _with(cfg, optim={"overlap_with_backward": True, "grad_clip": 0.0,
                                  "grad_slots_in_flight": cfg.optim.grad_slots_in_flight or 2})

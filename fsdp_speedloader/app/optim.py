@@ -8,6 +8,7 @@ per inner optimizer, each stepped right after its optimizer's step. The moments 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 from typing import Optional
@@ -21,16 +22,21 @@ from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer, Overl
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> OptimizersContainer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, seed: int = 0) -> OptimizersContainer:
     """AdamW, weight decay on matrices only (>= 2-D: not on norms and biases); fused where supported.
 
     With ``cfg.overlap_with_backward`` an :class:`OverlappedOptimizer` (``model`` prepared with
     ``apply_speedloader``): one such AdamW per unit and one for the root, each stepped as soon as its
     gradients are on the host, or, with ``cfg.grad_clip > 0``, as soon as the global norm is known (during the
     next forward). Either clips to ``cfg.grad_clip`` and, when it clips, skips steps whose gradient norm is not
-    finite (``cfg.skip_nonfinite``). The trainer uses either the same way.
+    finite (``cfg.skip_nonfinite``). The trainer uses either the same way. ``seed``: with bf16 master weights, the
+    stochastic rounding's (each inner optimizer its own, in the order they are built: units, then the root).
     """
-    build = functools.partial(build_adamw, cfg=cfg)
+    inner = itertools.count()
+
+    def build(parameters: list) -> torch.optim.Optimizer:
+        return build_adamw(parameters, cfg, seed=seed * 1_000_003 + next(inner))
+
     skip = cfg.skip_nonfinite and cfg.grad_clip > 0
     if cfg.overlap_with_backward:
         return OverlappedOptimizer(model, build, max_norm=cfg.grad_clip, skip_nonfinite=skip,
@@ -38,18 +44,20 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> OptimizersConta
     return OptimizersContainer(model, build, max_norm=cfg.grad_clip, skip_nonfinite=skip)
 
 
-def build_adamw(parameters: list, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_adamw(parameters: list, cfg: OptimConfig, *, seed: int = 0) -> torch.optim.Optimizer:
     """One AdamW over the trainable ``parameters``: matrices with weight decay, the rest without. Its moments in
     ``cfg.state_dtype``: fp32 (``torch.optim.AdamW``), or bf16 / int8 (``CompressedAdamW``) for parameters in host
     memory; parameters on the GPU (``offload.root=false``'s root, or no offload) keep fp32 moments, stepped by the
-    fused kernel on the device."""
+    fused kernel on the device. bf16 parameters (``cfg.master_dtype=bf16``) are updated with stochastic rounding
+    seeded by ``seed``."""
     params = [p for p in parameters if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if cfg.state_dtype != "fp32" and all(p.device.type == "cpu" for p in params):
-        return CompressedAdamW(groups, state_dtype=cfg.state_dtype, **kwargs)
+        return CompressedAdamW(groups, state_dtype=cfg.state_dtype,
+                               rounding="stochastic" if cfg.master_dtype == "bf16" else "nearest", seed=seed, **kwargs)
     try:  # fused runs on CUDA and (torch >= 2.4) on CPU, including FSDP2's offloaded CPU DTensors
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError) as e:

@@ -59,6 +59,7 @@ from fsdp_speedloader.app.planning import planned_schedule, tune_train_config
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
     seed_everything, speedloader_options
 from fsdp_speedloader.engine.speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.memory.bf16_master import cast_host_masters_
 from fsdp_speedloader.memory.arena import ArenaPlan, HostMemoryBudget, check_plan, host_memory_limit_from_env
 
 log = logging.getLogger(__name__)
@@ -244,6 +245,8 @@ class Trainer:
             num_block_params=num_block_params(self.adapter.blocks), num_layers=len(self.adapter.blocks),
             hidden_size=model.config.hidden_size, seq_len=cfg.data.seq_len) if recompute else 0.0
         self.num_params = sum(p.numel() for p in model.parameters())
+        if cfg.optim.master_dtype == "bf16":  # before sharding: FSDP2 keeps each parameter's dtype in its shard
+            cast_host_masters_(model, self.adapter.blocks, include_root=cfg.offload.root)
         self.kernel_scope = apply_schedule(model, cfg, self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         check_host_memory_plan(model, cfg, self.mesh, param_dtype=param_dtype)  # before the shards take host memory
         param_device = torch.device("cpu") if cfg.offload.params else self.device
@@ -251,7 +254,7 @@ class Trainer:
         self.model = model
 
         # 4. Optimizer, LR schedule, data, metrics, logging, checkpoints.
-        self.optimizer = build_optimizer(model, cfg.optim)
+        self.optimizer = build_optimizer(model, cfg.optim, seed=cfg.seed)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.steps)
         self.loader = build_loader(cfg.data, vocab_size=vocab_size, batch_size=sched.batch_size,
                                    rank=self.rank, world_size=self.world_size)

@@ -9,7 +9,8 @@
   by its block's largest and rounded to nearest (the roots compress the range a block spans; see the codes
   below).
 
-The parameters stay as they are (fp32 masters when the model is fp32), and so does the arithmetic: each step runs
+The parameters stay as they are (fp32 masters when the model is fp32; bf16 master weights, rounded to nearest or,
+with ``rounding="stochastic"``, stochastically: ``memory/bf16_master.py``), and so does the arithmetic: each step runs
 torch's own fused AdamW kernel (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` calls) on fp32
 moments decoded chunk by chunk into a scratch buffer (``chunk_elements()``, one per thread and device, reused),
 then encodes them back. So ``state_dtype="bf16"`` gives, bit for bit, fused AdamW whose moments are rounded to
@@ -37,6 +38,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from fsdp_speedloader.memory.bf16_master import random_bits, stochastic_round_
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 """``fp32``: plain ``torch.optim.AdamW`` (exact, the default); ``bf16`` / ``int8``: :class:`CompressedAdamW`."""
@@ -108,12 +111,18 @@ class CompressedAdamW(torch.optim.AdamW):
     'int8'); see the module docstring. The other arguments are AdamW's."""
 
     def __init__(self, params: Iterable, *, state_dtype: str = "bf16", lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 rounding: str = "nearest", seed: int = 0) -> None:
         if state_dtype not in ("bf16", "int8"):
             raise ValueError(f"state_dtype={state_dtype!r}: CompressedAdamW stores 'bf16' or 'int8' moments "
                              "(fp32 moments: torch.optim.AdamW)")
+        if rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding={rounding!r}: 'nearest' or 'stochastic' (bf16 parameters)")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.state_dtype = state_dtype
+        # bf16 parameters (master weights, memory/bf16_master.py): each update rounded to nearest, or stochastically
+        # with random bits seeded by (seed, the parameter's index here, its step, the chunk).
+        self.rounding, self.seed = rounding, seed
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -167,6 +176,7 @@ class CompressedAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = -1  # each parameter's position in the optimizer (stochastic rounding's seed)
         for group in self.param_groups:
             if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
                 raise ValueError("CompressedAdamW supports neither amsgrad, maximize nor differentiable")
@@ -175,14 +185,15 @@ class CompressedAdamW(torch.optim.AdamW):
                           weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
                           maximize=False)
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 state = self._init_state(p)
                 state["step"] += 1
-                self._step_param(_local(p), _local(p.grad), state, kwargs)
+                self._step_param(_local(p), _local(p.grad), state, kwargs, index=index)
         return loss
 
-    def _step_param(self, p: torch.Tensor, g: torch.Tensor, state: dict, kwargs: dict) -> None:
+    def _step_param(self, p: torch.Tensor, g: torch.Tensor, state: dict, kwargs: dict, *, index: int = 0) -> None:
         """The fused kernel on ``p`` chunk by chunk, each chunk's moments decoded into fp32 scratch and encoded back."""
         if g.dtype != p.dtype:
             raise ValueError(f"gradient dtype {g.dtype} differs from its parameter's {p.dtype}")
@@ -205,10 +216,14 @@ class CompressedAdamW(torch.optim.AdamW):
                 _decode_sqrt(v[start:end], v_scale[b0:b1], v32)
             if p_flat.dtype == torch.float32:
                 torch._fused_adamw_([p_flat[start:end]], [g_flat[start:end]], [m32], [v32], [], step, **kwargs)
-            else:  # bf16/fp16 parameters: the kernel wants one dtype; compute in fp32 and round to nearest
+            else:  # bf16/fp16 parameters: the kernel wants one dtype; compute in fp32, then round
                 p32 = p_flat[start:end].float()
                 torch._fused_adamw_([p32], [g_flat[start:end].float()], [m32], [v32], [], step, **kwargs)
-                p_flat[start:end].copy_(p32)
+                if self.rounding == "stochastic" and p_flat.dtype == torch.bfloat16:
+                    bits = random_bits(end - start, seed=self.seed, index=index, step=int(state["step"]), offset=start)
+                    stochastic_round_(p_flat[start:end], p32, bits)
+                else:
+                    p_flat[start:end].copy_(p32)
             if self.state_dtype == "bf16":
                 m[start:end].copy_(m32)
                 v[start:end].copy_(v32)
