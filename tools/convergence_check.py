@@ -43,7 +43,8 @@ MODES = {"fp32": ["optim.state_dtype=fp32"], "bf16": ["optim.state_dtype=bf16"],
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="fp32,bf16,int8,bf16-master", help=f"comma-separated, of {list(MODES)}; fp32 first")
+    p.add_argument("--modes", default="fp32,bf16,int8,bf16-master",
+                   help=f"comma-separated, of {list(MODES)}; fp32 first")
     p.add_argument("--model", default="llama_tiny")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seq-len", type=int, default=256)

@@ -52,8 +52,9 @@ RESULT_PREFIX = "RESULT "
 _EXCEPTION_LINE = re.compile(r"\w+(Error|Exception)\b:")
 # torchrun's failure report (a box of '=' lines naming the error file, the rank, the exit code): what a worker
 # printed before it, a SystemExit's message say, is the cause.
-_TORCHRUN_REPORT = re.compile(r"^(\[\w+\]\s*)?(=+|-+|error_file:|traceback\s*:|To enable traceback|Failures:|Root Cause|"
-                              r"<NO_OTHER_FAILURES>|time\s*:|host\s*:|rank\s*:|exitcode\s*:|\[\d+\]:|[\w./-]+ FAILED)")
+_TORCHRUN_REPORT = re.compile(r"^(\[\w+\]\s*)?(=+|-+|error_file:|traceback\s*:|To enable traceback|Failures:|"
+                              r"Root Cause|<NO_OTHER_FAILURES>|time\s*:|host\s*:|rank\s*:|exitcode\s*:|\[\d+\]:|"
+                              r"[\w./-]+ FAILED)")
 
 
 # --- the record -------------------------------------------------------------------------------------

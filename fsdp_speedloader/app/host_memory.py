@@ -89,8 +89,8 @@ def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activat
                     for dtype in _SMALLER_STATES[cfg.optim.state_dtype]]
     if cfg.optim.master_dtype == "fp32":  # bf16 master weights need compressed moments: bf16 ones unless smaller
         states = cfg.optim.state_dtype if cfg.optim.state_dtype != "fp32" else "bf16"
-        alternatives.append((f"optim.master_dtype=bf16{'' if states == cfg.optim.state_dtype else ' optim.state_dtype=bf16'}"
-                             " (bf16 master weights, stochastic rounding)",
+        also = "" if states == cfg.optim.state_dtype else " optim.state_dtype=bf16"
+        alternatives.append((f"optim.master_dtype=bf16{also} (bf16 master weights, stochastic rounding)",
                              plan(_with(cfg, optim={"master_dtype": "bf16", "state_dtype": states},
                                         offload={"param_transfer_dtype": None}))))
     if not _uses_ring(cfg) and cfg.offload.pin_memory:

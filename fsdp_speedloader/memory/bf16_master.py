@@ -18,7 +18,9 @@ resumed run reproduces an uninterrupted one, with no random state in the checkpo
 
 from __future__ import annotations
 
+import math
 import threading
+from typing import Optional
 
 import torch
 from torch import nn
@@ -42,16 +44,21 @@ def _generator(seed: int, index: int, step: int, segment: int) -> torch.Generato
     return gen.manual_seed(mixed)
 
 
-def random_bits(n: int, *, seed: int, index: int, step: int, offset: int = 0) -> torch.Tensor:
-    """16 random bits per element (int32) for elements ``offset .. offset + n`` of parameter ``index`` at ``step``."""
-    out = torch.empty(n, dtype=torch.int32)
+def random_bits(n: int, *, seed: int, index: int, step: int, offset: int = 0,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """16 random bits per element (int32) for elements ``offset .. offset + n`` of parameter ``index`` at ``step``,
+    into ``out`` (int32, ``n`` elements: a reused scratch buffer saves a fresh allocation's page faults) if given."""
+    out = torch.empty(n, dtype=torch.int32) if out is None else out
     pos = offset
     while pos < offset + n:
         segment, within = divmod(pos, NOISE_SEGMENT)
         take = min(NOISE_SEGMENT - within, offset + n - pos)
-        bits = torch.randint(0, 1 << 16, (within + take,), dtype=torch.int32,
-                             generator=_generator(seed, index, step, segment))  # a segment's prefix: small tensors
-        out[pos - offset : pos - offset + take] = bits[within:]
+        gen = _generator(seed, index, step, segment)
+        target = out[pos - offset : pos - offset + take]
+        if within == 0:  # a segment's first `take` draws, straight into place
+            torch.randint(0, 1 << 16, (take,), dtype=torch.int32, generator=gen, out=target)
+        else:  # the draws of a segment that started before `offset`: its prefix, then the part asked for
+            target.copy_(torch.randint(0, 1 << 16, (within + take,), dtype=torch.int32, generator=gen)[within:])
         pos += take
     return out
 
@@ -67,8 +74,10 @@ def stochastic_round_(out: torch.Tensor, x: torch.Tensor, bits: torch.Tensor) ->
     if out.dtype != torch.bfloat16 or x.dtype != torch.float32 or not (out.numel() == x.numel() == bits.numel()):
         raise ValueError(f"stochastic_round_: bf16 out, fp32 x and int32 bits of one size; got {out.dtype} "
                          f"{tuple(out.shape)}, {x.dtype} {tuple(x.shape)}, {bits.dtype} {tuple(bits.shape)}")
-    nonfinite = ~x.isfinite()
-    kept = x[nonfinite] if bool(nonfinite.any()) else None
+    kept = None
+    if not math.isfinite(float(x.sum())):  # one cheap pass; isfinite() per element costs 20x the rounding itself
+        nonfinite = ~x.isfinite()
+        kept, nonfinite = (x[nonfinite], nonfinite) if bool(nonfinite.any()) else (None, None)
     x.view(torch.int32).add_(bits.to(x.device)).bitwise_and_(-65536)  # -65536 = 0xFFFF0000: bf16's 16 bits
     out.copy_(x)
     if kept is not None:

@@ -88,16 +88,17 @@ def _num_blocks(p: torch.Tensor) -> int:
     return max(1, -(-numel // BLOCK))
 
 
-def _fp32_scratch(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two fp32 buffers of at least ``n`` elements on ``device``, this thread's (the optimizer worker and the main
-    thread each have their own)."""
+def _fp32_scratch(n: int, device: torch.device, count: int = 2) -> tuple[torch.Tensor, ...]:
+    """``count`` fp32 buffers of at least ``n`` elements on ``device``, this thread's (the optimizer worker and the
+    main thread each have their own). Reused: a fresh allocation of a chunk's size costs its page faults again."""
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
         bufs = _scratch.bufs = {}
     buf = bufs.get(device)
-    if buf is None or buf.shape[1] < n:
-        buf = bufs[device] = torch.empty(2, n, dtype=torch.float32, device=device)
-    return buf[0, :n], buf[1, :n]
+    if buf is None or buf.shape[1] < n or buf.shape[0] < count:
+        rows = max(count, buf.shape[0] if buf is not None else 0)
+        buf = bufs[device] = torch.empty(rows, n, dtype=torch.float32, device=device)
+    return tuple(buf[i, :n] for i in range(count))
 
 
 def chunk_elements() -> int:
@@ -206,7 +207,9 @@ class CompressedAdamW(torch.optim.AdamW):
         chunk = chunk_elements()
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
-            m32, v32 = _fp32_scratch(end - start, p_flat.device)
+            # The moments' fp32 scratch, and for bf16/fp16 parameters their fp32 copy and the gradient's.
+            m32, v32, *p32_g32 = _fp32_scratch(end - start, p_flat.device,
+                                               count=2 if p_flat.dtype == torch.float32 else 4)
             if self.state_dtype == "bf16":
                 m32.copy_(m[start:end])
                 v32.copy_(v[start:end])
@@ -217,10 +220,13 @@ class CompressedAdamW(torch.optim.AdamW):
             if p_flat.dtype == torch.float32:
                 torch._fused_adamw_([p_flat[start:end]], [g_flat[start:end]], [m32], [v32], [], step, **kwargs)
             else:  # bf16/fp16 parameters: the kernel wants one dtype; compute in fp32, then round
-                p32 = p_flat[start:end].float()
-                torch._fused_adamw_([p32], [g_flat[start:end].float()], [m32], [v32], [], step, **kwargs)
+                p32, g32 = p32_g32
+                p32.copy_(p_flat[start:end])
+                g32.copy_(g_flat[start:end])
+                torch._fused_adamw_([p32], [g32], [m32], [v32], [], step, **kwargs)
                 if self.rounding == "stochastic" and p_flat.dtype == torch.bfloat16:
-                    bits = random_bits(end - start, seed=self.seed, index=index, step=int(state["step"]), offset=start)
+                    bits = random_bits(end - start, seed=self.seed, index=index, step=int(state["step"]),
+                                       offset=start, out=g32.view(torch.int32))  # the gradient's copy is read
                     stochastic_round_(p_flat[start:end], p32, bits)
                 else:
                     p_flat[start:end].copy_(p32)
