@@ -55,6 +55,8 @@ def test_random_bits_depend_on_the_position_not_on_the_chunking():
     pieces = torch.cat([random_bits(cut, seed=7, index=3, step=5),
                         random_bits(n - cut, seed=7, index=3, step=5, offset=cut)])
     assert torch.equal(whole, pieces)
+    scratch = torch.full((n,), -1, dtype=torch.int32)  # the optimizer's reused buffer
+    assert random_bits(n, seed=7, index=3, step=5, out=scratch) is scratch and torch.equal(scratch, whole)
     assert whole.min() >= 0 and whole.max() < 1 << 16
     assert not torch.equal(whole, random_bits(n, seed=7, index=3, step=6))  # another step, other bits
     assert not torch.equal(whole, random_bits(n, seed=7, index=4, step=5))  # another parameter, other bits

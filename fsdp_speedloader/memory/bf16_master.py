@@ -25,14 +25,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-MASTER_DTYPES = ("fp32", "bf16")
 MASTER_BYTES_PER_PARAM = {"fp32": 4, "bf16": 2}
-_generators = threading.local()
-
-
 NOISE_SEGMENT = 1 << 16
 """Elements per seeded stretch of random bits: the bits of element i of a parameter depend on (seed, the parameter's
 index, its step, i // NOISE_SEGMENT) only, not on how the optimizer chunks the parameter (its thread count)."""
+_generators = threading.local()
 
 
 def _generator(seed: int, index: int, step: int, segment: int) -> torch.Generator:
