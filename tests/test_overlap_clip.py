@@ -385,3 +385,17 @@ def test_worker_threads_must_be_a_count():
     model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
     with pytest.raises(ValueError, match="worker_threads"):
         OverlappedOptimizer(model, _adamw, worker_threads=-1)
+
+
+def test_the_trainer_passes_worker_threads_to_the_overlapped_optimizer(tmp_path):
+    """``optim.worker_threads`` through the config: the same losses as torch's default thread count (exact)."""
+    def losses(threads: int) -> list[float]:
+        cfg = tiny_config(tmp_path / str(threads), schedule={"name": "speedloader"}, offload={"params": True}, steps=2,
+                          optim={"overlap_with_backward": True, "grad_clip": 0.0, "worker_threads": threads})
+        trainer = Trainer(cfg)
+        assert trainer.optimizer._worker_threads == threads
+        return [m["loss"] for m in trainer.train()]
+
+    assert losses(1) == losses(0)
+    with pytest.raises(ValueError, match="optim.worker_threads"):
+        tiny_config(tmp_path, optim={"worker_threads": -2})
