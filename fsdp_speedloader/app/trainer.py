@@ -59,8 +59,8 @@ from fsdp_speedloader.app.planning import planned_schedule, tune_train_config
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
     seed_everything, speedloader_options
 from fsdp_speedloader.engine.speedloader import apply_speedloader, speedloader_engine
-from fsdp_speedloader.memory.bf16_master import cast_host_masters_
 from fsdp_speedloader.memory.arena import ArenaPlan, HostMemoryBudget, check_plan, host_memory_limit_from_env
+from fsdp_speedloader.memory.bf16_master import cast_host_masters_
 
 log = logging.getLogger(__name__)
 
