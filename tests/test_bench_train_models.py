@@ -145,6 +145,26 @@ def test_the_trace_timeline_splits_the_step_between_compute_copies_and_the_host(
     assert t == pytest.approx(expected)
 
 
+def test_a_traced_step_is_summarised_with_its_timeline(tmp_path):
+    """summarize_trace on a hand-made trace: stream 7 has the most kernel time (the compute stream, 60 us), the
+    copies (30-70 us) overlap it 20 us, and the host's CUDA calls are listed."""
+    def event(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    trace = {"traceEvents": [event("kernel", "gemm", 0, 40, stream=7), event("kernel", "gemm", 60, 20, stream=7),
+                             event("kernel", "copy", 0, 5, stream=14),
+                             event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 30, 20, bytes=2**30),
+                             event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 45, 25, bytes=2**30),
+                             event("cuda_runtime", "cudaEventSynchronize", 0, 30)]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    summary = bench_train.summarize_trace(str(path), 100e-6)
+    assert summary["compute_stream"] == "7" and summary["copies"]["HtoD"]["gib"] == 2.0
+    assert summary["timeline"] == pytest.approx({"compute_and_copies_s": 20e-6, "compute_only_s": 40e-6,
+                                                 "copies_only_s": 20e-6, "gpu_idle_s": 20e-6})
+    assert summary["top_host_cuda_calls_s"] == pytest.approx({"cudaEventSynchronize": 30e-6})
+
+
 def test_a_speedloader_contender_may_keep_activations():
     assert bench_train.parse_contender("speedloader-overlap:1x8:root=device:keep=40", None).keep == 40
     assert bench_train.parse_contender("speedloader:1x8", None).keep == 0

@@ -158,6 +158,7 @@ def summarize_trace(path: str, step_s: float) -> dict:
             kernels.setdefault(e.get("args", {}).get("stream", -1), []).append(span)
             by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"] / 1e6
     busy = {str(k): _union_s(v) for k, v in kernels.items()}
+    compute_spans = max(kernels.values(), key=_union_s) if kernels else []  # the stream with the most kernel time
     compute = max(busy, key=busy.get) if busy else None
     return {
         "step_s": step_s,
@@ -166,15 +167,9 @@ def summarize_trace(path: str, step_s: float) -> dict:
         "compute_idle_fraction": (1 - busy[compute] / step_s) if compute else None,
         "copies": {k: {"gib": v["bytes"] / 2**30, "busy_s": _union_s(v["spans"])} for k, v in copies.items()},
         "top_kernels_s": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:15]),
-        "timeline": timeline(step_s, kernels.get(_stream_key(compute), []) if compute else [],
-                             [span for c in copies.values() for span in c["spans"]]),
+        "timeline": timeline(step_s, compute_spans, [span for c in copies.values() for span in c["spans"]]),
         "top_host_cuda_calls_s": dict(sorted(host_calls.items(), key=lambda kv: -kv[1])[:8]),
     }
-
-
-def _stream_key(name: str):
-    """The kernels dict's key of a stream named by ``str(key)``."""
-    return int(name) if name.lstrip("-").isdigit() else name
 
 
 def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Namespace, *, sync: Callable,

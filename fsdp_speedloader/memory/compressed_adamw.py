@@ -122,7 +122,7 @@ class CompressedAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.state_dtype = state_dtype
         # bf16 parameters (master weights, memory/bf16_master.py): each update rounded to nearest, or stochastically
-        # with random bits seeded by (seed, the parameter's index here, its step, the chunk).
+        # with random bits seeded by (seed, the parameter's index here, its step, the element's position).
         self.rounding, self.seed = rounding, seed
         for group in self.param_groups:
             for p in group["params"]:
