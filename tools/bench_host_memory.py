@@ -47,6 +47,7 @@ def compose_train_config(overrides: list[str], output_dir: str):
 
 def run_worker(args: argparse.Namespace) -> dict:
     import dataclasses
+    import logging
 
     import torch
 
@@ -55,8 +56,11 @@ def run_worker(args: argparse.Namespace) -> dict:
     from fsdp_speedloader.engine.speedloader import speedloader_engine
     from fsdp_speedloader.fsdp2 import fast_path_stats
 
+    # Timestamped set-up and per-step lines: a run cut by --timeout still shows (in the record's output_tail)
+    # where its time went (the model build, compilation or the steps).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out_dir = tempfile.mkdtemp(prefix="fsl_host_memory_")
-    cfg = compose_train_config([*args.overrides, "logger=none", "checkpoint.save_final=false",
+    cfg = compose_train_config([*args.overrides, "logger=none", "log_every=1", "checkpoint.save_final=false",
                                 "checkpoint.every_minutes=0"], out_dir)
     trainer = Trainer(cfg)
     shards = dict(zip(trainer.mesh.mesh_dim_names, trainer.mesh.shape)).get("dp_shard", 1)
