@@ -157,8 +157,8 @@ def host_bytes(model_numel: int, pow2_pinned: bool, sub_group_size: int = 10**9)
 
 
 def _seeded_init(model, deepspeed, seed: int, std: float) -> None:
-    """The weights of every other contender (fsdp_speedloader.models.build.init_weights: N(0, std) per
-    matrix from a generator seeded by (seed, name), ones for norm scales, zeros for biases), written
+    """The weights of every other contender (fsdp_speedloader.models.init.init_weights: N(0, std) per
+    matrix from generators seeded by (seed, name, stretch), ones for norm scales, zeros for biases), written
     after ``deepspeed.initialize`` into both copies, one gathered module at a time: the bf16 partitions
     the forward uses and the fp32 master weights. DeepSpeed makes its masters from the bf16 partitions;
     masters sitting exactly on the bf16 grid would not move the bf16 weights until updates add up to
@@ -167,7 +167,7 @@ def _seeded_init(model, deepspeed, seed: int, std: float) -> None:
     import torch
     from deepspeed.utils import safe_set_full_fp32_param
 
-    from fsdp_speedloader.models.build import initial_value
+    from fsdp_speedloader.models.init import initial_value
 
     named = dict(model.named_parameters())
     names = {id(p): n for n, p in named.items()}

@@ -4,8 +4,8 @@ from torch import nn
 
 from fsdp_speedloader.models.adapter import BlockInputs, ModelAdapter
 from fsdp_speedloader.models.config import ModelConfig
-from fsdp_speedloader.models.build import (build_hf_config, build_model, init_weights, load_safetensors,
-                                           materialize_model)
+from fsdp_speedloader.models.build import build_hf_config, build_model, load_safetensors, materialize_model
+from fsdp_speedloader.models.init import init_weights
 from fsdp_speedloader.models.gemma3 import Gemma3Adapter
 from fsdp_speedloader.models.llama import LlamaAdapter, MistralAdapter, QwenAdapter
 from fsdp_speedloader.models.moe import MoeAdapter

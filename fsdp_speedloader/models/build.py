@@ -3,7 +3,7 @@
 The torchtitan order: ``build_model`` (meta, no memory) -> shard (``apply_fsdp`` or
 ``apply_speedloader``) -> ``materialize_model`` (each rank allocates only its shards, then fills
 them from a seeded initialisation or from a local safetensors checkpoint). The initialisation
-draws every parameter's full tensor from a generator seeded by (seed, parameter name), so the
+(``init.py``) draws each rank's shards from generators seeded by (seed, parameter name, stretch), so the
 weights do not depend on the world size, the mesh or offloading.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +22,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, Ll
                           OPTConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from fsdp_speedloader.models.config import ModelConfig
+from fsdp_speedloader.models.init import init_weights
 
 # Hugging Face model_type of a checkpoint -> the ModelConfig family that runs it.
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -131,41 +131,6 @@ def materialize_model(model: nn.Module, cfg: ModelConfig, *, device: torch.devic
         load_safetensors(model, cfg.path)
     else:
         init_weights(model, seed=seed, std=cfg.init_std)
-
-
-def initial_value(module: nn.Module, name: str, shape: tuple, *, seed: int, std: float,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The full initial value of parameter ``name`` (owned by ``module``), seeded by (seed, name).
-
-    As Hugging Face initialises these families: N(0, std) for matrices (linear and embedding weights, routers, the
-    experts' stacked (E, out, in) projections), zeros for biases, ones for norm scales, zeros for Gemma's
-    zero-centred norms (they multiply by 1 + weight).
-    """
-    full = torch.empty(shape, dtype=dtype)
-    if len(shape) >= 2:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full.normal_(0.0, std, generator=gen)
-        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            full[module.padding_idx].zero_()
-    elif name.endswith("bias") or _zero_centred_norm(module):
-        full.zero_()
-    else:  # norm scales
-        full.fill_(1.0)
-    return full
-
-
-def _zero_centred_norm(module: nn.Module) -> bool:
-    name = type(module).__name__  # FSDP2 prefixes the class name of the modules it shards
-    return "Gemma" in name and "RMSNorm" in name
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, *, seed: int, std: float) -> None:
-    """Fills every (possibly sharded) parameter with its ``initial_value``."""
-    owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
-    for name, param in model.named_parameters():
-        copy_full_tensor_(param, initial_value(owners[id(param)], name, tuple(param.shape), seed=seed, std=std,
-                                               dtype=param.dtype))
 
 
 def copy_full_tensor_(param: torch.Tensor, full: torch.Tensor) -> None:

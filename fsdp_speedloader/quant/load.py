@@ -8,7 +8,7 @@ Each weight is quantized straight into its place in its block's buffer, one tens
   weight of the checkpoint's dtype (and one fp32 row block) exists besides the packed bytes, never the model;
 - the weights a model with values had when ``quantize_linears_`` replaced its linears (tests, small models);
 - ``dummy=True``: a byte pattern and constant scales, nothing computed (benchmarks: 70B in seconds);
-- else the library's seeded initialisation (``models.build.initial_value``, seeded by (seed, name)), so the
+- else the library's seeded initialisation (``models.init.initial_value``, seeded by (seed, name, stretch)), so the
   quantized model stands for the same weights as the unquantized one built with that seed.
 
 With weights on the GPU (``offload=False``) a weight is moved there and quantized there.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_speedloader.models import get_adapter
-from fsdp_speedloader.models.build import initial_value
+from fsdp_speedloader.models.init import initial_value
 from fsdp_speedloader.quant.formats import fill_dummy, quantize_into
 from fsdp_speedloader.quant.linear import quantized_linears
 from fsdp_speedloader.quant.weights import QuantizedWeights, allocate, plan_block, set_quantized_weights
