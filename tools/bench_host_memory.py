@@ -5,6 +5,7 @@ fsdp_speedloader.app.train OVERRIDES`` would) in one worker process, for ``steps
 
   tokens/s and MFU      medians over the steps after ``--warmup-steps`` (the trainer's own step metrics: data,
                         forward, backward and the optimizer step, as a run sees them)
+  trainer_build_s       seconds from the config to a trainer ready for step 1 (build, initialisation, optimizer)
   host_peak_rss_gib     the worker's peak resident set (VmHWM: every allocation of the run, model build included)
   host_plan             the plan by tier the trainer checked before step 1 (app/host_memory.py), bytes per parameter
   arena                 the pinned arena's bytes by slot kind after the last step
@@ -25,6 +26,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
@@ -62,7 +64,9 @@ def run_worker(args: argparse.Namespace) -> dict:
     out_dir = tempfile.mkdtemp(prefix="fsl_host_memory_")
     cfg = compose_train_config([*args.overrides, "logger=none", "log_every=1", "checkpoint.save_final=false",
                                 "checkpoint.every_minutes=0"], out_dir)
+    build_start = time.perf_counter()
     trainer = Trainer(cfg)
+    build_s = time.perf_counter() - build_start  # model build, initialisation, optimizer: before step 1
     shards = dict(zip(trainer.mesh.mesh_dim_names, trainer.mesh.shape)).get("dp_shard", 1)
     plan = None
     if cfg.offload.params and speedloader_engine(trainer.model, missing_ok=True) is not None:
@@ -73,6 +77,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     engine = speedloader_engine(trainer.model, missing_ok=True)
     result = {
         "config": dataclasses.asdict(cfg), "num_params": trainer.num_params, "steps": len(history),
+        "trainer_build_s": build_s,
         "tokens_per_step": history[-1]["tokens"] // len(history),
         "tokens_per_s": statistics.median(m["tokens_per_s"] for m in timed),
         "mfu": statistics.median(m["mfu"] for m in timed),
