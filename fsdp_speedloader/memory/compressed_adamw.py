@@ -259,12 +259,17 @@ def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return padded.view(-1, BLOCK), n
 
 
-def _encode(rows: torch.Tensor, n: int, q: torch.Tensor, scale: torch.Tensor, levels: float) -> None:
-    """``q = round(rows / max|rows| * levels)`` per block, ``scale = max|rows| / levels``; ``rows`` is scratch."""
-    peak = rows.abs().amax(dim=1, keepdim=True)
+def _encode(rows: torch.Tensor, n: int, q: torch.Tensor, scale: torch.Tensor, levels: float,
+            sign: Optional[torch.Tensor] = None) -> None:
+    """``q = round(rows / max(rows) * levels)`` per block (with ``sign``'s sign, where given), ``scale = max(rows) /
+    levels``; ``rows`` (>= 0) is scratch. Multiplying the magnitudes and then taking the sign gives the codes the
+    signed values would (IEEE multiplication and round-half-even are symmetric), one pass over the chunk fewer."""
+    peak = rows.amax(dim=1, keepdim=True)
     scale.copy_(peak.view(-1) / levels)
-    rows.mul_(levels / peak.clamp_min(torch.finfo(torch.float32).tiny)).round_()
-    q.copy_(rows.view(-1)[:n])
+    rows.mul_(levels / peak.clamp_min(torch.finfo(torch.float32).tiny))
+    if sign is not None:
+        rows.copysign_(sign)
+    q.copy_(rows.round_().view(-1)[:n])
 
 
 def _decode(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
@@ -280,9 +285,7 @@ def _decode(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
 def _encode_signed(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     """exp_avg -> int8 codes of sign(x) sqrt(|x|); ``x`` (fp32 scratch) is overwritten."""
     rows, n = _blocks(x)
-    sign = rows.sign()
-    rows.abs_().sqrt_().mul_(sign)
-    _encode(rows, n, q, scale, 127.0)
+    _encode(rows.abs().sqrt_(), n, q, scale, 127.0, sign=rows)
 
 
 def _decode_signed(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
