@@ -72,6 +72,40 @@ def test_int8_moments_stay_close_to_fp32_adamw(monkeypatch, chunk_per_thread):
         assert opt.state[p]["exp_avg"].dtype == torch.int8 and opt.state[p]["exp_avg_sq"].dtype == torch.uint8
 
 
+@pytest.mark.parametrize("state_dtype, dtype, rounding", [("int8", torch.float32, "nearest"),
+                                                          ("int8", torch.bfloat16, "stochastic"),
+                                                          ("bf16", torch.bfloat16, "nearest")])
+def test_host_chunks_on_several_threads_give_the_serial_result(monkeypatch, state_dtype, dtype, rounding):
+    """On the host the chunks are stepped on the caller's thread count of threads: bit for bit the serial step."""
+    monkeypatch.setattr(compressed_adamw, "CHUNK_PER_THREAD", 2048)  # many chunks per parameter
+    main_threads = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            ps = _params(dtype)
+            opt = CompressedAdamW(ps, state_dtype=state_dtype, lr=1e-2, rounding=rounding, seed=5)
+            for step in range(3):
+                for p, g in zip(ps, _grads(step)):
+                    p.grad = g.to(dtype)
+                opt.step()
+            results.append(([p.detach().clone() for p in ps], [dict(opt.state[p]) for p in ps]))
+    finally:
+        torch.set_num_threads(main_threads)
+    (serial, serial_states), (pooled, pooled_states) = results
+    assert all(torch.equal(a, b) for a, b in zip(serial, pooled))
+    for a, b in zip(serial_states, pooled_states):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_host_pool_leaves_the_thread_count_new_threads_adopt():
+    """torch.set_num_threads in the pool's workers would set the count every later thread adopts; it is put back."""
+    before = compressed_adamw._new_thread_num_threads()
+    pool = compressed_adamw._host_pool(5)  # a size no other test asks for: started here
+    assert pool.submit(torch.get_num_threads).result() == 1  # the workers compute with one intra-op thread
+    assert compressed_adamw._new_thread_num_threads() == before
+
+
 def test_int8_codes_keep_small_second_moments_from_blowing_up_the_update():
     """A block whose exp_avg_sq spans many orders of magnitude: no element's update exceeds a few lr (a linear
     8-bit code would zero the small ones and divide their exp_avg by eps)."""

@@ -12,8 +12,8 @@
 The parameters stay as they are (fp32 masters when the model is fp32; bf16 master weights, rounded to nearest or,
 with ``rounding="stochastic"``, stochastically: ``memory/bf16_master.py``), and so does the arithmetic: each step runs
 torch's own fused AdamW kernel (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` calls) on fp32
-moments decoded chunk by chunk into a scratch buffer (``chunk_elements()``, one per thread and device, reused),
-then encodes them back. So ``state_dtype="bf16"`` gives, bit for bit, fused AdamW whose moments are rounded to
+moments decoded chunk by chunk into a scratch buffer (one per thread and device, reused), then encodes them back;
+on the host the chunks are stepped on several threads at once, one chunk per thread (``CHUNK_PER_THREAD``). So ``state_dtype="bf16"`` gives, bit for bit, fused AdamW whose moments are rounded to
 bf16 after each step (``tests/test_compressed_adamw.py``), in about twice fused fp32 AdamW's time per thread;
 ``int8`` takes 15-25 times as long (its codes are about twenty elementwise passes; ``tools/bench_cpu_optim.py``).
 
@@ -31,10 +31,12 @@ capturable, differentiable, a tensor lr on another device, grad_scale/found_inf.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -49,12 +51,14 @@ STATE_BYTES_PER_PARAM = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 8.0 / 2048}
 per moment)."""
 
 BLOCK = 2048  # int8: elements per quantisation block (one fp32 scale each, per moment)
-# Elements decoded at a time per intra-op thread (a multiple of BLOCK): 32 MiB of fp32 scratch per thread, a whole
-# 7B/13B weight matrix per chunk on 16 threads. Smaller chunks stay in cache, but each operation on a chunk is a
-# parallel region that waits for every intra-op thread: where the training's own threads share the cores, many small
-# regions cost far more than the cache saves (measured per chunk size: docs/design.md §13,
-# bench/results/cpu_optim_step_llama7b_blocks*.json).
-CHUNK_PER_THREAD = 1 << 22
+# On the host, each chunk of CHUNK_PER_THREAD elements (a multiple of BLOCK: 4 MiB of fp32 scratch per buffer) is
+# stepped whole by one thread with one intra-op thread, the chunks on as many threads as the caller's intra-op thread
+# count. The ~20 elementwise operations of a chunk then run on cached scratch and open no parallel region: with
+# intra-op parallelism each operation is a region whose barrier waits for every thread, and where the training's
+# own threads share the cores (the overlapped step runs beside the backward) a barrier waits for descheduled threads
+# (docs/design.md §13, bench/results/cpu_optim_step_llama7b_blocks*.json). On a GPU, one chunk of DEVICE_CHUNK.
+CHUNK_PER_THREAD = 1 << 20
+DEVICE_CHUNK = 1 << 26
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _SCALES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 _scratch = threading.local()
@@ -101,10 +105,55 @@ def _fp32_scratch(n: int, device: torch.device, count: int = 2) -> tuple[torch.T
     return tuple(buf[i, :n] for i in range(count))
 
 
-def chunk_elements() -> int:
-    """Elements decoded at a time: ``CHUNK_PER_THREAD`` per intra-op thread (the fused kernel splits a chunk over
-    the threads; small chunks stay in cache, but each costs a parallel region per operation)."""
-    return CHUNK_PER_THREAD * max(1, torch.get_num_threads())
+def chunk_elements(device: torch.device) -> int:
+    """Elements stepped at a time: ``CHUNK_PER_THREAD`` per host thread, ``DEVICE_CHUNK`` on an accelerator."""
+    return CHUNK_PER_THREAD if device.type == "cpu" else DEVICE_CHUNK
+
+
+@functools.lru_cache(maxsize=None)
+def _host_pool(threads: int) -> ThreadPoolExecutor:
+    """``threads`` threads that compute with one intra-op thread each: the parallelism is across chunks.
+
+    ``torch.set_num_threads`` is process-wide for threads that have not computed yet (a new thread adopts the last
+    value set), so the workers are all started and set to 1 at once, then the value new threads adopt is put back.
+    """
+    adopted = _new_thread_num_threads()
+    started = threading.Barrier(threads + 1)
+
+    def start() -> None:
+        torch.get_num_threads()  # torch's once-per-thread adoption first, so that it cannot undo the 1 below
+        torch.set_num_threads(1)
+        started.wait()
+
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsl-adamw", initializer=start)
+    for _ in range(threads):  # each submission starts a worker while none is idle
+        pool.submit(lambda: None)
+    started.wait()
+    restore = threading.Thread(target=torch.set_num_threads, args=(adopted,))
+    restore.start()
+    restore.join()
+    return pool
+
+
+def _new_thread_num_threads() -> int:
+    """The intra-op thread count a thread that has not computed yet adopts."""
+    seen: list[int] = []
+    probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    probe.start()
+    probe.join()
+    return seen[0]
+
+
+def _run_chunks(tasks: list[Callable[[], None]], device: torch.device) -> None:
+    """The chunks' steps: on the host on the caller's intra-op thread count of threads, one chunk per thread at a
+    time; on an accelerator in order (its kernels are asynchronous already). Raises the first task's error."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            task()
+        return
+    for future in [_host_pool(threads).submit(task) for task in tasks]:
+        future.result()
 
 
 class CompressedAdamW(torch.optim.AdamW):
@@ -178,6 +227,7 @@ class CompressedAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         index = -1  # each parameter's position in the optimizer (stochastic rounding's seed)
+        tasks_by_device: dict[torch.device, list] = {}  # every parameter's chunks, stepped together
         for group in self.param_groups:
             if group.get("amsgrad") or group.get("maximize") or group.get("differentiable"):
                 raise ValueError("CompressedAdamW supports neither amsgrad, maximize nor differentiable")
@@ -191,22 +241,30 @@ class CompressedAdamW(torch.optim.AdamW):
                     continue
                 state = self._init_state(p)
                 state["step"] += 1
-                self._step_param(_local(p), _local(p.grad), state, kwargs, index=index)
+                local = _local(p)
+                tasks = tasks_by_device.setdefault(local.device, [])
+                tasks += self._chunk_steps(local, _local(p.grad), state, kwargs, index=index)
+        for device, tasks in tasks_by_device.items():
+            _run_chunks(tasks, device)
         return loss
 
-    def _step_param(self, p: torch.Tensor, g: torch.Tensor, state: dict, kwargs: dict, *, index: int = 0) -> None:
-        """The fused kernel on ``p`` chunk by chunk, each chunk's moments decoded into fp32 scratch and encoded back."""
+    def _chunk_steps(self, p: torch.Tensor, g: torch.Tensor, state: dict, kwargs: dict, *,
+                     index: int = 0) -> list[Callable[[], None]]:
+        """``p``'s step as independent chunk steps: the fused kernel on each chunk, its moments decoded into fp32
+        scratch (the running thread's) and encoded back. Chunks are whole int8 blocks, and the random bits of
+        stochastic rounding depend on positions only, so the result does not depend on the chunking."""
         if g.dtype != p.dtype:
             raise ValueError(f"gradient dtype {g.dtype} differs from its parameter's {p.dtype}")
         p_flat, g_flat = p.view(-1), g.reshape(-1)
         m, v = _local(state["exp_avg"]).view(-1), _local(state["exp_avg_sq"]).view(-1)
+        m_scale = v_scale = None
         if self.state_dtype == "int8":
             m_scale, v_scale = _local(state["exp_avg_scale"]), _local(state["exp_avg_sq_scale"])
-        n = p_flat.numel()
-        step = [state["step"]]
-        chunk = chunk_elements()
-        for start in range(0, n, chunk):
-            end = min(n, start + chunk)
+        step, step_number = [state["step"]], int(state["step"])
+        n, chunk = p_flat.numel(), chunk_elements(p_flat.device)
+
+        @torch.no_grad()  # on the pool's threads too: grad mode is per thread
+        def step_chunk(start: int, end: int) -> None:
             # The moments' fp32 scratch, and for bf16/fp16 parameters their fp32 copy and the gradient's.
             m32, v32, *p32_g32 = _fp32_scratch(end - start, p_flat.device,
                                                count=2 if p_flat.dtype == torch.float32 else 4)
@@ -225,8 +283,8 @@ class CompressedAdamW(torch.optim.AdamW):
                 g32.copy_(g_flat[start:end])
                 torch._fused_adamw_([p32], [g32], [m32], [v32], [], step, **kwargs)
                 if self.rounding == "stochastic" and p_flat.dtype == torch.bfloat16:
-                    bits = random_bits(end - start, seed=self.seed, index=index, step=int(state["step"]),
-                                       offset=start, out=g32.view(torch.int32))  # the gradient's copy is read
+                    bits = random_bits(end - start, seed=self.seed, index=index, step=step_number, offset=start,
+                                       out=g32.view(torch.int32), threads=1)  # the gradient's copy is read
                     stochastic_round_(p_flat[start:end], p32, bits)
                 else:
                     p_flat[start:end].copy_(p32)
@@ -236,6 +294,8 @@ class CompressedAdamW(torch.optim.AdamW):
             else:
                 _encode_signed(m32, m[start:end], m_scale[b0:b1])
                 _encode_sqrt(v32, v[start:end], v_scale[b0:b1])
+
+        return [functools.partial(step_chunk, start, min(n, start + chunk)) for start in range(0, n, chunk)]
 
 
 # --- int8 blockwise codes ----------------------------------------------------------------------------------------
