@@ -13,9 +13,10 @@ The parameters stay as they are (fp32 masters when the model is fp32; bf16 maste
 with ``rounding="stochastic"``, stochastically: ``memory/bf16_master.py``), and so does the arithmetic: each step runs
 torch's own fused AdamW kernel (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` calls) on fp32
 moments decoded chunk by chunk into a scratch buffer (one per thread and device, reused), then encodes them back;
-on the host the chunks are stepped on several threads at once, one chunk per thread (``CHUNK_PER_THREAD``). So ``state_dtype="bf16"`` gives, bit for bit, fused AdamW whose moments are rounded to
-bf16 after each step (``tests/test_compressed_adamw.py``), in about twice fused fp32 AdamW's time per thread;
-``int8`` takes 15-25 times as long (its codes are about twenty elementwise passes; ``tools/bench_cpu_optim.py``).
+on the host the chunks are stepped on several threads at once, one chunk per thread (``CHUNK_PER_THREAD``). So
+``state_dtype="bf16"`` gives, bit for bit, fused AdamW whose moments are rounded to bf16 after each step
+(``tests/test_compressed_adamw.py``), in about twice fused fp32 AdamW's time per thread; ``int8`` takes about 7
+times as long (its codes are about twenty elementwise passes; ``tools/bench_cpu_optim.py``).
 
 Why not a library: on CPU tensors torchao's low-bit and bf16 stochastic-rounding AdamW (torch.compile'd per
 parameter) and bitsandbytes' 8-bit AdamW (its CPU fallback) measured 25 to 100 times slower than fused fp32 AdamW
