@@ -26,6 +26,7 @@ from engine_cases import batch, cpu_mesh, tiny_model
 from fsdp_speedloader import apply_speedloader, speedloader_engine
 from fsdp_speedloader.app.trainer import Trainer
 from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer, OverlappedOptimizer
+from fsdp_speedloader.memory.threads import adopted_num_threads
 
 NUM_SUB = 3
 CLIPS = 0.05  # below every step's gradient norm (about 2): the coefficient is < 1 each step
@@ -356,7 +357,7 @@ def test_trainer_skips_a_nonfinite_step_and_goes_on(tmp_path, caplog):
 def test_worker_threads_sets_the_cpu_threads_of_the_optimizer_worker_only():
     """``worker_threads=1``: the inner steps run on the worker thread with one CPU thread, the same parameters as
     with torch's default (exact), and the main thread keeps its own thread count."""
-    main_threads = torch.get_num_threads()
+    main_threads, adopted = torch.get_num_threads(), adopted_num_threads()
     results = []
     for threads in (0, 1):
         model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
@@ -378,6 +379,7 @@ def test_worker_threads_sets_the_cpu_threads_of_the_optimizer_worker_only():
         assert on_worker == ({1} if threads else {main_threads}), seen
         results.append([_full(p).clone() for p in model.parameters()])
     assert torch.get_num_threads() == main_threads
+    assert adopted_num_threads() == adopted  # threads started later keep torch's count, not the worker's
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 

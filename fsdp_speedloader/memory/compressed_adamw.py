@@ -43,6 +43,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_speedloader.memory.bf16_master import random_bits, stochastic_round_
+from fsdp_speedloader.memory.threads import set_thread_num_threads
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 """``fp32``: plain ``torch.optim.AdamW`` (exact, the default); ``bf16`` / ``int8``: :class:`CompressedAdamW`."""
@@ -113,36 +114,9 @@ def chunk_elements(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _host_pool(threads: int) -> ThreadPoolExecutor:
-    """``threads`` threads that compute with one intra-op thread each: the parallelism is across chunks.
-
-    ``torch.set_num_threads`` is process-wide for threads that have not computed yet (a new thread adopts the last
-    value set), so the workers are all started and set to 1 at once, then the value new threads adopt is put back.
-    """
-    adopted = _new_thread_num_threads()
-    started = threading.Barrier(threads + 1)
-
-    def start() -> None:
-        torch.get_num_threads()  # torch's once-per-thread adoption first, so that it cannot undo the 1 below
-        torch.set_num_threads(1)
-        started.wait()
-
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsl-adamw", initializer=start)
-    for _ in range(threads):  # each submission starts a worker while none is idle
-        pool.submit(lambda: None)
-    started.wait()
-    restore = threading.Thread(target=torch.set_num_threads, args=(adopted,))
-    restore.start()
-    restore.join()
-    return pool
-
-
-def _new_thread_num_threads() -> int:
-    """The intra-op thread count a thread that has not computed yet adopts."""
-    seen: list[int] = []
-    probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-    probe.start()
-    probe.join()
-    return seen[0]
+    """``threads`` threads that compute with one intra-op thread each: the parallelism is across chunks."""
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsl-adamw",
+                              initializer=set_thread_num_threads, initargs=(1,))
 
 
 def _run_chunks(tasks: list[Callable[[], None]], device: torch.device) -> None:

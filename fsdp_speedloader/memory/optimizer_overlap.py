@@ -57,6 +57,7 @@ from fsdp_speedloader.engine.speedloader import speedloader_engine
 from fsdp_speedloader.fsdp2 import fsdp_params_of
 from fsdp_speedloader.memory.grad_clip import NormTable, clip_coefficient, coefficients_by_device, full_value, \
     scale_grads_, tensor_norms, total_norm
+from fsdp_speedloader.memory.threads import set_thread_num_threads
 
 BuildOptimizer = Callable[[list], torch.optim.Optimizer]
 """Makes one inner optimizer for a list of parameters, e.g. ``lambda params: torch.optim.AdamW(params, lr=1e-4)``."""
@@ -372,7 +373,7 @@ class OverlappedOptimizer(OptimizersContainer):
     # --- the worker's side -----------------------------------------------------------------------------------
     def _run(self) -> None:
         if self._worker_threads:
-            torch.set_num_threads(self._worker_threads)  # this thread's OpenMP pool: the CPU steps' arithmetic
+            set_thread_num_threads(self._worker_threads)  # this thread's only: the CPU steps' arithmetic
         while (item := self._queue.get()) is not None:
             kind, index, payload = item
             try:
