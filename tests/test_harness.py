@@ -238,6 +238,25 @@ def test_launch_worker_timeout_stops_the_whole_session(tmp_path):
     assert not marker.exists()
 
 
+def test_a_terminated_driver_stops_its_worker(tmp_path):
+    """``timeout`` or a scheduler sends the driver SIGTERM: its worker (in its own session) must not run on."""
+    marker = tmp_path / "worker_alive"
+    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TOOLS)!r})
+        import harness
+        print("driver up", flush=True)
+        harness.run_process([sys.executable, "-c", "import time, pathlib; time.sleep(5); "
+                             "pathlib.Path({str(marker)!r}).write_text('x')"], timeout=60)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert driver.stdout.readline().strip() == "driver up"
+    time.sleep(1.0)  # the worker has started
+    driver.terminate()
+    assert driver.wait(timeout=30) == 128 + 15  # it stopped its worker, then exited
+    time.sleep(6)
+    assert not marker.exists()
+
+
 def test_launch_worker_oom_before_a_hang_is_oom():
     """A rank out of memory can leave its peers waiting in a collective until stopped: still oom."""
     outcome = harness.launch_worker(_python(f"""

@@ -261,11 +261,22 @@ def run_process(cmd: Sequence[str], *, env: Optional[dict] = None, cwd: Optional
     """Runs ``cmd`` (a :class:`Process`) to its end, or stops it after ``timeout`` seconds."""
     start = time.perf_counter()
     proc = Process(cmd, env=env, cwd=cwd, echo=echo)
+    # A SIGTERM to this process (`timeout`, a scheduler) would end it at once and leave the child, in its own
+    # session, running on with the GPU and host memory it holds: turn it into an exit that runs the stop below.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         code = proc.wait(timeout)
     finally:
-        proc.stop()  # a timeout, or this process interrupted: the child's whole session goes
+        proc.stop()  # a timeout, or this process interrupted or terminated: the child's whole session goes
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return Finished(code, *proc.output(), wall_s=time.perf_counter() - start, timeout=timeout)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 @dataclass
