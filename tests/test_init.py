@@ -11,7 +11,8 @@ from torch import nn
 from fsdp_speedloader.models import build_model, init_weights
 from fsdp_speedloader.models import init as init_module
 from fsdp_speedloader.models.config import ModelConfig
-from fsdp_speedloader.models.init import initial_fill_tasks, initial_value, local_stretch, run_tasks
+from fsdp_speedloader.models.init import initial_fill_tasks, initial_value, run_tasks
+from fsdp_speedloader.models.shards import local_stretch
 
 SHAPE = (37, 1003)  # a stretch boundary falls inside a row, and the last stretch is short
 

@@ -17,12 +17,12 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
                           OPTConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from fsdp_speedloader.models.config import ModelConfig
 from fsdp_speedloader.models.init import init_weights
+from fsdp_speedloader.models.shards import copy_full_tensor_
 
 # Hugging Face model_type of a checkpoint -> the ModelConfig family that runs it.
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -131,24 +131,6 @@ def materialize_model(model: nn.Module, cfg: ModelConfig, *, device: torch.devic
         load_safetensors(model, cfg.path)
     else:
         init_weights(model, seed=seed, std=cfg.init_std)
-
-
-def copy_full_tensor_(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copies this rank's part of the full tensor ``full`` into ``param`` (a DTensor or a plain tensor)."""
-    if full.shape != param.shape:
-        raise ValueError(f"shape mismatch: checkpoint tensor {tuple(full.shape)} vs parameter {tuple(param.shape)}")
-    if not isinstance(param, DTensor):
-        param.data.copy_(full)
-        return
-    local = full
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            chunks = torch.chunk(local, param.device_mesh.size(mesh_dim), dim=placement.dim)
-            rank = param.device_mesh.get_local_rank(mesh_dim)
-            local = chunks[rank] if rank < len(chunks) else local.narrow(placement.dim, 0, 0)
-        elif not isinstance(placement, Replicate):
-            raise ValueError(f"unsupported placement {placement}")
-    param.to_local().copy_(local)
 
 
 def _rebuild_buffers(model: nn.Module, device: torch.device) -> None:

@@ -20,7 +20,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_speedloader.models.shards import copy_full_tensor_, local_stretch
 
 INIT_CHUNK = 1 << 18
 """Elements per seeded stretch (1 MiB of fp32): small enough to spread a layer over many cores, large enough that
@@ -101,30 +102,6 @@ def initial_value(module: nn.Module, name: str, shape: tuple, *, seed: int, std:
     return full
 
 
-def local_stretch(param: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
-    """(this rank's values of ``param`` as a 1-D view, the flat index of their first element in the full tensor)
-    when they are one contiguous stretch of it: a plain tensor, or a DTensor sharded along dim 0 only (FSDP2,
-    HSDP), split as ``torch.chunk`` splits. None otherwise."""
-    if not isinstance(param, DTensor):
-        data = param.data
-        return (data.view(-1), 0) if data.is_contiguous() else None
-    first_row, rows = 0, param.shape[0] if param.dim() else 1
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            if placement.dim != 0:
-                return None
-            size, rank = param.device_mesh.size(mesh_dim), param.device_mesh.get_local_rank(mesh_dim)
-            per_rank = -(-rows // size)  # torch.chunk: ceil(rows / size) rows per rank, the last ones fewer or none
-            first_row, rows = first_row + rank * per_rank, max(0, min(per_rank, rows - rank * per_rank))
-        elif not isinstance(placement, Replicate):
-            return None
-    local = param.to_local()
-    row_numel = local.numel() // rows if rows else 0
-    if not local.is_contiguous() or (rows and local.shape[0] != rows):
-        return None
-    return local.view(-1), first_row * row_numel
-
-
 @torch.no_grad()
 def init_weights(model: nn.Module, *, seed: int, std: float, threads: Optional[int] = None) -> None:
     """Fills every (possibly sharded, possibly offloaded) parameter with its seeded initial value: this rank's
@@ -135,8 +112,6 @@ def init_weights(model: nn.Module, *, seed: int, std: float, threads: Optional[i
         shape, module = tuple(param.shape), owners[id(param)]
         stretch = local_stretch(param)
         if stretch is None:  # an unusual placement: the full tensor, then this rank's part
-            from fsdp_speedloader.models.build import copy_full_tensor_
-
             copy_full_tensor_(param, initial_value(module, name, shape, seed=seed, std=std, threads=threads))
             continue
         local, start = stretch
