@@ -34,7 +34,9 @@ def local_stretch(param: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
     if not isinstance(param, DTensor):
         data = param.data
         return (data.view(-1), 0) if data.is_contiguous() else None
-    first_row, rows = 0, param.shape[0] if param.dim() else 1
+    if param.dim() == 0:
+        return None
+    first_row, rows = 0, param.shape[0]
     for mesh_dim, placement in enumerate(param.placements):
         if isinstance(placement, Shard):
             if placement.dim != 0:
@@ -44,7 +46,7 @@ def local_stretch(param: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
             first_row, rows = first_row + rank * per_rank, max(0, min(per_rank, rows - rank * per_rank))
         elif not isinstance(placement, Replicate):
             return None
-    local = param.to_local()
+    local = param.to_local().detach()  # filled in place, possibly on other threads (grad mode is per thread)
     row_numel = local.numel() // rows if rows else 0
     if not local.is_contiguous() or (rows and local.shape[0] != rows):
         return None
