@@ -79,9 +79,10 @@ class OptimConfig:
     grad_slots_in_flight units' worth; exact, docs/design.md §13); 0: a slot per parameter. Clipping needs every
     gradient after the backward: then there is a slot per parameter whatever this says."""
     worker_threads: int = 0
-    """With overlap_with_backward: the CPU threads of the worker that steps the units (torch.set_num_threads in
-    that thread); 0: torch's default (every core). Fewer than the cores leaves the thread that launches the GPU's
-    work a core while the step runs beside the backward (docs/results.md, the MoE profile). Exact either way."""
+    """With overlap_with_backward: the CPU threads of the worker that steps the units (that thread's only:
+    memory/threads.py); 0: torch's default (every core). Meant to leave the thread that launches the GPU's work a
+    core while the step runs beside the backward; measured on the MoE step it gave no gain (docs/results.md).
+    Exact either way."""
     state_dtype: str = "fp32"
     """AdamW's moments: 'fp32' (torch.optim.AdamW, 8 B/param, exact: the default); 'bf16' (4 B/param, rounded to
     nearest after each step) or 'int8' (8-bit blockwise, 2 B/param): fsdp_speedloader's CompressedAdamW, torch's
