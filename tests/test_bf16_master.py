@@ -62,16 +62,6 @@ def test_random_bits_depend_on_the_position_not_on_the_chunking():
     assert not torch.equal(whole, random_bits(n, seed=7, index=4, step=5))  # another parameter, other bits
 
 
-@pytest.mark.parametrize("offset", [0, 5, NOISE_SEGMENT, 2 * NOISE_SEGMENT - 1])
-def test_random_bits_are_the_same_on_any_number_of_threads(offset):
-    """Segments are drawn on several threads at once (each a run of whole segments); the bits must not change."""
-    for n in (1, NOISE_SEGMENT - 3, 5 * NOISE_SEGMENT + 17):
-        serial = random_bits(n, seed=1, index=2, step=3, offset=offset, threads=1)
-        for threads in (2, 3, 8):
-            assert torch.equal(random_bits(n, seed=1, index=2, step=3, offset=offset, threads=threads), serial)
-        assert torch.equal(random_bits(offset + n, seed=1, index=2, step=3, threads=4)[offset:], serial)
-
-
 # --- the optimizer ------------------------------------------------------------------------------------------------
 
 

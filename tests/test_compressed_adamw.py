@@ -16,7 +16,7 @@ from fsdp_speedloader.app.optim import build_adamw
 from fsdp_speedloader.app.trainer import Trainer
 from fsdp_speedloader.memory import compressed_adamw
 from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW, num_state_bytes
-from fsdp_speedloader.memory.threads import adopted_num_threads
+from fsdp_speedloader.memory.threads import adopted_num_threads, host_pool
 
 SHAPES = [(300, 50), (3000,), (7, 1), (5000,)]  # 5000: no multiple of BLOCK, spans chunks when they are small
 
@@ -102,7 +102,7 @@ def test_host_chunks_on_several_threads_give_the_serial_result(monkeypatch, stat
 def test_the_host_pool_leaves_the_thread_count_new_threads_adopt():
     """torch.set_num_threads in the pool's workers would set the count every later thread adopts; it is put back."""
     before = adopted_num_threads()
-    pool = compressed_adamw._host_pool(5)  # a size no other test asks for: started here
+    pool = host_pool(5)  # a size no other test asks for: started here
     counts = [f.result() for f in [pool.submit(torch.get_num_threads) for _ in range(20)]]
     assert set(counts) == {1}  # the workers compute with one intra-op thread
     assert adopted_num_threads() == before

@@ -11,7 +11,8 @@ from torch import nn
 from fsdp_speedloader.models import build_model, init_weights
 from fsdp_speedloader.models import init as init_module
 from fsdp_speedloader.models.config import ModelConfig
-from fsdp_speedloader.models.init import initial_fill_tasks, initial_value, run_tasks
+from fsdp_speedloader.memory.threads import run_on_host_threads
+from fsdp_speedloader.models.init import initial_fill_tasks, initial_value
 from fsdp_speedloader.models.shards import local_stretch
 
 SHAPE = (37, 1003)  # a stretch boundary falls inside a row, and the last stretch is short
@@ -24,7 +25,7 @@ def small_stretches(monkeypatch):
 
 def _part(start: int, stop: int, *, dtype=torch.float32, threads=1, module=None, name="w.weight") -> torch.Tensor:
     out = torch.full((stop - start,), float("nan"), dtype=dtype)
-    run_tasks(initial_fill_tasks(out, module or nn.Linear(1, 1), name, SHAPE, start=start, seed=3, std=0.02), threads)
+    run_on_host_threads(initial_fill_tasks(out, module or nn.Linear(1, 1), name, SHAPE, start=start, seed=3, std=0.02), threads)
     return out
 
 

@@ -18,10 +18,8 @@ resumed run reproduces an uninterrupted one, with no random state in the checkpo
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -44,46 +42,23 @@ def _generator(seed: int, index: int, step: int, segment: int) -> torch.Generato
 
 
 def random_bits(n: int, *, seed: int, index: int, step: int, offset: int = 0,
-                out: Optional[torch.Tensor] = None, threads: Optional[int] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """16 random bits per element (int32) for elements ``offset .. offset + n`` of parameter ``index`` at ``step``,
     into ``out`` (int32, ``n`` elements: a reused scratch buffer saves a fresh allocation's page faults) if given.
-
-    A seeded generator draws serially, so the segments are drawn on ``threads`` threads (default: the calling
-    thread's intra-op thread count), each a contiguous run of whole segments: the same bits whatever the split."""
+    A seeded generator draws serially: the optimizer draws its chunks' bits on its pool's threads."""
     out = torch.empty(n, dtype=torch.int32) if out is None else out
-    threads, stop = max(1, threads or torch.get_num_threads()), offset + n
-    per_part = max(1, -(-n // (threads * NOISE_SEGMENT))) * NOISE_SEGMENT  # whole segments per thread
-    first_cut = -(-offset // NOISE_SEGMENT) * NOISE_SEGMENT  # parts start on segment boundaries
-    bounds = [offset, *(c for c in range(first_cut, stop, per_part) if c > offset), stop]
-    if threads == 1 or len(bounds) == 2:
-        _draw_bits(out, seed=seed, index=index, step=step, offset=offset, stop=offset + n, base=offset)
-        return out
-    futures = [_pool(threads).submit(_draw_bits, out, seed=seed, index=index, step=step, offset=lo, stop=hi,
-                                     base=offset) for lo, hi in zip(bounds[:-1], bounds[1:])]
-    for future in futures:
-        future.result()
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsl-random-bits")
-
-
-def _draw_bits(out: torch.Tensor, *, seed: int, index: int, step: int, offset: int, stop: int, base: int) -> None:
-    """Elements ``offset .. stop`` of parameter ``index``'s bits at ``step`` into ``out[offset - base:]``."""
-    n = stop - offset
     pos = offset
     while pos < offset + n:
         segment, within = divmod(pos, NOISE_SEGMENT)
         take = min(NOISE_SEGMENT - within, offset + n - pos)
         gen = _generator(seed, index, step, segment)
-        target = out[pos - base : pos - base + take]
+        target = out[pos - offset : pos - offset + take]
         if within == 0:  # a segment's first `take` draws, straight into place
             torch.randint(0, 1 << 16, (take,), dtype=torch.int32, generator=gen, out=target)
         else:  # the draws of a segment that started before `offset`: its prefix, then the part asked for
             target.copy_(torch.randint(0, 1 << 16, (within + take,), dtype=torch.int32, generator=gen)[within:])
         pos += take
+    return out
 
 
 def stochastic_round_(out: torch.Tensor, x: torch.Tensor, bits: torch.Tensor) -> None:

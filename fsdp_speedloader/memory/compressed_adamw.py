@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from typing import Any, Callable, Iterable, Optional
 
@@ -43,7 +42,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_speedloader.memory.bf16_master import random_bits, stochastic_round_
-from fsdp_speedloader.memory.threads import set_thread_num_threads
+from fsdp_speedloader.memory.threads import run_on_host_threads
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 """``fp32``: plain ``torch.optim.AdamW`` (exact, the default); ``bf16`` / ``int8``: :class:`CompressedAdamW`."""
@@ -112,23 +111,14 @@ def chunk_elements(device: torch.device) -> int:
     return CHUNK_PER_THREAD if device.type == "cpu" else DEVICE_CHUNK
 
 
-@functools.lru_cache(maxsize=None)
-def _host_pool(threads: int) -> ThreadPoolExecutor:
-    """``threads`` threads that compute with one intra-op thread each: the parallelism is across chunks."""
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsl-adamw",
-                              initializer=set_thread_num_threads, initargs=(1,))
-
-
 def _run_chunks(tasks: list[Callable[[], None]], device: torch.device) -> None:
-    """The chunks' steps: on the host on the caller's intra-op thread count of threads, one chunk per thread at a
-    time; on an accelerator in order (its kernels are asynchronous already). Raises the first task's error."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            task()
+    """The chunks' steps: on the host on the caller's intra-op thread count of pool threads, one chunk per thread at
+    a time; on an accelerator in order (its kernels are asynchronous already)."""
+    if device.type == "cpu":
+        run_on_host_threads(tasks)
         return
-    for future in [_host_pool(threads).submit(task) for task in tasks]:
-        future.result()
+    for task in tasks:
+        task()
 
 
 class CompressedAdamW(torch.optim.AdamW):
@@ -259,7 +249,7 @@ class CompressedAdamW(torch.optim.AdamW):
                 torch._fused_adamw_([p32], [g32], [m32], [v32], [], step, **kwargs)
                 if self.rounding == "stochastic" and p_flat.dtype == torch.bfloat16:
                     bits = random_bits(end - start, seed=self.seed, index=index, step=step_number, offset=start,
-                                       out=g32.view(torch.int32), threads=1)  # the gradient's copy is read
+                                       out=g32.view(torch.int32))  # the gradient's copy is read
                     stochastic_round_(p_flat[start:end], p32, bits)
                 else:
                     p_flat[start:end].copy_(p32)

@@ -195,7 +195,8 @@ class OverlappedOptimizer(OptimizersContainer):
     ``grad_slots_in_flight``: without clipping or skipping (the steps run during the backward), the host gradient
     slots of this many units, reused in turn, instead of one per parameter (the arena's gradients shrink from the
     units' whole size to R units'); 0: one per parameter. Each unit's ``.grad`` is None once its step ran.
-    ``worker_threads``: the worker thread's CPU threads (``torch.set_num_threads`` there); 0: torch's default.
+    ``worker_threads``: the worker thread's CPU threads (that thread's only: ``memory/threads.py``); 0: torch's
+    default.
     """
 
     def __init__(self, model: nn.Module, build: BuildOptimizer, *, max_norm: float = 0.0,

@@ -1,13 +1,20 @@
-"""One thread's intra-op thread count, without changing anyone else's.
+"""Host threads: one thread's intra-op thread count, and a pool that runs independent tasks on the host's cores.
 
 ``torch.set_num_threads`` sets the calling thread's OpenMP thread count and also the count that every thread which
 has not computed yet adopts at its first operation (torch's ``lazy_init_num_threads``). The host optimizer's worker
-and its chunk pool want their own count; ``set_thread_num_threads`` gives it to the calling thread only.
+and the pool want their own count; ``set_thread_num_threads`` gives it to the calling thread only.
+
+``run_on_host_threads`` runs independent tasks (the chunks of a compressed AdamW step, the stretches of the seeded
+initialisation) on a pool whose threads compute with one intra-op thread each: the parallelism is across tasks, and
+no operation opens a parallel region whose barrier would wait for every core.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
 
 import torch
 
@@ -32,3 +39,22 @@ def set_thread_num_threads(n: int) -> None:
         restore = threading.Thread(target=torch.set_num_threads, args=(adopted,))
         restore.start()
         restore.join()
+
+
+@functools.lru_cache(maxsize=None)
+def host_pool(threads: int) -> ThreadPoolExecutor:
+    """``threads`` threads that compute with one intra-op thread each (started once, kept)."""
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsl-host",
+                              initializer=set_thread_num_threads, initargs=(1,))
+
+
+def run_on_host_threads(tasks: list[Callable[[], None]], threads: Optional[int] = None) -> None:
+    """Runs independent tasks on ``threads`` pool threads (default: the caller's intra-op thread count), in the
+    caller when that is 1 or there is one task; raises the first task's error."""
+    threads = threads or max(1, torch.get_num_threads())
+    if threads <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            task()
+        return
+    for future in [host_pool(threads).submit(task) for task in tasks]:
+        future.result()

@@ -15,12 +15,12 @@ straight into the shards' memory, whose first touch (its page faults) is then sp
 from __future__ import annotations
 
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from fsdp_speedloader.memory.threads import run_on_host_threads
 from fsdp_speedloader.models.shards import copy_full_tensor_, local_stretch
 
 INIT_CHUNK = 1 << 18
@@ -81,24 +81,11 @@ def initial_fill_tasks(out: torch.Tensor, module: nn.Module, name: str, shape: t
     return [lambda c=c: draw(c) for c in range(start // INIT_CHUNK, (end - 1) // INIT_CHUNK + 1)]
 
 
-def run_tasks(tasks: list[Callable[[], None]], threads: Optional[int] = None) -> None:
-    """Runs independent tasks on ``threads`` threads (default: torch's intra-op thread count); raises the first
-    task's error."""
-    threads = threads or max(1, torch.get_num_threads())
-    if threads == 1 or len(tasks) <= 1:
-        for task in tasks:
-            task()
-        return
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsl-init") as pool:
-        for future in [pool.submit(task) for task in tasks]:
-            future.result()
-
-
 def initial_value(module: nn.Module, name: str, shape: tuple, *, seed: int, std: float,
                   dtype: torch.dtype = torch.float32, threads: Optional[int] = None) -> torch.Tensor:
     """The full initial value of parameter ``name`` (owned by ``module``) on the CPU, in ``dtype``."""
     full = torch.empty(shape, dtype=dtype)
-    run_tasks(initial_fill_tasks(full.view(-1), module, name, tuple(shape), start=0, seed=seed, std=std), threads)
+    run_on_host_threads(initial_fill_tasks(full.view(-1), module, name, tuple(shape), start=0, seed=seed, std=std), threads)
     return full
 
 
@@ -120,6 +107,6 @@ def init_weights(model: nn.Module, *, seed: int, std: float, threads: Optional[i
             device_copies.append((local, host))
             local = host
         tasks += initial_fill_tasks(local, module, name, shape, start=start, seed=seed, std=std)
-    run_tasks(tasks, threads)
+    run_on_host_threads(tasks, threads)
     for local, host in device_copies:
         local.copy_(host)
