@@ -26,6 +26,10 @@ each figure: on a shared machine a parallel region waits for descheduled threads
 Usage:
   python tools/bench_cpu_optim.py                          # every candidate, 1 and 2 threads, 2 blocks (405M)
   python tools/bench_cpu_optim.py --candidates torch-fused,fsl-bf16 --threads 2 --blocks 1
+  python tools/bench_cpu_optim.py --candidates fsl-int8-bf16-sr --threads 16 --chunks 65536,262144,1048576
+
+``--chunks``: the fsl candidates' elements per host chunk (``compressed_adamw.CHUNK_PER_THREAD``), one row each:
+each of a chunk's ~30 passes goes over fp32 scratch of that many elements, in a core's cache or not.
 
 Writes bench/results/<name>.json (device: this CPU) and prints a table: seconds per step per 1e9 parameters,
 and thread-seconds per 1e9 parameters (seconds x threads: what a core-bound step costs; a machine with more cores
@@ -86,8 +90,12 @@ def build(name: str, params: list):
 def run_worker(args: argparse.Namespace) -> dict:
     import torch
 
-    name, threads = args.worker.split("@")
+    name, threads, chunk = args.worker.split("@")
     torch.set_num_threads(int(threads))
+    if chunk:
+        from fsdp_speedloader.memory import compressed_adamw
+
+        compressed_adamw.CHUNK_PER_THREAD = int(chunk)
     dtype = torch.bfloat16 if name in MASTER_BYTES else torch.float32
     gen = torch.Generator().manual_seed(0)
     params = []
@@ -108,7 +116,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - start)
     timed = times[args.warmup:]
     median = statistics.median(timed)
-    return {"num_params": num_params, "threads": int(threads), "step_times_s": times, "median_step_s": median,
+    return {"num_params": num_params, "threads": int(threads), "chunk_elements": int(chunk) if chunk else None,
+            "step_times_s": times, "median_step_s": median,
             "s_per_billion_params": median / num_params * 1e9,
             "thread_s_per_billion_params": median / num_params * 1e9 * int(threads),
             "state_bytes_per_param": STATE_BYTES[name], "master_bytes_per_param": MASTER_BYTES.get(name, 4),
@@ -131,6 +140,8 @@ def main() -> None:
     parser.add_argument("--candidates", default=",".join(CANDIDATES), help=f"comma-separated, of {CANDIDATES}")
     parser.add_argument("--threads", default="1,2", help="comma-separated intra-op thread counts")
     parser.add_argument("--blocks", type=int, default=2, help="LLaMA-2-7B blocks of parameters (202M each)")
+    parser.add_argument("--chunks", default="", help="comma-separated elements per host chunk of the fsl candidates "
+                        "(default: the library's CHUNK_PER_THREAD)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800)
@@ -153,23 +164,26 @@ def main() -> None:
                        "(a memory-bound step scales less)"),
               "results": rows}
     path = Path(args.out_dir, f"{args.name}.json")
-    print("| candidate | threads | state B/param | s per step per 1e9 params | thread-s per 1e9 params |")
-    print("|---|---|---|---|---|", flush=True)
-    for name in candidates:
-        for threads in args.threads.split(","):
-            env = {**os.environ, "OMP_NUM_THREADS": threads}
-            cmd = harness.worker_command(__file__, f"{name}@{threads}", sys.argv[1:], drop=("--candidates",))
-            row = harness.launch_worker(cmd, env, timeout=args.timeout).row(candidate=name)
-            if row.get("missing"):
-                row["status"] = "missing"
-            rows.append(row)
-            harness.write_record(path, record)
-            if row["status"] == "ok":
-                print(f"| {name} | {threads} | {row['state_bytes_per_param']} | {row['s_per_billion_params']:.2f} | "
-                      f"{row['thread_s_per_billion_params']:.2f} |", flush=True)
-            else:
-                print(f"| {name} | {threads} | - | {row['status']}: {row.get('error') or row.get('status_detail')} "
-                      "| - |", flush=True)
+    chunks = [c for c in args.chunks.split(",") if c]
+    if not all(c.isdigit() and int(c) % 2048 == 0 and int(c) > 0 for c in chunks):
+        parser.error(f"--chunks {args.chunks}: multiples of 2048 elements (the int8 block)")
+    print("| candidate | threads | chunk | state B/param | s per step per 1e9 params | thread-s per 1e9 params |")
+    print("|---|---|---|---|---|---|", flush=True)
+    for name, threads, chunk in [(n, t, c) for n in candidates for t in args.threads.split(",")
+                                 for c in ((chunks or [""]) if n.startswith("fsl-") else [""])]:
+        env = {**os.environ, "OMP_NUM_THREADS": threads}
+        cmd = harness.worker_command(__file__, f"{name}@{threads}@{chunk}", sys.argv[1:], drop=("--candidates",))
+        row = harness.launch_worker(cmd, env, timeout=args.timeout).row(candidate=name)
+        if row.get("missing"):
+            row["status"] = "missing"
+        rows.append(row)
+        harness.write_record(path, record)
+        if row["status"] == "ok":
+            print(f"| {name} | {threads} | {chunk or 'default'} | {row['state_bytes_per_param']} | "
+                  f"{row['s_per_billion_params']:.2f} | {row['thread_s_per_billion_params']:.2f} |", flush=True)
+        else:
+            print(f"| {name} | {threads} | {chunk or 'default'} | - | {row['status']}: "
+                  f"{row.get('error') or row.get('status_detail')} | - |", flush=True)
     print(f"wrote {path}")
 
 
