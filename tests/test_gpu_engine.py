@@ -111,42 +111,6 @@ def test_overlapped_optimizer_with_the_root_on_the_gpu():
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
-def test_overlapped_clipping_with_speculation_on_the_gpu():
-    """Clipping with the overlapped optimizer on the GPU (the gradients' host copies waited on by CUDA events, the
-    root's step on the device), the last two units speculated: steps that clip (undone) and steps that do not
-    (standing) give clip-then-step's weights, bit for bit."""
-    from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
-
-    maybe_init_process_group("cuda")
-    base = _model()
-    models = [apply_speedloader(copy.deepcopy(base), num_sub_batches=2, param_dtype=BF16, offload_params=True,
-                                offload_root=False) for _ in range(2)]
-
-    def adamw(params):
-        return torch.optim.AdamW(params, lr=1e-3, fused=True)
-
-    plain = adamw(list(models[0].parameters()))
-    overlapped = OverlappedOptimizer(models[1], adamw, max_norm=1.0, skip_nonfinite=True, speculative_units=2)
-    max_norms = [1e9, 1e-6, 1e9, 1e-6]  # never clips, always clips
-    try:
-        for step, max_norm in enumerate(max_norms):
-            ids, labels = _batch(4, 128, seed=step)
-            models[0](input_ids=ids, labels=labels).loss.backward()
-            torch.nn.utils.clip_grad_norm_(models[0].parameters(), max_norm)
-            plain.step()
-            plain.zero_grad()
-            overlapped.max_norm = max_norm
-            models[1](input_ids=ids, labels=labels).loss.backward()
-            overlapped.step()
-            overlapped.zero_grad()
-        overlapped.wait()
-        assert overlapped.num_rollbacks == 2
-    finally:
-        overlapped.close()
-    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
-        assert torch.equal(a.full_tensor(), b.full_tensor()), name
-
-
 def test_materialized_root_stays_on_the_gpu():
     """Built on meta and materialised with param_device=cpu (as the trainer and the benchmarks do): with
     offload_root=False the root's shards land on the GPU, the units' on the host, and a step trains."""

@@ -11,7 +11,6 @@ from dist_utils import tiny_config
 from fsdp_speedloader.app.host_memory import host_memory_plan, unit_and_root_shards
 from fsdp_speedloader.app.trainer import Trainer
 from fsdp_speedloader.memory.arena import GIB, HostMemoryBudget
-from fsdp_speedloader.memory.compressed_adamw import num_state_bytes
 from fsdp_speedloader.memory.host_plan import check_host_plan, plan_host_memory, savings_of, shard_numels
 from fsdp_speedloader.models import build_model
 
@@ -33,12 +32,6 @@ def test_tiers_per_mode():
     on_device = plan_host_memory(units=units, root=root, root_on_host=False)
     assert on_device.num_params == 4 * 1024 and on_device.optimizer_states == 8 * 4 * 1024
     assert shard_numels((97, 64), 2, 0) == (49 * 64, 49 * 64) and shard_numels((97, 64), 2, 1) == (49 * 64, 48 * 64)
-    speculating = plan_host_memory(units=units, root=root, speculative_units=2)
-    assert speculating.rollback_copies == 2 * 1024 * (4 + 8)  # two units' fp32 parameters and fp32 moments
-    assert speculating.total == exact.total + speculating.rollback_copies and speculating.arena == exact.arena
-    every = plan_host_memory(units=units, root=root, speculative_units=9, state_dtype="int8", param_itemsize=2)
-    per_unit = sum(2 * local + num_state_bytes(local, "int8") for _, local in UNIT)  # block scales per tensor
-    assert every.rollback_copies == 4 * per_unit  # every unit, never the root
 
 
 def test_refusal_is_one_line_with_the_bytes_each_setting_frees():
@@ -69,21 +62,6 @@ def test_plan_of_a_model_and_config():
     acts = settings["schedule.activation_store=device (activations on the GPU)"]
     assert acts.activations == 0 < plan.activations
     assert plan.activations == (cfg.model.num_layers + 1) * 2 * 2 * 32 * 64 * 2  # U + 1 slots of N x n x s x h, bf16
-
-
-def test_speculation_is_planned_and_named_as_what_frees_its_copies():
-    cfg = tiny_config("unused", offload={"params": True}, schedule={"name": "speedloader"}, model={"num_layers": 4},
-                      optim={"overlap_with_backward": True, "grad_clip": 1.0, "speculative_units": 2})
-    model = build_model(cfg.model, device="meta")
-    plan, alternatives = host_memory_plan(model, cfg, shards=1)
-    units, _ = unit_and_root_shards(model, blocks_per_unit=1, shards=1)
-    assert plan.rollback_copies == 12 * sum(local for unit in units[2:] for _, local in unit) > 0
-    settings = dict(alternatives)
-    assert settings["optim.speculative_units=0 (no rollback copies)"].rollback_copies == 0
-    # the in-flight slots need no clipping, so no speculation either: still offered
-    assert settings["optim.overlap_with_backward=true optim.grad_clip=0 (in-flight gradient slots)"].rollback_copies == 0
-    with pytest.raises(ValueError, match="optim.speculative_units: .* needs optim.overlap_with_backward=true"):
-        tiny_config("unused", offload={"params": True}, optim={"grad_clip": 1.0, "speculative_units": 1})
 
 
 def test_the_trainer_refuses_before_the_model_takes_host_memory(tmp_path, monkeypatch):

@@ -5,9 +5,8 @@ The reference is the trainer's plain path: ``torch.nn.utils.clip_grad_norm_(mode
 one AdamW step over the model. After every step, the overlapped optimizer's parameters and AdamW states (exp_avg,
 exp_avg_sq, step) are compared with it bit for bit (``torch.equal``), at world sizes 1 and 2, parameters offloaded,
 the root's states offloaded or not, with a max_norm that clips every step (the tiny model's gradient norm is about
-2) and one that never does, and with speculation (``speculative_units``: the last units stepped during the
-backward, rolled back when the step clips or is skipped). A non-finite gradient injected into one unit mid-run must
-leave the run exactly where a run that never took that batch is.
+2) and one that never does. A non-finite gradient injected into one unit mid-run must leave the run exactly where a
+run that never took that batch is.
 """
 
 from __future__ import annotations
@@ -88,17 +87,14 @@ def _inject(model, *, unit: int, value: float, when) -> list:
     return injected
 
 
-def _clip_run(rank: int, offload_root: bool, max_norm, *, steps: int = 3, bad_step: int = -1,
-              bad_value: float = math.inf, speculative_units: int = 0) -> dict:
+def _clip_run(rank: int, offload_root: bool, max_norm: float, *, steps: int = 3, bad_step: int = -1,
+              bad_value: float = math.inf) -> dict:
     """``steps`` steps of clip-then-step (the reference) and of the overlapped optimizer on this rank's batches,
-    compared bit for bit at the end. ``max_norm``: one for every step, or a list of one per step. ``bad_step``:
-    the overlapped run's backward at that step gets ``bad_value`` in a gradient of unit 2 (on rank 0 only) and the
-    reference never takes that batch."""
-    max_norms = max_norm if isinstance(max_norm, list) else [max_norm] * steps
+    compared bit for bit at the end. ``bad_step``: the overlapped run's backward at that step gets ``bad_value`` in
+    a gradient of unit 2 (on rank 0 only) and the reference never takes that batch."""
     reference, model = _pair(offload_root)
     plain = _adamw(reference.parameters())
-    overlapped = OverlappedOptimizer(model, _adamw, max_norm=max_norms[0], skip_nonfinite=True,
-                                     speculative_units=speculative_units)
+    overlapped = OverlappedOptimizer(model, _adamw, max_norm=max_norm, skip_nonfinite=True)
     step = [0]
     _inject(model, unit=2, value=bad_value, when=lambda: step[0] == bad_step and rank == 0)
     out = {"reference_norms": [], "norms": [], "skipped": []}
@@ -107,11 +103,9 @@ def _clip_run(rank: int, offload_root: bool, max_norm, *, steps: int = 3, bad_st
             ids, labels = batch(NUM_SUB, seed=100 * step[0] + rank)  # the ranks' batches differ
             if step[0] != bad_step:
                 reference(input_ids=ids, labels=labels).loss.backward()
-                norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norms[step[0]])
-                out["reference_norms"].append(_full(norm))
+                out["reference_norms"].append(_full(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)))
                 plain.step()
                 plain.zero_grad()
-            overlapped.max_norm = max_norms[step[0]]
             model(input_ids=ids, labels=labels).loss.backward()  # waits, unit by unit, for the last step's updates
             overlapped.step()
             out["norms"].append(overlapped.last_grad_norm)
@@ -122,114 +116,25 @@ def _clip_run(rank: int, offload_root: bool, max_norm, *, steps: int = 3, bad_st
     finally:
         overlapped.close()
     out["num_skipped_steps"] = overlapped.num_skipped_steps
-    out["num_rollbacks"] = overlapped.num_rollbacks
     return out
 
 
-def _check_norms(out: dict, max_norm, bad_step: int = -1, speculative_units: int = 0) -> None:
-    steps = len(out["norms"])
-    max_norms = max_norm if isinstance(max_norm, list) else [max_norm] * steps
-    good = [(n, m) for i, (n, m) in enumerate(zip(out["norms"], max_norms)) if i != bad_step]
-    assert all(torch.equal(a, b) for (a, _), b in zip(good, out["reference_norms"])), (good, out["reference_norms"])
-    assert all((n > m) == (m == CLIPS) for n, m in good), good  # clipping triggered, or never did
-    assert out["skipped"] == [i == bad_step for i in range(steps)]
+def _check_norms(out: dict, max_norm: float, bad_step: int = -1) -> None:
+    good = [n for i, n in enumerate(out["norms"]) if i != bad_step]
+    assert all(torch.equal(a, b) for a, b in zip(good, out["reference_norms"])), (good, out["reference_norms"])
+    assert all((n > max_norm) == (max_norm == CLIPS) for n in good), good  # clipping triggered, or never did
+    assert out["skipped"] == [i == bad_step for i in range(len(out["norms"]))]
     assert out["num_skipped_steps"] == (bad_step >= 0)
-    # Speculated steps are undone where the step clipped or was skipped, and stand where it did not.
-    undone = sum(1 for i, m in enumerate(max_norms) if m == CLIPS or i == bad_step)
-    assert out["num_rollbacks"] == (undone if speculative_units else 0), out
 
 
 # --- world size 1 ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("speculative_units", [0, 2], ids=["deferred", "speculating-2"])
 @pytest.mark.parametrize("offload_root", [True, False], ids=["root-offloaded", "root-on-device"])
 @pytest.mark.parametrize("max_norm", [CLIPS, NEVER_CLIPS], ids=["clips", "never-clips"])
-def test_overlapped_clipping_is_bitwise_clip_then_step(offload_root, max_norm, speculative_units):
-    out = _clip_run(0, offload_root, max_norm, speculative_units=speculative_units)
-    _check_norms(out, max_norm, speculative_units=speculative_units)
-
-
-MIXED = [NEVER_CLIPS, CLIPS, CLIPS, NEVER_CLIPS, CLIPS]  # speculated steps stand, are undone, stand, are undone
-
-
-@pytest.mark.parametrize("speculative_units", [1, 4], ids=["last-unit", "every-unit"])
-def test_speculated_steps_stand_or_are_undone_step_by_step(speculative_units):
-    """Steps that clip and steps that do not, in turn, and a non-finite step among them: after each the
-    speculated units' parameters and states are clip-then-step's, bit for bit."""
-    out = _clip_run(0, True, MIXED, steps=len(MIXED), speculative_units=speculative_units)
-    _check_norms(out, MIXED, speculative_units=speculative_units)
-    out = _clip_run(0, False, MIXED[:3], steps=3, bad_step=2, speculative_units=speculative_units)
-    _check_norms(out, MIXED[:3], bad_step=2, speculative_units=speculative_units)
-
-
-def test_speculated_units_are_stepped_during_the_backward():
-    """With ``speculative_units=2`` units 3 and 4 (the last of the forward) are stepped before ``step()`` is
-    called, units 1 and 2 only after it; without speculation none is."""
-    for speculative_units, stepped_early in ((2, [False, False, True, True]), (0, [False] * 4)):
-        model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
-        overlapped = OverlappedOptimizer(model, _adamw, max_norm=NEVER_CLIPS, speculative_units=speculative_units)
-        units = [module for module, _ in speedloader_engine(model).units]
-        before = [[_full(p).clone() for p in unit.parameters()] for unit in units]
-        try:
-            ids, labels = batch(NUM_SUB, seed=0)
-            model(input_ids=ids, labels=labels).loss.backward()
-            overlapped.wait()  # the worker's work of the backward: norms, and the speculated steps
-            changed = [not all(torch.equal(a, _full(p)) for a, p in zip(old, unit.parameters()))
-                       for old, unit in zip(before, units)]
-            assert changed == stepped_early, (speculative_units, changed)
-            overlapped.step()
-            overlapped.wait()
-            assert overlapped.num_rollbacks == 0 and "optimizer_rollbacks" in overlapped.step_stats() \
-                or not speculative_units
-        finally:
-            overlapped.close()
-
-
-@pytest.mark.parametrize("state_dtype", ["int8", "bf16-master"])
-def test_speculation_changes_no_bit_of_the_compressed_optimizer(state_dtype):
-    """The compressed AdamW (int8 codes and scales; bf16 parameters stochastically rounded, seeded by the step):
-    speculating every unit, with steps that clip (undone) and steps that do not (standing), ends where the
-    deferred steps do."""
-    from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
-
-    models = _pair(True)
-    if state_dtype == "bf16-master":
-        models = [apply_speedloader(tiny_model("llama").to(torch.bfloat16), mesh=cpu_mesh(), num_sub_batches=NUM_SUB,
-                                    offload_params=True) for _ in range(2)]
-        models[1].load_state_dict(models[0].state_dict())
-
-    def build(params):
-        rounding = "stochastic" if state_dtype == "bf16-master" else "nearest"
-        return CompressedAdamW(params, state_dtype="int8", lr=1e-2, weight_decay=0.1, rounding=rounding, seed=7)
-
-    optims = [OverlappedOptimizer(m, build, max_norm=MIXED[0], speculative_units=k) for m, k in zip(models, (0, 4))]
-    try:
-        for step, max_norm in enumerate(MIXED):
-            ids, labels = batch(NUM_SUB, seed=step)
-            for model, opt in zip(models, optims):
-                opt.max_norm = max_norm
-                model(input_ids=ids, labels=labels).loss.backward()
-                opt.step()
-                opt.zero_grad()
-        for opt in optims:
-            opt.wait()
-        assert optims[1].num_rollbacks == MIXED.count(CLIPS) and optims[0].num_rollbacks == 0
-        for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-            assert torch.equal(_full(a), _full(b)), name
-        for a, b in zip(_states(models[0], optims[0]).values(), _states(models[1], optims[1]).values()):
-            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    finally:
-        for opt in optims:
-            opt.close()
-
-
-def test_speculation_needs_a_deferred_step():
-    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
-    with pytest.raises(ValueError, match="speculative_units=2: without clipping"):
-        OverlappedOptimizer(model, _adamw, speculative_units=2)
-    with pytest.raises(ValueError, match="speculative_units=-1"):
-        OverlappedOptimizer(model, _adamw, max_norm=1.0, speculative_units=-1)
+def test_overlapped_clipping_is_bitwise_clip_then_step(offload_root, max_norm):
+    out = _clip_run(0, offload_root, max_norm)
+    _check_norms(out, max_norm)
 
 
 def test_clipping_changes_the_result():
@@ -383,20 +288,17 @@ def _all_cases(rank: int, world_size: int) -> list:
     outs = []
     for offload_root in (True, False):
         for max_norm in (CLIPS, NEVER_CLIPS):
-            outs.append((max_norm, -1, 0, _clip_run(rank, offload_root, max_norm, steps=2)))
-    outs.append((CLIPS, 1, 0, _clip_run(rank, True, CLIPS, steps=3, bad_step=1)))
-    # Speculation: both ranks keep or undo their speculated steps alike (one global norm).
-    outs.append((MIXED[:3], -1, 2, _clip_run(rank, False, MIXED[:3], steps=3, speculative_units=2)))
-    outs.append((NEVER_CLIPS, 1, 2, _clip_run(rank, True, NEVER_CLIPS, steps=3, bad_step=1, speculative_units=2)))
+            outs.append((max_norm, -1, _clip_run(rank, offload_root, max_norm, steps=2)))
+    outs.append((CLIPS, 1, _clip_run(rank, True, CLIPS, steps=3, bad_step=1)))
     return outs
 
 
 def test_overlapped_clipping_and_skipping_at_world_size_2():
     results = run_distributed(_all_cases, 2)
     for rank_outs in results:
-        for max_norm, bad_step, speculative_units, out in rank_outs:
-            _check_norms(out, max_norm, bad_step, speculative_units)
-    for (_, _, _, a), (_, _, _, b) in zip(*results):  # one global norm, the same on both ranks
+        for max_norm, bad_step, out in rank_outs:
+            _check_norms(out, max_norm, bad_step)
+    for (_, _, a), (_, _, b) in zip(*results):  # one global norm, the same on both ranks
         assert all(torch.equal(x, y) for x, y in zip(a["norms"], b["norms"]) if math.isfinite(x))
 
 
@@ -406,9 +308,9 @@ CLIPPED = {"schedule": {"name": "speedloader"}, "offload": {"params": True},
            "optim": {"grad_clip": 1.0, "warmup_steps": 3, "lr_schedule": "linear"}}
 
 
-def _trainer(out, overlap: bool, speculative_units: int = 0, **overrides) -> Trainer:
-    optim = {**CLIPPED["optim"], "overlap_with_backward": overlap, "speculative_units": speculative_units}
-    return Trainer(tiny_config(out, steps=5, **{**CLIPPED, "optim": optim}, **overrides))
+def _trainer(out, overlap: bool, **overrides) -> Trainer:
+    return Trainer(tiny_config(out, steps=5, **{**CLIPPED, "optim": {**CLIPPED["optim"],
+                                                                     "overlap_with_backward": overlap}}, **overrides))
 
 
 def _run(trainer: Trainer, *, bad_step: int = -1) -> list:
@@ -424,19 +326,14 @@ def _assert_same_run(a: Trainer, b: Trainer, history_a: list, history_b: list) -
         assert torch.equal(_full(p), _full(q)), name
 
 
-@pytest.mark.parametrize("speculative_units", [0, 1], ids=["deferred", "speculating"])
-def test_trainer_clips_with_the_overlapped_optimizer_as_without(tmp_path, speculative_units):
-    """``optim.grad_clip=1.0 optim.overlap_with_backward=true`` trains, step for step the plain path's run (also
-    with ``optim.speculative_units``, its speculated steps undone where the step clipped)."""
-    plain = _trainer(tmp_path / "plain", False)
-    overlapped = _trainer(tmp_path / "overlap", True, speculative_units)
+def test_trainer_clips_with_the_overlapped_optimizer_as_without(tmp_path):
+    """``optim.grad_clip=1.0 optim.overlap_with_backward=true`` trains, step for step the plain path's run."""
+    plain, overlapped = _trainer(tmp_path / "plain", False), _trainer(tmp_path / "overlap", True)
     assert isinstance(overlapped.optimizer, OverlappedOptimizer) and overlapped.optimizer.max_norm == 1.0
     history = _run(overlapped)
     _assert_same_run(plain, overlapped, _run(plain), history)
     assert any(m["grad_norm"] > 1.0 for m in history)  # it clipped
     assert [m["num_skipped_steps"] for m in history] == [0] * 5
-    if speculative_units:  # undone exactly where it clipped
-        assert [m["optimizer_rollbacks"] for m in history] == [int(m["grad_norm"] > 1.0) for m in history]
 
 
 def test_trainer_skips_a_nonfinite_step_and_goes_on(tmp_path, caplog):

@@ -25,14 +25,12 @@ is off for both by default (--grad-clip 0, the same optimizer settings for both)
 constant after warmup.
 
 A contender may carry its own settings: ``NAME:clip=X`` (optim.grad_clip) and, for speedloader,
-``:overlap=false`` (the AdamW step after backward, clip-then-step) and ``:spec=K`` (optim.speculative_units:
-the last K units stepped during the backward, undone when the step clips). One invocation then measures what
+``:overlap=false`` (the AdamW step after backward, clip-then-step). One invocation then measures what
 clipping costs the overlapped optimizer (issue 20: within 3% of the unclipped overlapped step when clipping
 does not trigger, never slower than the plain clip-then-step), clip=1e9 never clipping, clip=1e-6 always::
 
     python tools/bench_pretrain.py --model llama2_7b --layers 8 --seq-len 4096 --minutes 2 \
         --max-gpu-memory-gib 40 --contenders speedloader speedloader:clip=1e9 speedloader:clip=1e-6 \
-        speedloader:clip=1e9:spec=4 speedloader:clip=1e-6:spec=4 \
         speedloader:clip=1e9:overlap=false speedloader:clip=1e-6:overlap=false --name clip_overlap_llama7b_L8
 
 Compare their ``median_step_tokens_per_s`` (steps 3..: steady state, every deferred unit step included in the
@@ -109,7 +107,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
                    help=f"each one of {', '.join(CONTENDERS)}, with :clip=X (optim.grad_clip) and, for speedloader, "
-                        ":overlap=true|false and :spec=K (optim.speculative_units)")
+                        ":overlap=true|false")
     p.add_argument("--no-wandb", action="store_true", help="logger=none (metrics.jsonl only)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="one more Hydra override for every contender (repeatable)")
@@ -142,12 +140,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def parse_contender(spec: str) -> tuple[str, Optional[float], Optional[bool], int]:
-    """'NAME[:clip=X][:overlap=true|false][:spec=K]' -> (NAME, clip or None, overlap or None, K); None: the
-    command line's."""
+def parse_contender(spec: str) -> tuple[str, Optional[float], Optional[bool]]:
+    """'NAME[:clip=X][:overlap=true|false]' -> (NAME, clip or None, overlap or None); None: the command line's."""
     name, *options = spec.split(":")
     clip = overlap = None
-    speculative = 0
     if name not in CONTENDERS:
         raise ValueError(f"contender {spec!r}: the names are {', '.join(CONTENDERS)}")
     for option in options:
@@ -156,13 +152,10 @@ def parse_contender(spec: str) -> tuple[str, Optional[float], Optional[bool], in
             clip = float(value)
         elif key == "overlap" and value in ("true", "false") and name == "speedloader":
             overlap = value == "true"
-        elif key == "spec" and value.isdigit() and name == "speedloader":
-            speculative = int(value)
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':clip=X' (X >= 0, optim.grad_clip) and, for "
-                             "speedloader, ':overlap=true|false' (optim.overlap_with_backward) and ':spec=K' "
-                             "(K >= 0, optim.speculative_units)")
-    return name, clip, overlap, speculative
+                             "speedloader, ':overlap=true|false' (optim.overlap_with_backward)")
+    return name, clip, overlap
 
 
 def _non_negative_float(text: str) -> bool:
@@ -180,7 +173,7 @@ def run_dir_name(contender: str) -> str:
 def contender_overrides(args: argparse.Namespace, contender: str, run_dir: Path) -> list[str]:
     """The Hydra overrides of one contender: everything but the schedule (and a contender's own suffixes) is
     shared."""
-    contender, clip, overlap, speculative = parse_contender(spec := contender)
+    contender, clip, overlap = parse_contender(spec := contender)
     grad_clip = args.grad_clip if clip is None else clip
     overlap = (not args.no_overlap) if overlap is None else overlap
     common = [f"model={args.model}", f"data.seq_len={args.seq_len}", f"seed={args.seed}", f"device={args.device}",
@@ -202,7 +195,6 @@ def contender_overrides(args: argparse.Namespace, contender: str, run_dir: Path)
         schedule = ["schedule=speedloader", f"schedule.sub_batch_size={args.sub_batch_size}",
                     f"schedule.num_sub_batches={args.num_sub_batches}",
                     f"optim.overlap_with_backward={str(overlap).lower()}"]
-        schedule += [f"optim.speculative_units={speculative}"] if speculative else []
     else:
         n = args.fsdp2_sub_batch_size
         schedule = ["schedule=canonical", f"schedule.sub_batch_size={n}", f"schedule.num_sub_batches={batch // n}",

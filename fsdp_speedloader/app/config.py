@@ -83,12 +83,6 @@ class OptimConfig:
     memory/threads.py); 0: torch's default (every core). Meant to leave the thread that launches the GPU's work a
     core while the step runs beside the backward; measured on the MoE step it gave no gain (docs/results.md).
     Exact either way."""
-    speculative_units: int = 0
-    """With overlap_with_backward and grad_clip > 0: step the last this-many units of the forward during the
-    backward as if nothing clips, from a copy of their parameters and AdamW states (host memory: those units'
-    parameter and state bytes again, in the plan as rollback_copies); the copy is put back and the unit stepped
-    again with the others when the step clips or is skipped. Exact either way; the next forward then waits for
-    fewer units' CPU steps when clipping does not trigger (docs/design.md §9). 0: none."""
     state_dtype: str = "fp32"
     """AdamW's moments: 'fp32' (torch.optim.AdamW, 8 B/param, exact: the default); 'bf16' (4 B/param, rounded to
     nearest after each step) or 'int8' (8-bit blockwise, 2 B/param): fsdp_speedloader's CompressedAdamW, torch's
@@ -111,10 +105,6 @@ class OptimConfig:
         check(self.grad_clip >= 0, "optim.grad_clip", f"got {self.grad_clip}; use 0 to turn clipping off")
         check_positive(self.grad_slots_in_flight, "optim.grad_slots_in_flight", allow_zero=True)
         check_positive(self.worker_threads, "optim.worker_threads", allow_zero=True)
-        check_positive(self.speculative_units, "optim.speculative_units", allow_zero=True)
-        check(self.speculative_units == 0 or self.overlap_with_backward and self.grad_clip > 0,
-              "optim.speculative_units", "speculation steps units during the backward before the clip is known: "
-              "it needs optim.overlap_with_backward=true and optim.grad_clip > 0 (or set it to 0)")
         check_choice(self.state_dtype, "optim.state_dtype", ("fp32", "bf16", "int8"))
         check_choice(self.master_dtype, "optim.master_dtype", ("fp32", "bf16"))
         check(self.master_dtype == "fp32" or self.state_dtype != "fp32", "optim.master_dtype",

@@ -62,8 +62,7 @@ def plan_for(cfg: TrainConfig, units: list[list[Shard]], root: list[Shard], *, h
                             grad_slots_in_flight=cfg.optim.grad_slots_in_flight if _uses_ring(cfg) else 0,
                             state_dtype=cfg.optim.state_dtype, activation_bytes=activations,
                             transfer_itemsize=2 if cfg.offload.param_transfer_dtype else 0,
-                            param_itemsize=MASTER_BYTES_PER_PARAM[cfg.optim.master_dtype],
-                            speculative_units=cfg.optim.speculative_units)
+                            param_itemsize=MASTER_BYTES_PER_PARAM[cfg.optim.master_dtype])
 
 
 def _with(cfg: TrainConfig, **sections) -> Optional[TrainConfig]:
@@ -95,7 +94,7 @@ def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activat
                              plan(_with(cfg, optim={"master_dtype": "bf16", "state_dtype": states},
                                         offload={"param_transfer_dtype": None}))))
     if not _uses_ring(cfg) and cfg.offload.pin_memory:
-        ring = _with(cfg, optim={"overlap_with_backward": True, "grad_clip": 0.0, "speculative_units": 0,
+        ring = _with(cfg, optim={"overlap_with_backward": True, "grad_clip": 0.0,
                                  "grad_slots_in_flight": cfg.optim.grad_slots_in_flight or 2})
         alternatives.append(("optim.overlap_with_backward=true optim.grad_clip=0 (in-flight gradient slots)",
                              plan(ring)))
@@ -105,9 +104,6 @@ def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activat
     if cfg.offload.root:
         alternatives.append(("offload.root=false (the root's states on the GPU)",
                              plan(_with(cfg, offload={"root": False}))))
-    if cfg.optim.speculative_units:
-        alternatives.append(("optim.speculative_units=0 (no rollback copies)",
-                             plan(_with(cfg, optim={"speculative_units": 0}))))
     if cfg.offload.param_transfer_dtype:
         alternatives.append(("offload.param_transfer_dtype=null",
                              plan(_with(cfg, offload={"param_transfer_dtype": None}))))
@@ -116,7 +112,7 @@ def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activat
     if cfg.optim.state_dtype != "int8":
         combined, names = _with(combined, optim={"state_dtype": "int8"}), names + ["optim.state_dtype=int8"]
     if combined is not None and not _uses_ring(combined) and cfg.offload.pin_memory:
-        combined = _with(combined, optim={"overlap_with_backward": True, "grad_clip": 0.0, "speculative_units": 0,
+        combined = _with(combined, optim={"overlap_with_backward": True, "grad_clip": 0.0,
                                           "grad_slots_in_flight": cfg.optim.grad_slots_in_flight or 2})
         names.append("in-flight gradient slots")
     if combined is not None and _activations_on_host(combined):

@@ -8,7 +8,6 @@ Tiers, per rank, with parameters offloaded (``offload_params``):
     optimizer_states  AdamW's two moments of every host-resident shard: 8 B/param fp32, 4 bf16, ~2 int8 (pageable)
     activations       the block-boundary activations of all N sub-batches (host activation store only)
     param_transfer    the bf16 transfer copies of the shards (``param_transfer_dtype``)
-    rollback_copies   the copies of the speculated units' parameters and states (``speculative_units``; pageable)
 
 ``plan_host_memory`` adds them up from shard sizes (no model, no allocation); ``check_host_plan`` refuses a plan over
 the host budget in one line that names what each option would free. The trainer calls both before the model is
@@ -25,8 +24,8 @@ from typing import Optional, Sequence, Union
 from fsdp_speedloader.memory.arena import ALIGNMENT, GIB, LIMIT_ENV, HostMemoryBudget
 from fsdp_speedloader.memory.compressed_adamw import num_state_bytes
 
-TIERS = ("param_shards", "grads", "optimizer_states", "activations", "param_transfer", "rollback_copies")
-ARENA_TIERS = ("param_shards", "grads", "activations", "param_transfer")  # page-locked; the rest is pageable
+TIERS = ("param_shards", "grads", "optimizer_states", "activations", "param_transfer")
+ARENA_TIERS = ("param_shards", "grads", "activations", "param_transfer")  # page-locked; the states are pageable
 
 Shard = tuple[int, int]
 """(padded, local) element counts of one parameter's shard on this rank: FSDP2 pads every rank's shard to
@@ -57,7 +56,6 @@ class HostPlan:
     activations: int
     param_transfer: int
     num_params: int
-    rollback_copies: int = 0
 
     @property
     def total(self) -> int:
@@ -78,14 +76,13 @@ class HostPlan:
 
     def describe(self) -> str:
         names = {"param_shards": "parameter shards", "grads": "gradients", "optimizer_states": "optimizer states",
-                 "activations": "activations", "param_transfer": "transfer copies",
-                 "rollback_copies": "rollback copies"}
+                 "activations": "activations", "param_transfer": "transfer copies"}
         return ", ".join(f"{names[t]} {getattr(self, t) / GIB:.2f}" for t in TIERS if getattr(self, t))
 
 
 def plan_host_memory(*, units: Sequence[Sequence[Shard]], root: Sequence[Shard], root_on_host: bool = True,
                      grad_slots_in_flight: int = 0, state_dtype: str = "fp32", activation_bytes: int = 0,
-                     transfer_itemsize: int = 0, param_itemsize: int = 4, speculative_units: int = 0) -> HostPlan:
+                     transfer_itemsize: int = 0, param_itemsize: int = 4) -> HostPlan:
     """The tiers of one rank whose parameters are offloaded.
 
     Args:
@@ -97,8 +94,6 @@ def plan_host_memory(*, units: Sequence[Sequence[Shard]], root: Sequence[Shard],
         activation_bytes: the host activation store's slots (0 when the activations stay on the device).
         transfer_itemsize: bytes per element of the transfer copies (2 for bf16; 0: none).
         param_itemsize: bytes per element of the parameter shards and gradients (4: fp32).
-        speculative_units: K > 0: a copy of the last K units' parameters and states (the overlapped optimizer's
-            speculation).
     """
     host_root = list(root) if root_on_host else []
     shards = [s for unit in units for s in unit] + host_root
@@ -115,9 +110,7 @@ def plan_host_memory(*, units: Sequence[Sequence[Shard]], root: Sequence[Shard],
                     activations=_aligned(activation_bytes) if activation_bytes else 0,
                     param_transfer=sum(_aligned(p * transfer_itemsize) for p, _ in shards) if transfer_itemsize
                     else 0,
-                    num_params=sum(local for _, local in shards),
-                    rollback_copies=sum(local * param_itemsize + num_state_bytes(local, state_dtype)
-                                        for unit in units[::-1][:speculative_units] for _, local in unit))
+                    num_params=sum(local for _, local in shards))
 
 
 Saving = tuple[str, int]
@@ -135,8 +128,8 @@ def check_host_plan(plan: HostPlan, budget: HostMemoryBudget, *, savings: Sequen
     options = "; ".join(f"{setting} frees {freed / GIB:.2f} GiB{' (enough)' if freed >= over else ''}"
                         for setting, freed in ranked)
     raise ValueError(
-        f"the pinned host arena needs {plan.arena / GIB:.2f} GiB and the optimizer states"
-        f"{' and rollback copies' if plan.rollback_copies else ''} {(plan.total - plan.arena) / GIB:.2f} GiB more: {plan.total / GIB:.2f} GiB of host memory ({plan.describe()} "
+        f"the pinned host arena needs {plan.arena / GIB:.2f} GiB and the optimizer states "
+        f"{plan.optimizer_states / GIB:.2f} GiB more: {plan.total / GIB:.2f} GiB of host memory ({plan.describe()} "
         f"GiB; {plan.total / max(1, plan.num_params):.2f} B per parameter), {over / GIB:.2f} GiB over: "
         f"{budget.describe()}. {('What frees host memory: ' + options + '. ') if options else ''}"
         f"{hint + '. ' if hint else ''}If this machine has more host memory than it reports, set {LIMIT_ENV}")

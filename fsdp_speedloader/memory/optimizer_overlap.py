@@ -28,14 +28,6 @@ end of backward and hands the worker the steps in forward order (the root, units
 gradients scaled just before its step; ``step()`` returns at once, and the next forward's unit l waits only for
 the steps that its unshard (and prefetch) reads. The same bits as clip-then-step (``grad_clip.py``).
 
-Bounded speculation (``speculative_units=K``, deferred mode): the last K units of the forward are stepped
-during the backward as if nothing clips, each right after its norms, from a copy of its parameters and
-optimizer state taken just before (``memory/rollback.py``). When the step turns out not to clip (a coefficient
-of exactly 1: no bit of any gradient changes) nor to be skipped, those steps are the steps, and the next forward
-waits for U - K units' steps instead of U; otherwise each copy is put back before that unit's step is taken
-again like the others. The same bits either way; the copies cost the host those K units' parameter and state
-bytes.
-
 Exact: every unit is stepped once per optimizer step with its final gradient, in both modes. With
 ``param_transfer_dtype`` the worker also casts each unit's transfer copies right after that unit's step; the
 main thread casts only those of the units it steps itself.
@@ -65,7 +57,6 @@ from fsdp_speedloader.engine.speedloader import speedloader_engine
 from fsdp_speedloader.fsdp2 import fsdp_params_of
 from fsdp_speedloader.memory.grad_clip import NormTable, clip_coefficient, coefficients_by_device, full_value, \
     scale_grads_, tensor_norms, total_norm
-from fsdp_speedloader.memory.rollback import Snapshot
 from fsdp_speedloader.memory.threads import set_thread_num_threads
 
 BuildOptimizer = Callable[[list], torch.optim.Optimizer]
@@ -205,13 +196,11 @@ class OverlappedOptimizer(OptimizersContainer):
     slots of this many units, reused in turn, instead of one per parameter (the arena's gradients shrink from the
     units' whole size to R units'); 0: one per parameter. Each unit's ``.grad`` is None once its step ran.
     ``worker_threads``: the worker thread's CPU threads (that thread's only: ``memory/threads.py``); 0: torch's
-    default. ``speculative_units``: with clipping or skipping, step this many of the last units of the forward
-    during the backward, rolled back when the step clips or is skipped (see the module); 0: none.
+    default.
     """
 
     def __init__(self, model: nn.Module, build: BuildOptimizer, *, max_norm: float = 0.0,
-                 skip_nonfinite: bool = False, grad_slots_in_flight: int = 2, worker_threads: int = 0,
-                 speculative_units: int = 0) -> None:
+                 skip_nonfinite: bool = False, grad_slots_in_flight: int = 2, worker_threads: int = 0) -> None:
         if speedloader_engine(model, missing_ok=True) is None:
             raise ValueError("OverlappedOptimizer needs a model prepared with apply_speedloader")
         if not (isinstance(grad_slots_in_flight, int) and grad_slots_in_flight >= 0):
@@ -219,11 +208,6 @@ class OverlappedOptimizer(OptimizersContainer):
                              "gradient slots, or 0 for one slot per parameter")
         if not (isinstance(worker_threads, int) and worker_threads >= 0):
             raise ValueError(f"worker_threads={worker_threads!r}: use an integer >= 1, or 0 for torch's default")
-        if not (isinstance(speculative_units, int) and speculative_units >= 0):
-            raise ValueError(f"speculative_units={speculative_units!r}: use an integer >= 1, or 0 not to speculate")
-        if speculative_units and not (max_norm > 0 or skip_nonfinite):
-            raise ValueError(f"speculative_units={speculative_units}: without clipping or skipping every unit is "
-                             "stepped during the backward already; use 0")
         super().__init__(model, build, max_norm=max_norm, skip_nonfinite=skip_nonfinite)
         self._worker_threads = worker_threads
         self._units = [module for module, _ in self._engine.units]
@@ -231,12 +215,6 @@ class OverlappedOptimizer(OptimizersContainer):
         # The inner optimizers the worker steps in deferred mode: those over host parameters. The others (the
         # root with offload_root=False) are stepped by the main thread, as device kernels.
         self._on_worker = [all(p.device.type == "cpu" for p in params) for params in self._param_lists]
-        # Speculation: the last units of the forward (the first to land in the backward) on the worker.
-        self._speculative = {i for i in range(len(self._units))[::-1][:speculative_units] if self._on_worker[i]}
-        self._snapshots: dict[int, Snapshot] = {i: Snapshot() for i in self._speculative}
-        self._speculated: set[int] = set()  # stepped during this backward (written by the worker)
-        self._to_restore: set[int] = set()  # rolled back before their step is taken again (written by step())
-        self.num_rollbacks = 0  # steps whose speculative unit steps were undone
         self._stepped: set[int] = set()  # immediate mode: the units the worker stepped during this backward
         self._norms: NormTable = {}  # deferred mode: written by the worker during backward, read by step()
         self._pending: set[int] = set()  # deferred mode: inner optimizers whose queued step is not applied yet
@@ -249,7 +227,7 @@ class OverlappedOptimizer(OptimizersContainer):
         # reports what they grew by since its last call.
         self._busy_s = 0.0
         self._wait_s = 0.0
-        self._reported = (0.0, 0.0, 0)
+        self._reported = (0.0, 0.0)
         self._worker = threading.Thread(target=self._run, name="fsdp_speedloader-optimizer", daemon=True)
         self._worker.start()
         self._engine.grad_ready_hook = self.on_unit_grads_ready
@@ -303,22 +281,13 @@ class OverlappedOptimizer(OptimizersContainer):
         norms, self._norms = self._norms, {}
         norm = total_norm(grads, norms)  # the root's per-tensor norms are taken here; all ranks all-reduce here
         coef = clip_coefficient(norm, self.max_norm) if self.max_norm > 0 else None
-        speculated, self._speculated = self._speculated, set()
-        if self._record_norm(norm):  # skipped: every speculated step undone now (the step changes nothing)
-            self.num_rollbacks += bool(speculated)
-            for index in speculated:
-                self._restore(index)
+        if self._record_norm(norm):
             return
         # A coefficient of exactly 1 leaves every gradient's bits as they are: no multiplication then (when
-        # clipping does not trigger, the step costs what the unclipped one does, and the speculated steps stand).
+        # clipping does not trigger, the step costs what the unclipped one does).
         coefs = None if coef is None or float(full_value(coef)) == 1.0 else coefficients_by_device(coef, grads)
-        if coefs is not None:
-            self.num_rollbacks += bool(speculated)
-            self._to_restore = speculated  # each put back by the worker right before its step
         num_units = len(self._units)
-        done = speculated if coefs is None else set()
-        # The next forward's order: the root, then units 1 .. U (less those whose speculated step stands).
-        order = [i for i in [num_units, *range(num_units)] if i not in done]
+        order = [num_units, *range(num_units)]  # the next forward's order: the root, then units 1 .. U
         with self._cond:
             self._pending.update(i for i in order if self._on_worker[i])
         for index in order:
@@ -368,13 +337,10 @@ class OverlappedOptimizer(OptimizersContainer):
     def step_stats(self) -> dict:
         """Seconds since the last call: ``optimizer_busy_s``, the worker's optimizer arithmetic, and
         ``optimizer_wait_s``, the main thread's time blocked on it (the next forward's waits for deferred steps,
-        ``step()``'s wait for the last unit's). Wait near 0 with busy > 0: the CPU step is hidden. With
-        ``speculative_units``, also ``optimizer_rollbacks``: the steps whose speculated unit steps were undone."""
-        busy, wait, rollbacks = self._busy_s, self._wait_s, self.num_rollbacks
+        ``step()``'s wait for the last unit's). Wait near 0 with busy > 0: the CPU step is hidden."""
+        busy, wait = self._busy_s, self._wait_s
         stats = {"optimizer_busy_s": busy - self._reported[0], "optimizer_wait_s": wait - self._reported[1]}
-        if self._speculative:
-            stats["optimizer_rollbacks"] = rollbacks - self._reported[2]
-        self._reported = (busy, wait, rollbacks)
+        self._reported = (busy, wait)
         return stats
 
     def wait(self) -> None:
@@ -421,8 +387,6 @@ class OverlappedOptimizer(OptimizersContainer):
                         self._apply(index, payload)
                     elif kind == "norms":
                         tensor_norms([p.grad for p in self._param_lists[index] if p.grad is not None], self._norms)
-                        if index in self._speculative:
-                            self._speculate(index)
                     else:
                         self._apply(index, None)
                     self._busy_s += time.perf_counter() - start  # this thread alone writes it
@@ -436,24 +400,9 @@ class OverlappedOptimizer(OptimizersContainer):
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _speculate(self, index: int) -> None:
-        """Steps inner optimizer ``index`` as if nothing clips, from a copy of what the step changes."""
-        self._snapshots[index].take(self.optimizers[index])
-        self._apply(index, None)
-        self._speculated.add(index)
-
-    def _restore(self, index: int) -> None:
-        """Undoes inner optimizer ``index``'s speculated step (parameters, state, transfer copies)."""
-        self._snapshots[index].restore(self.optimizers[index])
-        self._refresh_param_transfer(index + 1)
-
     def _apply(self, index: int, coefs: Optional[dict]) -> None:
         """Scales inner optimizer ``index``'s gradients by the clip coefficient (``coefs``: per device; None: not
-        at all), steps it, and casts its units' transfer copies; first undoes its speculated step if it was
-        rolled back."""
-        if index in self._to_restore:
-            self._to_restore.discard(index)
-            self._restore(index)
+        at all), steps it, and casts its units' transfer copies."""
         if coefs is not None:
             scale_grads_([p.grad for p in self._param_lists[index] if p.grad is not None], coefs)
         self.optimizers[index].step()
