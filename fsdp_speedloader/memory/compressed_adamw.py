@@ -42,7 +42,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_speedloader.memory.bf16_master import random_bits, stochastic_round_
-from fsdp_speedloader.memory.host_codes import HostCodec, host_codec
 from fsdp_speedloader.memory.threads import run_on_host_threads
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
@@ -61,9 +60,6 @@ BLOCK = 2048  # int8: elements per quantisation block (one fp32 scale each, per 
 # (docs/design.md §13, bench/results/cpu_optim_step_llama7b_blocks*.json). On a GPU, one chunk of DEVICE_CHUNK.
 CHUNK_PER_THREAD = 1 << 20
 DEVICE_CHUNK = 1 << 26
-# int8 moments on the host with the compiled codes (memory/host_codes.py): chunks of COMPILED_CHUNK, one after
-# another on the optimizer's thread, each kernel parallel over its intra-op threads.
-COMPILED_CHUNK = 1 << 22
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _SCALES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 _scratch = threading.local()
@@ -110,19 +106,15 @@ def _fp32_scratch(n: int, device: torch.device, count: int = 2) -> tuple[torch.T
     return tuple(buf[i, :n] for i in range(count))
 
 
-def chunk_elements(device: torch.device, compiled: bool = False) -> int:
-    """Elements stepped at a time: ``CHUNK_PER_THREAD`` per host thread (``COMPILED_CHUNK`` with the compiled codes),
-    ``DEVICE_CHUNK`` on an accelerator."""
-    if device.type != "cpu":
-        return DEVICE_CHUNK
-    return COMPILED_CHUNK if compiled else CHUNK_PER_THREAD
+def chunk_elements(device: torch.device) -> int:
+    """Elements stepped at a time: ``CHUNK_PER_THREAD`` per host thread, ``DEVICE_CHUNK`` on an accelerator."""
+    return CHUNK_PER_THREAD if device.type == "cpu" else DEVICE_CHUNK
 
 
-def _run_chunks(tasks: list[Callable[[], None]], device: torch.device, *, in_order: bool = False) -> None:
+def _run_chunks(tasks: list[Callable[[], None]], device: torch.device) -> None:
     """The chunks' steps: on the host on the caller's intra-op thread count of pool threads, one chunk per thread at
-    a time; in order on an accelerator (its kernels are asynchronous already) or with ``in_order`` (the compiled
-    codes: each kernel is parallel itself)."""
-    if device.type == "cpu" and not in_order:
+    a time; on an accelerator in order (its kernels are asynchronous already)."""
+    if device.type == "cpu":
         run_on_host_threads(tasks)
         return
     for task in tasks:
@@ -217,14 +209,9 @@ class CompressedAdamW(torch.optim.AdamW):
                 local = _local(p)
                 tasks = tasks_by_device.setdefault(local.device, [])
                 tasks += self._chunk_steps(local, _local(p.grad), state, kwargs, index=index)
-        compiled = self._codec() is not None
         for device, tasks in tasks_by_device.items():
-            _run_chunks(tasks, device, in_order=compiled)
+            _run_chunks(tasks, device)
         return loss
-
-    def _codec(self) -> Optional[HostCodec]:
-        """The compiled host codes, for int8 moments (None: eager codes)."""
-        return host_codec() if self.state_dtype == "int8" else None
 
     def _chunk_steps(self, p: torch.Tensor, g: torch.Tensor, state: dict, kwargs: dict, *,
                      index: int = 0) -> list[Callable[[], None]]:
@@ -233,33 +220,24 @@ class CompressedAdamW(torch.optim.AdamW):
         stochastic rounding depend on positions only, so the result does not depend on the chunking."""
         if g.dtype != p.dtype:
             raise ValueError(f"gradient dtype {g.dtype} differs from its parameter's {p.dtype}")
-        p_flat, g_flat = p.detach().view(-1), g.detach().reshape(-1)  # written in place: no autograd views
+        p_flat, g_flat = p.view(-1), g.reshape(-1)
         m, v = _local(state["exp_avg"]).view(-1), _local(state["exp_avg_sq"]).view(-1)
         m_scale = v_scale = None
         if self.state_dtype == "int8":
             m_scale, v_scale = _local(state["exp_avg_scale"]), _local(state["exp_avg_sq_scale"])
         step, step_number = [state["step"]], int(state["step"])
-        # int8 on the host: the compiled codes (memory/host_codes.py), on scratch of whole blocks
-        codec = self._codec() if p_flat.device.type == "cpu" else None
-        n, chunk = p_flat.numel(), chunk_elements(p_flat.device, compiled=codec is not None)
+        n, chunk = p_flat.numel(), chunk_elements(p_flat.device)
 
         @torch.no_grad()  # on the pool's threads too: grad mode is per thread
         def step_chunk(start: int, end: int) -> None:
             # The moments' fp32 scratch, and for bf16/fp16 parameters their fp32 copy and the gradient's.
-            count = 2 if p_flat.dtype == torch.float32 else 4
-            if codec is not None:  # the compiled codes' scratch spans whole blocks, the rest the chunk's part
-                m_full, v_full, *p_g_full = _fp32_scratch(-(-(end - start) // BLOCK) * BLOCK, p_flat.device,
-                                                          count=count)
-                m32, v32, *p32_g32 = (t[: end - start] for t in (m_full, v_full, *p_g_full))
-            else:
-                m32, v32, *p32_g32 = _fp32_scratch(end - start, p_flat.device, count=count)
-            b0, b1 = start // BLOCK, -(-end // BLOCK)
+            m32, v32, *p32_g32 = _fp32_scratch(end - start, p_flat.device,
+                                               count=2 if p_flat.dtype == torch.float32 else 4)
             if self.state_dtype == "bf16":
                 m32.copy_(m[start:end])
                 v32.copy_(v[start:end])
-            elif codec is not None:
-                codec.decode(m[start:end], m_scale[b0:b1], v[start:end], v_scale[b0:b1], m_full, v_full)
             else:
+                b0, b1 = start // BLOCK, -(-end // BLOCK)
                 _decode_signed(m[start:end], m_scale[b0:b1], m32)
                 _decode_sqrt(v[start:end], v_scale[b0:b1], v32)
             if p_flat.dtype == torch.float32:
@@ -269,10 +247,7 @@ class CompressedAdamW(torch.optim.AdamW):
                 p32.copy_(p_flat[start:end])
                 g32.copy_(g_flat[start:end])
                 torch._fused_adamw_([p32], [g32], [m32], [v32], [], step, **kwargs)
-                if self.rounding == "stochastic" and p_flat.dtype == torch.bfloat16 and codec is not None:
-                    codec.round_bf16(p_flat[start:end], p_g_full[0], seed=self.seed, index=index, step=step_number,
-                                     offset=start)
-                elif self.rounding == "stochastic" and p_flat.dtype == torch.bfloat16:
+                if self.rounding == "stochastic" and p_flat.dtype == torch.bfloat16:
                     bits = random_bits(end - start, seed=self.seed, index=index, step=step_number, offset=start,
                                        out=g32.view(torch.int32))  # the gradient's copy is read
                     stochastic_round_(p_flat[start:end], p32, bits)
@@ -281,8 +256,6 @@ class CompressedAdamW(torch.optim.AdamW):
             if self.state_dtype == "bf16":
                 m[start:end].copy_(m32)
                 v[start:end].copy_(v32)
-            elif codec is not None:
-                codec.encode(m_full, v_full, m[start:end], m_scale[b0:b1], v[start:end], v_scale[b0:b1])
             else:
                 _encode_signed(m32, m[start:end], m_scale[b0:b1])
                 _encode_sqrt(v32, v[start:end], v_scale[b0:b1])

@@ -58,13 +58,3 @@ def run_on_host_threads(tasks: list[Callable[[], None]], threads: Optional[int] 
         return
     for future in [host_pool(threads).submit(task) for task in tasks]:
         future.result()
-
-
-def run_on_pool_thread(fn: Callable[[], None], threads: Optional[int] = None) -> None:
-    """``fn`` on one thread of the pool ``run_on_host_threads`` would use (one intra-op thread), or in the caller
-    when that computes with one thread; raises its error."""
-    threads = threads or max(1, torch.get_num_threads())
-    if threads <= 1:
-        fn()
-        return
-    host_pool(threads).submit(fn).result()
