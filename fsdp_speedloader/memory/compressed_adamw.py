@@ -52,13 +52,15 @@ STATE_BYTES_PER_PARAM = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 8.0 / 2048}
 per moment)."""
 
 BLOCK = 2048  # int8: elements per quantisation block (one fp32 scale each, per moment)
-# On the host, each chunk of CHUNK_PER_THREAD elements (a multiple of BLOCK: 4 MiB of fp32 scratch per buffer) is
+# On the host, each chunk of CHUNK_PER_THREAD elements (a multiple of BLOCK: 8 MiB of fp32 scratch per buffer) is
 # stepped whole by one thread with one intra-op thread, the chunks on as many threads as the caller's intra-op thread
 # count. The ~20 elementwise operations of a chunk then run on cached scratch and open no parallel region: with
 # intra-op parallelism each operation is a region whose barrier waits for every thread, and where the training's
 # own threads share the cores (the overlapped step runs beside the backward) a barrier waits for descheduled threads
-# (docs/design.md §13, bench/results/cpu_optim_step_llama7b_blocks*.json). On a GPU, one chunk of DEVICE_CHUNK.
-CHUNK_PER_THREAD = 1 << 20
+# (docs/design.md §13, bench/results/cpu_optim_step_llama7b_blocks*.json). Each chunk's operations take the
+# interpreter lock to dispatch: on a 16-core host larger chunks win until the scratch outgrows the caches
+# (bench/results/cpu_optim_step_h100_host_chunks*.json). On a GPU, one chunk of DEVICE_CHUNK.
+CHUNK_PER_THREAD = 1 << 21
 DEVICE_CHUNK = 1 << 26
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _SCALES = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
