@@ -5,6 +5,7 @@ their moments in their stored dtype and resume exactly. fp32 (the default) stays
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from fsdp_speedloader.app.config import OptimConfig
 from fsdp_speedloader.app.optim import build_adamw
 from fsdp_speedloader.app.trainer import Trainer
 from fsdp_speedloader.memory import compressed_adamw
+from fsdp_speedloader.memory import threads as host_threads
 from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW, num_state_bytes
 from fsdp_speedloader.memory.threads import adopted_num_threads, host_pool
 
@@ -101,11 +103,19 @@ def test_host_chunks_on_several_threads_give_the_serial_result(monkeypatch, stat
 
 def test_the_host_pool_leaves_the_thread_count_new_threads_adopt():
     """torch.set_num_threads in the pool's workers would set the count every later thread adopts; it is put back."""
-    before = adopted_num_threads()
+    with host_threads._lock:  # read while no worker is setting its count
+        before = adopted_num_threads()
     pool = host_pool(5)  # a size no other test asks for: started here
-    counts = [f.result() for f in [pool.submit(torch.get_num_threads) for _ in range(20)]]
+    started = threading.Barrier(5)  # every worker started (the pool starts them lazily) before the count is read
+
+    def count() -> int:
+        started.wait(timeout=60)
+        return torch.get_num_threads()
+
+    counts = [f.result() for f in [pool.submit(count) for _ in range(5)]]
     assert set(counts) == {1}  # the workers compute with one intra-op thread
-    assert adopted_num_threads() == before
+    with host_threads._lock:
+        assert adopted_num_threads() == before
 
 
 def test_int8_codes_keep_small_second_moments_from_blowing_up_the_update():
