@@ -25,7 +25,8 @@ def small_stretches(monkeypatch):
 
 def _part(start: int, stop: int, *, dtype=torch.float32, threads=1, module=None, name="w.weight") -> torch.Tensor:
     out = torch.full((stop - start,), float("nan"), dtype=dtype)
-    run_on_host_threads(initial_fill_tasks(out, module or nn.Linear(1, 1), name, SHAPE, start=start, seed=3, std=0.02), threads)
+    tasks = initial_fill_tasks(out, module or nn.Linear(1, 1), name, SHAPE, start=start, seed=3, std=0.02)
+    run_on_host_threads(tasks, threads)
     return out
 
 

@@ -29,7 +29,8 @@ Usage:
   python tools/bench_cpu_optim.py --candidates fsl-int8-bf16-sr --threads 16 --chunks 65536,262144,1048576
 
 ``--chunks``: the fsl candidates' elements per host chunk (``compressed_adamw.CHUNK_PER_THREAD``), one row each:
-each of a chunk's ~30 passes goes over fp32 scratch of that many elements, in a core's cache or not.
+a chunk is ~30 tensor operations, each dispatched under the interpreter lock, over fp32 scratch of that many
+elements (fewer, larger chunks: fewer dispatches; smaller ones: scratch closer to the cores).
 
 Writes bench/results/<name>.json (device: this CPU) and prints a table: seconds per step per 1e9 parameters,
 and thread-seconds per 1e9 parameters (seconds x threads: what a core-bound step costs; a machine with more cores

@@ -54,11 +54,11 @@ per moment)."""
 BLOCK = 2048  # int8: elements per quantisation block (one fp32 scale each, per moment)
 # On the host, each chunk of CHUNK_PER_THREAD elements (a multiple of BLOCK: 8 MiB of fp32 scratch per buffer) is
 # stepped whole by one thread with one intra-op thread, the chunks on as many threads as the caller's intra-op thread
-# count. The ~20 elementwise operations of a chunk then run on the thread's own scratch and open no parallel region: with
-# intra-op parallelism each operation is a region whose barrier waits for every thread, and where the training's
-# own threads share the cores (the overlapped step runs beside the backward) a barrier waits for descheduled threads
-# (docs/design.md §13, bench/results/cpu_optim_step_llama7b_blocks*.json). Each chunk's operations take the
-# interpreter lock to dispatch: on a 16-core host fewer, larger chunks won, up to 2^21 elements
+# count. The ~20 elementwise operations of a chunk then run on the thread's own scratch and open no parallel
+# region: with intra-op parallelism each operation is a region whose barrier waits for every thread, and where the
+# training's own threads share the cores (the overlapped step runs beside the backward) a barrier waits for
+# descheduled threads (docs/design.md §13, bench/results/cpu_optim_step_llama7b_blocks*.json). Each chunk's
+# operations take the interpreter lock to dispatch: on a 16-core host fewer, larger chunks won, up to 2^21 elements
 # (bench/results/cpu_optim_step_h100_host_chunks*.json). On a GPU, one chunk of DEVICE_CHUNK.
 CHUNK_PER_THREAD = 1 << 21
 DEVICE_CHUNK = 1 << 26

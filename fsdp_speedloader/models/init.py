@@ -85,7 +85,8 @@ def initial_value(module: nn.Module, name: str, shape: tuple, *, seed: int, std:
                   dtype: torch.dtype = torch.float32, threads: Optional[int] = None) -> torch.Tensor:
     """The full initial value of parameter ``name`` (owned by ``module``) on the CPU, in ``dtype``."""
     full = torch.empty(shape, dtype=dtype)
-    run_on_host_threads(initial_fill_tasks(full.view(-1), module, name, tuple(shape), start=0, seed=seed, std=std), threads)
+    tasks = initial_fill_tasks(full.view(-1), module, name, tuple(shape), start=0, seed=seed, std=std)
+    run_on_host_threads(tasks, threads)
     return full
 
 
