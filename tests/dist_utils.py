@@ -17,6 +17,7 @@ rank's traceback (the other ranks are terminated); a hang ends at the collective
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -41,6 +42,7 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, timeout_s: floa
             args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's Python stack
     torch.set_num_threads(1)  # world_size processes share the CI machine's cores
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     result = fn(rank, world_size, *args)  # an exception skips the barrier: spawn reports it and kills the rest

@@ -137,6 +137,59 @@ def test_overlapped_clipping_is_bitwise_clip_then_step(offload_root, max_norm):
     _check_norms(out, max_norm)
 
 
+def _norms_as_clip_grad_norm(mesh, placements, dtype, threads) -> None:
+    """Gradients large enough for ATen to split a reduction across threads (> 32768 elements), as DTensors (FSDP2's
+    gradients: grad_clip takes each norm on the local shard, on the host threads, and wraps it as DTensor would):
+    per-tensor norms with DTensor's own placements and bits, the total and the scaled gradients those of
+    clip_grad_norm_, at ``threads`` intra-op threads."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from fsdp_speedloader.memory.grad_clip import NormTable, _norms, clip_coefficient, clip_grads_, \
+        coefficients_by_device, scale_grads_, tensor_norms, total_norm
+
+    gen = torch.Generator().manual_seed(0)
+    sizes = [(1000, 300), (70_002,), (64,), (4, 100_000)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        models = [[torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, placements))
+                   for shape in sizes] for _ in range(2)]
+        for params in zip(*models):
+            grad = torch.randn(params[0].shape, generator=gen).to(dtype)
+            for p in params:
+                p.grad = distribute_tensor(grad.clone(), mesh, placements)
+        grads = [p.grad for p in models[1]]
+        for foreach, theirs in ((False, [torch.linalg.vector_norm(g, 2.0) for g in grads]),
+                                (True, torch._foreach_norm(grads, 2.0))):
+            for mine, want in zip(_norms(grads, foreach), theirs):  # DTensor's own call, each way
+                assert mine.placements == want.placements and torch.equal(mine.to_local(), want.to_local())
+        want = torch.nn.utils.clip_grad_norm_(models[0], 1.0)
+        table: NormTable = {}
+        tensor_norms(grads[2:], table)  # in two pieces, as the units' gradients land
+        tensor_norms(grads[:2], table)
+        got = total_norm(grads, table)
+        assert torch.equal(_full(got), _full(want)), (threads, got, want)
+        scale_grads_(grads, coefficients_by_device(clip_coefficient(got, 1.0), grads))
+        for a, b in zip(models[0], models[1]):
+            assert torch.equal(_full(a.grad), _full(b.grad))
+        for p, grad in zip(models[1], [g.full_tensor() for g in grads]):  # clip_grads_ in one call, once more
+            p.grad = distribute_tensor(grad, mesh, placements)
+        assert torch.equal(_full(clip_grads_([p.grad for p in models[1]], 0.5)),
+                           _full(torch.nn.utils.clip_grad_norm_(models[0], 0.5)))
+        for a, b in zip(models[0], models[1]):
+            assert torch.equal(_full(a.grad), _full(b.grad))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_norms_on_several_threads_are_clip_grad_norms_bits(dtype):
+    from torch.distributed.tensor import Shard
+
+    for threads in (1, 4):
+        _norms_as_clip_grad_norm(cpu_mesh(), [Shard(0)], dtype, threads)
+
+
 def test_clipping_changes_the_result():
     """The comparison above can fail: without clipping (max_norm 0) the same steps give other parameters."""
     reference, model = _pair(True)
@@ -290,7 +343,19 @@ def _all_cases(rank: int, world_size: int) -> list:
         for max_norm in (CLIPS, NEVER_CLIPS):
             outs.append((max_norm, -1, _clip_run(rank, offload_root, max_norm, steps=2)))
     outs.append((CLIPS, 1, _clip_run(rank, True, CLIPS, steps=3, bad_step=1)))
+    _host_norms_on_meshes_of_two_ranks()
     return outs
+
+
+def _host_norms_on_meshes_of_two_ranks() -> None:
+    """The local-shard norms on FSDP's 1-D mesh (partial over 2 shards) and on HSDP's 2-D ones (2 replicas of 1
+    shard, 1 replica of 2 shards)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    _norms_as_clip_grad_norm(init_device_mesh("cpu", (2,)), [Shard(0)], torch.float32, 2)
+    for shape in ((2, 1), (1, 2)):
+        _norms_as_clip_grad_norm(init_device_mesh("cpu", shape), [Replicate(), Shard(0)], torch.float32, 2)
 
 
 def test_overlapped_clipping_and_skipping_at_world_size_2():

@@ -8,6 +8,8 @@ the state and, for the torch.compile'd ones, compile):
 
   torch-fused        torch.optim.AdamW(fused=True), fp32 moments (the default path, exact)
   torch-foreach      torch.optim.AdamW(foreach=True), fp32 moments
+  local-fused        fsdp_speedloader LocalShardAdamW(fused=True): torch's fused AdamW called on the local shards of
+                     DTensor parameters (what the trainer builds; the same as torch-fused on plain tensors)
   fsl-bf16           fsdp_speedloader CompressedAdamW, bf16 moments (torch's fused kernel on decoded chunks)
   fsl-int8           fsdp_speedloader CompressedAdamW, 8-bit blockwise moments (same)
   torch-fused-bf16p  torch.optim.AdamW(fused=True) on bf16 parameters (bf16 master, moments, round to nearest)
@@ -18,6 +20,15 @@ the state and, for the torch.compile'd ones, compile):
   torchao-fp8        torchao.optim.AdamWFp8
   torchao-bf16-sr    torchao.optim._AdamW(bf16_stochastic_round=True) on bf16 parameters (bf16 master + moments)
   bnb-8bit           bitsandbytes.optim.AdamW8bit (its CPU backend)
+  clip-norms-torch   not a step: the per-tensor gradient 2-norms of a clipped step, one after another as
+                     torch.nn.utils.clip_grad_norm_ takes them (DTensor gradients whatever --dtensor says)
+  clip-norms-fsl     the same norms as the overlapped optimizer takes them (grad_clip.tensor_norms: on the local
+                     shards, one tensor per host thread; the same bits)
+
+``--dtensor``: the parameters and gradients are DTensors sharded on a one-rank gloo mesh, as FSDP2's are (default:
+plain tensors). Each row also reports ``main_thread_progress``: the share of its pure-Python progress that the main
+thread keeps while another thread runs the step back to back (1.0: the step leaves the interpreter lock free; near
+0: it holds it throughout, and with it the thread that launches the GPU's work in training).
 
 Candidates whose library is missing are recorded as ``status: missing`` (``pip install torchao bitsandbytes``;
 neither is a dependency of the package: measured, not chosen). The machine's 1-minute load average is recorded with
@@ -43,6 +54,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,9 +63,10 @@ import harness  # noqa: E402
 
 REPO = harness.REPO
 BLOCK_SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 3 + [(4096,)] * 2  # one LLaMA-2-7B block
-CANDIDATES = ("torch-fused", "torch-foreach", "fsl-bf16", "fsl-int8", "fsl-int8-bf16-sr", "torch-fused-bf16p",
-              "torchao-8bit", "torchao-4bit", "torchao-fp8", "torchao-bf16-sr", "bnb-8bit")
-STATE_BYTES = {"torch-fused": 8, "torch-foreach": 8, "fsl-bf16": 4, "fsl-int8": 2, "fsl-int8-bf16-sr": 2,
+CANDIDATES = ("torch-fused", "torch-foreach", "local-fused", "fsl-bf16", "fsl-int8", "fsl-int8-bf16-sr", "torch-fused-bf16p",
+              "torchao-8bit", "torchao-4bit", "torchao-fp8", "torchao-bf16-sr", "bnb-8bit", "clip-norms-torch",
+              "clip-norms-fsl")
+STATE_BYTES = {"clip-norms-torch": 0, "clip-norms-fsl": 0, "local-fused": 8, "torch-fused": 8, "torch-foreach": 8, "fsl-bf16": 4, "fsl-int8": 2, "fsl-int8-bf16-sr": 2,
                "torch-fused-bf16p": 4,
                "torchao-8bit": 2, "torchao-4bit": 1, "torchao-fp8": 2, "torchao-bf16-sr": 4, "bnb-8bit": 2}
 # The others keep fp32 parameters (4).
@@ -68,6 +81,10 @@ def build(name: str, params: list):
         return torch.optim.AdamW(params, fused=True, **kw)
     if name == "torch-foreach":
         return torch.optim.AdamW(params, foreach=True, **kw)
+    if name == "local-fused":
+        from fsdp_speedloader.memory.local_adamw import LocalShardAdamW
+
+        return LocalShardAdamW(params, fused=True, **kw)
     if name.startswith("fsl-"):
         from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
 
@@ -85,7 +102,64 @@ def build(name: str, params: list):
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, **kw)
+    if name.startswith("clip-norms-"):
+        return _ClipNorms(params, threaded=name == "clip-norms-fsl")
     raise ValueError(name)
+
+
+class _ClipNorms:
+    """``step()`` takes the 2-norm of every gradient (DTensors)."""
+
+    def __init__(self, params: list, threaded: bool) -> None:
+        self.grads = [p.grad if hasattr(p.grad, "device_mesh") else _as_dtensor(p.grad) for p in params]
+        self.threaded = threaded
+
+    def step(self) -> None:
+        import torch
+
+        from fsdp_speedloader.memory.grad_clip import tensor_norms
+
+        if self.threaded:
+            tensor_norms(self.grads, {})
+        else:
+            [torch.linalg.vector_norm(g, 2.0) for g in self.grads]
+
+
+def _as_dtensor(t):
+    """``t`` sharded on dim 0 over a one-rank gloo mesh (FSDP2's layout at world size 1)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
+
+    maybe_init_process_group("cpu")
+    return distribute_tensor(t, build_mesh("cpu"), [Shard(0)])
+
+
+def _spin(seconds: float) -> float:
+    """Pure-Python loop iterations per second on this thread."""
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        n += 1
+    return n / seconds
+
+
+def main_thread_progress(step, seconds: float = 2.0) -> float:
+    """The share of its pure-Python progress this thread keeps while another runs ``step`` back to back."""
+    alone = _spin(seconds / 2)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            step()
+
+    other = threading.Thread(target=loop)
+    other.start()
+    try:
+        beside = _spin(seconds)
+    finally:
+        stop.set()
+        other.join()
+    return beside / alone
 
 
 def run_worker(args: argparse.Namespace) -> dict:
@@ -102,8 +176,10 @@ def run_worker(args: argparse.Namespace) -> dict:
     params = []
     for _ in range(args.blocks):
         for shape in BLOCK_SHAPES:
-            p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(dtype))
-            p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(dtype)
+            p = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
+            grad = (torch.randn(shape, generator=gen) * 1e-3).to(dtype)
+            p = torch.nn.Parameter(_as_dtensor(p) if args.dtensor else p)
+            p.grad = _as_dtensor(grad) if args.dtensor else grad
             params.append(p)
     num_params = sum(p.numel() for p in params)
     try:
@@ -117,11 +193,13 @@ def run_worker(args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - start)
     timed = times[args.warmup:]
     median = statistics.median(timed)
+    progress = main_thread_progress(opt.step)
     return {"num_params": num_params, "threads": int(threads), "chunk_elements": int(chunk) if chunk else None,
             "step_times_s": times, "median_step_s": median,
             "s_per_billion_params": median / num_params * 1e9,
             "thread_s_per_billion_params": median / num_params * 1e9 * int(threads),
             "state_bytes_per_param": STATE_BYTES[name], "master_bytes_per_param": MASTER_BYTES.get(name, 4),
+            "main_thread_progress": progress, "dtensor": args.dtensor,
             "host_peak_rss_gib": harness.host_peak_rss_gib(), "load_average_1min": os.getloadavg()[0],
             "library_versions": _versions(name)}
 
@@ -143,6 +221,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2, help="LLaMA-2-7B blocks of parameters (202M each)")
     parser.add_argument("--chunks", default="", help="comma-separated elements per host chunk of the fsl candidates "
                         "(default: the library's CHUNK_PER_THREAD)")
+    parser.add_argument("--dtensor", action="store_true", help="parameters and gradients as DTensors (FSDP2's)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800)
@@ -168,8 +247,9 @@ def main() -> None:
     chunks = [c for c in args.chunks.split(",") if c]
     if not all(c.isdigit() and int(c) % 2048 == 0 and int(c) > 0 for c in chunks):
         parser.error(f"--chunks {args.chunks}: multiples of 2048 elements (the int8 block)")
-    print("| candidate | threads | chunk | state B/param | s per step per 1e9 params | thread-s per 1e9 params |")
-    print("|---|---|---|---|---|---|", flush=True)
+    print("| candidate | threads | chunk | state B/param | s per step per 1e9 params | thread-s per 1e9 params | "
+          "main thread's progress |")
+    print("|---|---|---|---|---|---|---|", flush=True)
     for name, threads, chunk in [(n, t, c) for n in candidates for t in args.threads.split(",")
                                  for c in ((chunks or [""]) if n.startswith("fsl-") else [""])]:
         env = {**os.environ, "OMP_NUM_THREADS": threads}
@@ -181,10 +261,11 @@ def main() -> None:
         harness.write_record(path, record)
         if row["status"] == "ok":
             print(f"| {name} | {threads} | {chunk or 'default'} | {row['state_bytes_per_param']} | "
-                  f"{row['s_per_billion_params']:.2f} | {row['thread_s_per_billion_params']:.2f} |", flush=True)
+                  f"{row['s_per_billion_params']:.2f} | {row['thread_s_per_billion_params']:.2f} | "
+                  f"{row['main_thread_progress']:.2f} |", flush=True)
         else:
             print(f"| {name} | {threads} | {chunk or 'default'} | - | {row['status']}: "
-                  f"{row.get('error') or row.get('status_detail')} | - |", flush=True)
+                  f"{row.get('error') or row.get('status_detail')} | - | - |", flush=True)
     print(f"wrote {path}")
 
 

@@ -17,6 +17,7 @@ import torch
 
 from fsdp_speedloader.app.config import OptimConfig
 from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
+from fsdp_speedloader.memory.local_adamw import LocalShardAdamW
 from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer, OverlappedOptimizer
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, seed: int = 0) 
 
 def build_adamw(parameters: list, cfg: OptimConfig, *, seed: int = 0) -> torch.optim.Optimizer:
     """One AdamW over the trainable ``parameters``: matrices with weight decay, the rest without. Its moments in
-    ``cfg.state_dtype``: fp32 (``torch.optim.AdamW``), or bf16 / int8 (``CompressedAdamW``) for parameters in host
-    memory; parameters on the GPU (``offload.root=false``'s root, or no offload) keep fp32 moments, stepped by the
+    ``cfg.state_dtype``: fp32 (``torch.optim.AdamW``, stepping DTensors through their local shards:
+    ``LocalShardAdamW``), or bf16 / int8 (``CompressedAdamW``) for parameters in host memory; parameters on the GPU (``offload.root=false``'s root, or no offload) keep fp32 moments, stepped by the
     fused kernel on the device. bf16 parameters (``cfg.master_dtype=bf16``) are updated with stochastic rounding
     seeded by ``seed``."""
     params = [p for p in parameters if p.requires_grad]
@@ -58,11 +59,11 @@ def build_adamw(parameters: list, cfg: OptimConfig, *, seed: int = 0) -> torch.o
     if cfg.state_dtype != "fp32" and all(p.device.type == "cpu" for p in params):
         return CompressedAdamW(groups, state_dtype=cfg.state_dtype,
                                rounding="stochastic" if cfg.master_dtype == "bf16" else "nearest", seed=seed, **kwargs)
-    try:  # fused runs on CUDA and (torch >= 2.4) on CPU, including FSDP2's offloaded CPU DTensors
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    try:  # fused runs on CUDA and (torch >= 2.4) on CPU; on FSDP2's DTensors through their local shards
+        return LocalShardAdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError) as e:
         log.warning("fused AdamW is not supported here (%s); using the foreach implementation", e)
-        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+        return LocalShardAdamW(groups, foreach=True, **kwargs)
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:

@@ -4,7 +4,7 @@
 
 1. per-tensor 2-norms: the gradients grouped by (device, dtype) with torch's ``_group_tensors_by_device_and_dtype``
    (its group order is the order of step 2), each group through ``torch._foreach_norm`` where foreach supports
-   it (plain tensors), else one ``torch.linalg.vector_norm`` per tensor (DTensors: FSDP2's gradients, always);
+   it (plain tensors, and DTensors in torch 2.11-2.13), else one ``torch.linalg.vector_norm`` per tensor;
 2. ``total = vector_norm(stack([n.to(first gradient's device) for n in the norms in that order]))``: with
    DTensor gradients each norm is a partial (``_NormPartial``) and this is where the ranks all-reduce;
 3. ``coef = clamp(max_norm / (total + 1e-6), max=1.0)``; every gradient ``*= coef.to(its device)``.
@@ -12,18 +12,26 @@
 The overlapped optimizer runs step 1 unit by unit while the backward goes on (``tensor_norms``), step 2 at its
 end (``total_norm``, ``clip_coefficient``) and step 3 per unit just before that unit's optimizer step
 (``scale_grads_``). Each piece is the same operation on the same tensors as inside ``clip_grad_norm_``, so the
-results are the same bits; only when, and on which thread, differ. The two torch helpers are private
+results are the same bits; only when, and on which thread, differ. Two changes of where keep the bits too
+(``_norms``, ``scale_grads_``): a DTensor's norm and scaling run on its local shard (through DTensor's dispatch
+the kernel would hold the interpreter lock, stalling the thread that launches the GPU's work), and host tensors'
+norms run on the host threads, one tensor per thread (ATen's CPU 2-norm of one contiguous fp32 or bf16 tensor is a
+single-thread loop whatever the thread count: its "reduce last dim" kernel parallelises over outputs, and a full
+norm has one). The two torch helpers are private
 (``torch.utils._foreach_utils``); they are imported here, only read, and the parity tests
 (tests/test_overlap_clip.py) fail if their behaviour changes.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+
+from fsdp_speedloader.memory.threads import run_on_host_threads
 
 NormTable = dict[int, tuple[torch.Tensor, torch.Tensor, bool]]
 """id(gradient) -> (the gradient, its 2-norm, whether ``torch._foreach_norm`` computed it)."""
@@ -38,10 +46,61 @@ def _groups(grads: Sequence[torch.Tensor]) -> list[tuple[torch.device, list[torc
             for (device, _), ([tensors], _) in grouped.items()]
 
 
+# Host gradients whose norms run on the host threads, one tensor per thread, on a DTensor's local shard: contiguous
+# CPU tensors of these dtypes. ATen's CPU 2-norm of one is a single-thread loop whatever the thread count (its
+# "reduce last dim" kernel parallelises over outputs, and a full norm has one), and the CPU ``_foreach_norm`` is
+# that kernel tensor by tensor: the bits of clip_grad_norm_'s call, on any thread.
+_SERIAL_NORM_DTYPES = (torch.float32, torch.bfloat16)
+_norm_placements: dict = {}  # (mesh, placements, ndim, dtype, foreach) -> the norm's placements, or None
+
+
+def _host_placements(g: torch.Tensor, foreach: bool) -> Optional[tuple]:
+    """None where ``g``'s norm is left to torch's own call; else () for a plain tensor, and for a DTensor the
+    placements of the norm DTensor would give, asked of DTensor once per mesh and placements on a one-element
+    shard, where that norm is the local shard's (partial over sharded mesh dimensions, replicated over
+    replicated ones: FSDP2's and HSDP's gradients)."""
+    local = g.to_local() if isinstance(g, DTensor) else g
+    if not (local.device.type == "cpu" and local.dtype in _SERIAL_NORM_DTYPES and local.is_contiguous()):
+        return None
+    if not isinstance(g, DTensor):
+        return ()
+    key = (g.device_mesh, tuple(g.placements), g.ndim, g.dtype, foreach)
+    if key not in _norm_placements:
+        probe = DTensor.from_local(torch.zeros((1,) * g.ndim, dtype=g.dtype), g.device_mesh, g.placements,
+                                   run_check=False)
+        norm = torch._foreach_norm([probe], 2.0)[0] if foreach else torch.linalg.vector_norm(probe, 2.0)
+        out = tuple(norm.placements)
+        local_only = all((p.is_shard() and o.is_partial()) or (p.is_replicate() and o.is_replicate())
+                         for p, o in zip(g.placements, out))
+        _norm_placements[key] = out if local_only else None
+    return _norm_placements[key]
+
+
 def _norms(tensors: list[torch.Tensor], foreach: bool) -> list[torch.Tensor]:
-    if foreach:
-        return list(torch._foreach_norm(tensors, 2.0))
-    return [torch.linalg.vector_norm(g, 2.0) for g in tensors]
+    """The 2-norm of each of ``tensors`` as clip_grad_norm_ takes it (``torch._foreach_norm`` of the group, or
+    ``vector_norm`` of each), the same bits. Host tensors' on the host threads, one tensor per thread; a
+    DTensor's on its local shard, wrapped as DTensor's own result: through DTensor's dispatch the kernel would
+    hold the interpreter lock (``local_adamw.py``) and stall the thread that launches the GPU's work."""
+    norms: list[Optional[torch.Tensor]] = [None] * len(tensors)
+    placements = [_host_placements(g, foreach) for g in tensors]
+
+    def host_norm(i: int) -> None:
+        g = tensors[i]
+        if isinstance(g, DTensor):
+            norms[i] = DTensor.from_local(torch.linalg.vector_norm(g.to_local(), 2.0), g.device_mesh, placements[i],
+                                          run_check=False)
+        else:
+            norms[i] = torch.linalg.vector_norm(g, 2.0)
+
+    run_on_host_threads([functools.partial(host_norm, i) for i, p in enumerate(placements) if p is not None])
+    rest = [i for i, p in enumerate(placements) if p is None]
+    if rest:
+        rest_tensors = [tensors[i] for i in rest]
+        rest_norms = (torch._foreach_norm(rest_tensors, 2.0) if foreach
+                      else [torch.linalg.vector_norm(g, 2.0) for g in rest_tensors])
+        for i, n in zip(rest, rest_norms):
+            norms[i] = n
+    return norms
 
 
 @torch.no_grad()
@@ -102,11 +161,35 @@ def scale_grads_(grads: Sequence[torch.Tensor], coefs: dict[torch.device, torch.
     """``g *= coef`` for each of ``grads`` (step 3), foreach where clip_grad_norm_ uses it: element-wise, so any
     subset of the gradients, scaled in any order, gives the bits of clip_grad_norm_'s one pass."""
     for device, tensors, foreach in _groups(grads):
+        coef = coefs[device]
+        if device.type == "cpu" and _replicated_over(coef, tensors):
+            # the local op DTensor's dispatch would call, without holding the interpreter lock through it
+            tensors, coef = [g.to_local() for g in tensors], coef.to_local()
         if foreach:
-            torch._foreach_mul_(tensors, coefs[device])
+            torch._foreach_mul_(tensors, coef)
         else:
             for g in tensors:
-                g.mul_(coefs[device])
+                g.mul_(coef)
+
+
+def _replicated_over(coef: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``coef`` is a replicated DTensor on the mesh of every one of ``tensors`` (DTensors)."""
+    return (isinstance(coef, DTensor) and all(p.is_replicate() for p in coef.placements)
+            and all(isinstance(g, DTensor) and g.device_mesh == coef.device_mesh for g in tensors))
+
+
+@torch.no_grad()
+def clip_grads_(grads: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over ``grads`` in one call, by the pieces above (their threads, the same bits); returns
+    the total norm. ``max_norm`` 0: the norm only (``get_total_norm``). A coefficient of exactly 1 multiplies
+    nothing (the same bits as multiplying by it)."""
+    grads = list(grads)
+    total = total_norm(grads, {})
+    if max_norm > 0:
+        coef = clip_coefficient(total, max_norm)
+        if float(full_value(coef)) != 1.0:
+            scale_grads_(grads, coefficients_by_device(coef, grads))
+    return total
 
 
 def full_value(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

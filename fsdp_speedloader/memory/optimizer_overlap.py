@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from fsdp_speedloader.engine.speedloader import speedloader_engine
 from fsdp_speedloader.fsdp2 import fsdp_params_of
-from fsdp_speedloader.memory.grad_clip import NormTable, clip_coefficient, coefficients_by_device, full_value, \
-    scale_grads_, tensor_norms, total_norm
+from fsdp_speedloader.memory.grad_clip import NormTable, clip_coefficient, clip_grads_, coefficients_by_device, \
+    full_value, scale_grads_, tensor_norms, total_norm
 from fsdp_speedloader.memory.threads import set_thread_num_threads
 
 BuildOptimizer = Callable[[list], torch.optim.Optimizer]
@@ -118,11 +118,7 @@ class OptimizersContainer:
         rather than in the next forward's unshards."""
         self.last_grad_norm, self.last_step_skipped = None, False
         if self.needs_grad_norm:
-            params = list(self.model.parameters())
-            if self.max_norm > 0:
-                norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
-            else:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            norm = clip_grads_([p.grad for p in self.model.parameters() if p.grad is not None], self.max_norm)
             if self._record_norm(norm):
                 return
         for opt in self.optimizers:
