@@ -18,6 +18,7 @@ from fsdp_speedloader.app.trainer import Trainer
 from fsdp_speedloader.memory import compressed_adamw
 from fsdp_speedloader.memory import threads as host_threads
 from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW, num_state_bytes
+from fsdp_speedloader.memory.local_adamw import LocalShardAdamW
 from fsdp_speedloader.memory.threads import adopted_num_threads, host_pool
 
 SHAPES = [(300, 50), (3000,), (7, 1), (5000,)]  # 5000: no multiple of BLOCK, spans chunks when they are small
@@ -145,7 +146,9 @@ def test_state_bytes_per_parameter():
 
 def test_the_default_is_torch_adamw_and_the_choice_is_validated():
     params = _params()
-    assert type(build_adamw(params, OptimConfig())) is torch.optim.AdamW
+    default = build_adamw(params, OptimConfig())  # torch's AdamW, fused, stepping DTensors through their shards
+    assert type(default) is LocalShardAdamW and isinstance(default, torch.optim.AdamW)
+    assert all(group["fused"] for group in default.param_groups)
     assert isinstance(build_adamw(params, OptimConfig(state_dtype="bf16")), CompressedAdamW)
     with pytest.raises(ValueError, match="optim.state_dtype"):
         OptimConfig(state_dtype="fp8")
