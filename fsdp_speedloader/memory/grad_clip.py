@@ -34,7 +34,8 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_
 from fsdp_speedloader.memory.threads import run_on_host_threads
 
 NormTable = dict[int, tuple[torch.Tensor, torch.Tensor, bool]]
-"""id(gradient) -> (the gradient, its 2-norm, whether ``torch._foreach_norm`` computed it)."""
+"""id(gradient) -> (the gradient, its 2-norm, whether ``torch._foreach_norm`` computed it). A DTensor gradient's
+norm may be held as its local shard's (a plain tensor), made the DTensor it stands for by ``total_norm``."""
 
 
 def _groups(grads: Sequence[torch.Tensor]) -> list[tuple[torch.device, list[torch.Tensor], bool]]:
@@ -76,23 +77,24 @@ def _host_placements(g: torch.Tensor, foreach: bool) -> Optional[tuple]:
     return _norm_placements[key]
 
 
-def _norms(tensors: list[torch.Tensor], foreach: bool) -> list[torch.Tensor]:
+def _norms(tensors: list[torch.Tensor], foreach: bool, *, wrap: bool = True) -> list[torch.Tensor]:
     """The 2-norm of each of ``tensors`` as clip_grad_norm_ takes it (``torch._foreach_norm`` of the group, or
     ``vector_norm`` of each), the same bits. Host tensors' on the host threads, one tensor per thread; a
-    DTensor's on its local shard, wrapped as DTensor's own result: through DTensor's dispatch the kernel would
-    hold the interpreter lock (``local_adamw.py``) and stall the thread that launches the GPU's work."""
+    DTensor's on its local shard: through DTensor's dispatch the kernel would hold the interpreter lock
+    (``local_adamw.py``) and stall the thread that launches the GPU's work. ``wrap``: such a norm is returned as
+    the DTensor that DTensor's own call gives; else as the local norm (``_wrap`` makes the DTensor later, on the
+    thread that needs it: each of the few tensor operations in wrapping takes the interpreter lock again, which
+    a background thread waits for while the main thread runs Python)."""
     norms: list[Optional[torch.Tensor]] = [None] * len(tensors)
     placements = [_host_placements(g, foreach) for g in tensors]
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in tensors]
 
     def host_norm(i: int) -> None:
-        g = tensors[i]
-        if isinstance(g, DTensor):
-            norms[i] = DTensor.from_local(torch.linalg.vector_norm(g.to_local(), 2.0), g.device_mesh, placements[i],
-                                          run_check=False)
-        else:
-            norms[i] = torch.linalg.vector_norm(g, 2.0)
+        norms[i] = torch.linalg.vector_norm(locals_[i], 2.0)
 
     run_on_host_threads([functools.partial(host_norm, i) for i, p in enumerate(placements) if p is not None])
+    if wrap:
+        norms = [_wrap(g, n, foreach) if p is not None else n for g, n, p in zip(tensors, norms, placements)]
     rest = [i for i, p in enumerate(placements) if p is None]
     if rest:
         rest_tensors = [tensors[i] for i in rest]
@@ -103,17 +105,24 @@ def _norms(tensors: list[torch.Tensor], foreach: bool) -> list[torch.Tensor]:
     return norms
 
 
+def _wrap(g: torch.Tensor, norm: torch.Tensor, foreach: bool) -> torch.Tensor:
+    """``norm`` of ``g``'s local shard as the DTensor that DTensor's own norm of ``g`` is (plain tensors: as is)."""
+    if not isinstance(g, DTensor) or isinstance(norm, DTensor):
+        return norm
+    return DTensor.from_local(norm, g.device_mesh, _host_placements(g, foreach), run_check=False)
+
+
 @torch.no_grad()
 def tensor_norms(grads: Sequence[torch.Tensor], table: NormTable) -> None:
     """Adds the 2-norm of each of ``grads`` to ``table`` (step 1), computed as clip_grad_norm_ computes it.
 
     Local work only: on DTensor gradients the norms are partial, no rank communicates."""
     for _, tensors, foreach in _groups(grads):
-        _add_norms(tensors, foreach, table)
+        _add_norms(tensors, foreach, table, wrap=False)  # made DTensors by total_norm, on the main thread
 
 
-def _add_norms(tensors: list[torch.Tensor], foreach: bool, table: NormTable) -> None:
-    for g, n in zip(tensors, _norms(tensors, foreach)):
+def _add_norms(tensors: list[torch.Tensor], foreach: bool, table: NormTable, *, wrap: bool = True) -> None:
+    for g, n in zip(tensors, _norms(tensors, foreach, wrap=wrap)):
         table[id(g)] = (g, n, foreach)
 
 
@@ -132,7 +141,7 @@ def total_norm(grads: Sequence[torch.Tensor], table: NormTable) -> torch.Tensor:
         stale = [g for g in tensors if (entry := table.get(id(g))) is None or entry[0] is not g or entry[2] != foreach]
         if stale:
             _add_norms(stale, foreach, table)
-        ordered += [table[id(g)][1] for g in tensors]
+        ordered += [_wrap(g, table[id(g)][1], foreach) for g in tensors]
     first_device = grads[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in ordered]), 2.0)
 
