@@ -4,7 +4,7 @@
 
 1. per-tensor 2-norms: the gradients grouped by (device, dtype) with torch's ``_group_tensors_by_device_and_dtype``
    (its group order is the order of step 2), each group through ``torch._foreach_norm`` where foreach supports
-   it (plain tensors, and DTensors in torch 2.11-2.13), else one ``torch.linalg.vector_norm`` per tensor;
+   it (plain tensors; DTensors too in torch 2.13), else one ``torch.linalg.vector_norm`` per tensor;
 2. ``total = vector_norm(stack([n.to(first gradient's device) for n in the norms in that order]))``: with
    DTensor gradients each norm is a partial (``_NormPartial``) and this is where the ranks all-reduce;
 3. ``coef = clamp(max_norm / (total + 1e-6), max=1.0)``; every gradient ``*= coef.to(its device)``.
