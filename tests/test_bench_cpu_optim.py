@@ -1,5 +1,6 @@
 """tools/bench_cpu_optim.py: a row per candidate, thread count and (for the compressed candidates) chunk size, the
-chunk applied in the worker and recorded; a chunk that is no whole number of int8 blocks refused before any run."""
+chunk applied in the worker and recorded; a chunk that is no whole number of int8 blocks refused before any run; with
+--dtensor, DTensor rows with the main thread's progress beside the step."""
 
 from __future__ import annotations
 
@@ -30,3 +31,15 @@ def test_a_chunk_of_no_whole_blocks_is_refused(tmp_path):
     done = _run(tmp_path, "--candidates", "fsl-int8", "--chunks", "3000")
     assert done.returncode == 2 and "multiples of 2048" in done.stderr
     assert not (tmp_path / "t.json").exists()
+
+
+def test_dtensor_rows_record_the_main_threads_progress(tmp_path):
+    """--dtensor: the parameters and gradients are DTensors; every row says how much of its Python progress the main
+    thread kept beside the step (a share: positive, and no thread keeps much more than all of it)."""
+    done = _run(tmp_path, "--dtensor", "--candidates", "local-fused,clip-norms-fsl", "--threads", "1", "--blocks",
+                "1", "--steps", "1", "--warmup", "0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "t.json").read_text())["results"]
+    assert [(r["candidate"], r["status"], r["dtensor"]) for r in rows] == [
+        ("local-fused", "ok", True), ("clip-norms-fsl", "ok", True)]
+    assert all(0 < r["main_thread_progress"] < 1.5 and r["s_per_billion_params"] > 0 for r in rows)
