@@ -131,8 +131,14 @@ def test_the_overlapped_contender_may_compress_its_optimizer_states():
     assert bench_train.parse_contender("speedloader-overlap:2x4:states=int8", None).states == "int8"
     assert bench_train.parse_contender("speedloader-overlap:2x4", None).states == "fp32"
     assert bench_train.parse_contender("speedloader-overlap:2x4:threads=12", None).threads == 12
+    default = bench_train.parse_contender("speedloader-overlap:2x4", None)
+    assert (default.slots, default.adamw) == (2, "local")  # the trainer's defaults
+    tuned = bench_train.parse_contender("speedloader-overlap:2x4:slots=0:adamw=torch", None)
+    assert (tuned.slots, tuned.adamw) == (0, "torch")
     for bad in ("speedloader:2x4:states=bf16", "fsdp2-offload:2x4:states=bf16", "speedloader-overlap:2x4:states=fp8",
-                "speedloader-overlap:2x4:threads=0", "speedloader:2x4:threads=4"):
+                "speedloader-overlap:2x4:threads=0", "speedloader:2x4:threads=4", "speedloader:2x4:slots=2",
+                "speedloader-overlap:2x4:slots=-1", "speedloader-overlap:2x4:adamw=dtensor",
+                "fsdp2-offload:2x4:adamw=local"):
         with pytest.raises(ValueError, match="states"):
             bench_train.parse_contender(bad, None)
 
@@ -315,7 +321,7 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
     """Each contender builds the model from the ModelConfig (the family's Hugging Face class), runs the same experts
     kernel, shards one MoE block per FSDP unit, and computes the same loss (same seeded weights, same batch);
     DeepSpeed too where it is installed."""
-    contenders = ["speedloader-overlap:2x2:root=device", "speedloader-overlap:2x2:root=device:states=bf16:threads=1",
+    contenders = ["speedloader-overlap:2x2:root=device", "speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0",
                   "fsdp2-offload:2x2", "ondevice:1x4:cap=none"]
     if importlib.util.find_spec("deepspeed") is not None:
         contenders.append("deepspeed-offload:2x2")
@@ -339,9 +345,12 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
             assert r["num_fsdp_units"] == 2 and r["blocks_per_fsdp_unit"] == [1]  # one MoE block, all experts, a unit
     assert rows["ondevice:1x4:cap=none"]["max_gpu_memory_gib"] is None
     for spec, states in (("speedloader-overlap:2x2:root=device", "fp32"),
-                         ("speedloader-overlap:2x2:root=device:states=bf16:threads=1", "bf16")):
+                         ("speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0", "bf16")):
         assert rows[spec]["optimizer_states"] == states and rows[spec]["optimizer_busy_s"] > 0  # the CPU step ran
         assert rows[spec]["optimizer_wait_s"] >= 0
+    default = rows["speedloader-overlap:2x2:root=device"]
+    assert (default["optimizer_adamw"], default["grad_slots_in_flight"]) == ("local", 2)
+    assert rows["speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0"]["uses_grad_ring"] is False
     assert "optimizer_busy_s" not in rows["fsdp2-offload:2x2"]
     first = [r["losses"][0] for r in rows.values()]
     assert max(first) - min(first) < 1e-3 * abs(first[0])

@@ -240,11 +240,13 @@ class Contender(NamedTuple):
     fp8: Optional[str] = None  # a torchao float8 recipe for the blocks' linears (kernels.float8_training)
     states: str = "fp32"  # speedloader-overlap: AdamW's moments of host-resident parameters (optim.state_dtype)
     threads: int = 0  # speedloader-overlap: the optimizer worker's CPU threads (optim.worker_threads; 0: default)
+    slots: int = 2  # speedloader-overlap: in-flight host gradient slots (optim.grad_slots_in_flight; 0: one per param)
+    adamw: str = "local"  # speedloader-overlap's fp32 AdamW: 'local' (LocalShardAdamW, the trainer's) or 'torch'
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
     """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K][:sdpa=B][:liger]
-    [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K]' -> a ``Contender``.
+    [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|torch]' -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
     (speedloader contenders): the embeddings, final norm and LM head keep their states on the GPU. ``cap``
@@ -253,7 +255,10 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     (every contender but DeepSpeed; ``fsdp_speedloader.kernels``): ``sdpa`` the attention backend (auto, cudnn,
     flash, efficient, math), ``liger`` Liger's kernels, ``fp8`` torchao float8 linears (tensorwise unless a recipe
     is named). ``states`` and ``threads`` (speedloader-overlap): the host optimizer's moments (``optim.state_dtype``) and
-    its worker's CPU threads (``optim.worker_threads``)."""
+    its worker's CPU threads (``optim.worker_threads``); ``slots`` its in-flight host gradient slots
+    (``optim.grad_slots_in_flight``, 0: one per parameter); ``adamw`` its fp32 AdamW, the trainer's
+    ``LocalShardAdamW`` (default) or ``torch.optim.AdamW`` on the DTensors. Every other contender steps
+    ``torch.optim.AdamW`` (fused)."""
     from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 
     name, shape, *options = spec.split(":")
@@ -263,7 +268,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     cap = None
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
-    states, threads = "fp32", 0
+    states, threads, slots, adamw = "fp32", 0, 2, "local"
     kernels_ok = name != "deepspeed-offload"
     for option in options:
         key, _, value = option.partition("=")
@@ -287,14 +292,20 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             states = value
         elif key == "threads" and value.isdigit() and int(value) > 0 and name == "speedloader-overlap":
             threads = int(value)
+        elif key == "slots" and value.isdigit() and name == "speedloader-overlap":
+            slots = int(value)
+        elif key == "adamw" and value in ("local", "torch") and name == "speedloader-overlap":
+            adamw = value
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
                              "(speedloader contenders), ':compile' or ':eager' (every contender but "
                              "deepspeed-offload), ':cap=GiB|none' (every contender), ':keep=K' (speedloader "
                              f"contenders: keep_activations), ':sdpa={'|'.join(SDPA_BACKENDS)}', ':liger' and "
                              f"':fp8[={'|'.join(FLOAT8_RECIPES)}]' (every contender but deepspeed-offload), "
-                             "':states=fp32|bf16|int8' and ':threads=K' (speedloader-overlap)")
-    return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads)
+                             "':states=fp32|bf16|int8', ':threads=K', ':slots=R' and ':adamw=local|torch' "
+                             "(speedloader-overlap)")
+    return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads,
+                     slots, adamw)
 
 
 def _positive_float(text: str) -> bool:
@@ -387,12 +398,17 @@ def run_worker(args: argparse.Namespace) -> dict:
             from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
 
             return CompressedAdamW(params, state_dtype=contender.states, lr=1e-5)
+        if name == "speedloader-overlap" and contender.adamw == "local":
+            from fsdp_speedloader.memory.local_adamw import LocalShardAdamW
+
+            return LocalShardAdamW(params, lr=1e-5, fused=True)
         return torch.optim.AdamW(params, lr=1e-5, fused=True)
 
     if name == "speedloader-overlap":
         from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
-        optim = OverlappedOptimizer(model, build_adamw, worker_threads=contender.threads)
+        optim = OverlappedOptimizer(model, build_adamw, worker_threads=contender.threads,
+                                    grad_slots_in_flight=contender.slots)
     else:
         optim = build_adamw(model.parameters())
     gen = torch.Generator().manual_seed(0)
@@ -440,6 +456,9 @@ def run_worker(args: argparse.Namespace) -> dict:
         timed = overlap_stats[args.warmup:args.warmup + args.steps]
         result["optimizer_states"] = contender.states
         result["optimizer_worker_threads"] = contender.threads or torch.get_num_threads()
+        result["optimizer_adamw"] = contender.adamw
+        result["grad_slots_in_flight"] = contender.slots
+        result["uses_grad_ring"] = optim.uses_grad_ring
         result.update({k: statistics.median(st[k] for st in timed) for k in timed[0]})
     if layer_major:
         result["host_activation_gib"] = engine.store.host_bytes / 2**30
