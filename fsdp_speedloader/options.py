@@ -51,6 +51,12 @@ class SpeedLoaderOptions:
     offload_root: bool = True
     """With offload_params, also offload the root's states (embeddings, final norm, LM head); False keeps
     them on the GPU (no load, gradient copy or CPU optimizer step for them in each step)."""
+    device_units: int = 0
+    """With offload_params, units 1 .. K keep their states on the GPU, as ``offload_root=False`` keeps the
+    root's: no load, gradient copy or CPU optimizer step for them. The first units because the next step reads
+    them first: unit 1's CPU step, which can start only when the backward ends, is otherwise the one the GPU
+    waits for. Each costs its parameters, gradients and optimizer states in GPU memory (16 B per parameter with
+    fp32 AdamW); more than the number of units keeps them all."""
     keep_activations: int = 0
     """(unit, sub-batch) pairs, counted from the last unit back, whose activations inside the unit stay on
     the GPU from forward to backward, so that their backward skips the recompute (exact). Each costs one
@@ -68,7 +74,7 @@ class SpeedLoaderOptions:
 
     def __post_init__(self) -> None:
         for name, low in (("num_sub_batches", 1), ("blocks_per_unit", 1), ("forward_prefetch", 0),
-                          ("loss_chunk_tokens", 1), ("keep_activations", 0)):
+                          ("loss_chunk_tokens", 1), ("keep_activations", 0), ("device_units", 0)):
             value = getattr(self, name)
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
             check(ok, name, f"got {value!r}; it must be an integer >= {low}")
@@ -83,6 +89,9 @@ class SpeedLoaderOptions:
                   f"got {value!r}; pass a floating-point torch.dtype such as torch.bfloat16, or None")
         if self.param_transfer_dtype is not None:
             self._check_param_transfer()
+        check(self.device_units == 0 or self.offload_params, "device_units",
+              f"got {self.device_units} with offload_params=False: every unit already keeps its states on the "
+              "device; set offload_params=True (offload=params), or device_units=0")
 
     def _check_param_transfer(self) -> None:
         """The transfer copies live in the host arena next to the offloaded shards, and must be what FSDP2

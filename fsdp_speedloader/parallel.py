@@ -104,10 +104,12 @@ def apply_fsdp(
     pin_memory: bool = True,
     reshard_after_forward: bool = True,
     offload_root: bool = True,
+    device_units: int = 0,
 ) -> list[FSDPModule]:
     """Shards each unit (a group of blocks) and then the root (embeddings, final norm, LM head).
 
-    ``offload_root=False`` keeps the root's states on the device even with ``offload_params``.
+    ``offload_root=False`` keeps the root's states on the device even with ``offload_params``, and
+    ``device_units=K`` those of units 1 .. K.
     Returns the FSDP module of each unit: the first module of its group, which holds the state.
     """
     check_mesh(mesh)
@@ -116,10 +118,11 @@ def apply_fsdp(
     offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=pin_memory and torch.cuda.is_available())
                               if offload_params else OffloadPolicy())
     unit_modules = []
-    for blocks in units:
+    for index, blocks in enumerate(units):
         blocks = list(blocks)
         fully_shard(blocks if len(blocks) > 1 else blocks[0], mesh=mesh, mp_policy=mp_policy,
-                    offload_policy=offload, reshard_after_forward=reshard_after_forward)
+                    offload_policy=offload if index >= device_units else OffloadPolicy(),
+                    reshard_after_forward=reshard_after_forward)
         unit_modules.append(blocks[0])
     # The root stays unsharded between forward and backward: it is small and used at both ends.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload if offload_root else OffloadPolicy(),

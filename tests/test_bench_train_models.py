@@ -321,7 +321,8 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
     """Each contender builds the model from the ModelConfig (the family's Hugging Face class), runs the same experts
     kernel, shards one MoE block per FSDP unit, and computes the same loss (same seeded weights, same batch);
     DeepSpeed too where it is installed."""
-    contenders = ["speedloader-overlap:2x2:root=device", "speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0",
+    contenders = ["speedloader-overlap:2x2:root=device",
+                  "speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0",
                   "fsdp2-offload:2x2", "ondevice:1x4:cap=none"]
     if importlib.util.find_spec("deepspeed") is not None:
         contenders.append("deepspeed-offload:2x2")

@@ -49,6 +49,27 @@ def test_gradient_parity_with_the_root_kept_on_the_device(family):
     assert policies == {"CPUOffloadPolicy", "OffloadPolicy"}, policies
 
 
+@pytest.mark.parametrize("family,device_units,blocks_per_unit", [("llama", 1, 1), ("opt", 3, 1), ("llama", 1, 2),
+                                                                 ("llama", 9, 1)])
+def test_gradient_parity_with_the_first_units_kept_on_the_device(family, device_units, blocks_per_unit):
+    """device_units=K: units 1 .. K not offloaded (their FSDP groups without CPUOffloadPolicy), the rest offloaded;
+    more than the units keeps every unit."""
+    model = _assert_parity(family, 3, offload_params=True, device_units=device_units, blocks_per_unit=blocks_per_unit)
+    units = [m for m, _ in speedloader_engine(model).units]
+    policies = [type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for m in units]
+    kept = min(device_units, len(units))
+    assert policies == ["OffloadPolicy"] * kept + ["CPUOffloadPolicy"] * (len(units) - kept), policies
+
+
+def test_device_units_need_offloaded_parameters():
+    from fsdp_speedloader import SpeedLoaderOptions
+
+    with pytest.raises(ValueError, match="device_units.*offload_params=True"):
+        SpeedLoaderOptions(device_units=1)
+    with pytest.raises(ValueError, match="device_units"):
+        SpeedLoaderOptions(offload_params=True, device_units=-1)
+
+
 def test_materialize_moves_only_the_groups_that_do_not_offload():
     """materialize_model's to_empty puts every shard on param_device (the host); the root of offload_root=False
     then gets shards on the compute device, keeping its parameter objects (here 'meta' stands in for the GPU)."""

@@ -45,6 +45,9 @@ def _compiled_parity(rank: int, world_size: int) -> int:
         model = _assert_rank_parity(rank, world_size, family, 2, offload_params=True, activation_store="host",
                                     compile_blocks=True, offload_root=False)
         assert speedloader_engine(model).adapter.compiled_block_forward is not None
+    # the first unit's states kept on the device as well (offload.device_units)
+    _assert_rank_parity(rank, world_size, "llama", 2, offload_params=True, activation_store="host",
+                        offload_root=False, device_units=1)
     return 2
 
 

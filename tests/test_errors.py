@@ -39,6 +39,7 @@ def _cases(root: Path) -> dict[str, tuple[list[str], dict]]:
         "wandb_online_without_key": (["logger=wandb", "logger.mode=online"],
                                      {"HOME": str(root / "home"), "NETRC": str(root / "home" / ".netrc")}),
         "traceback_flag": ([f"checkpoint.dir={root / 'a_file' / 'ckpt'}"], {"FSDP_SPEEDLOADER_TRACEBACK": "1"}),
+        "device_units_without_offload": (["offload.device_units=1"], {}),
     }
 
 
@@ -167,6 +168,12 @@ def test_host_arena_error_at_the_first_step_is_a_user_error(tmp_path, monkeypatc
     monkeypatch.setenv("FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB", "0.001")
     with pytest.raises(UserError, match="the pinned host arena needs"):
         trainer.train()
+
+
+def test_device_units_without_offloaded_parameters(runs):
+    line = _one_error_line(runs["device_units_without_offload"])
+    assert "offload.device_units" in line and "offload=params" in line, line
+    _model_not_built(runs["device_units_without_offload"])
 
 
 def test_run_dir_named_on_the_command_line():

@@ -82,22 +82,29 @@ def test_bf16_within_noise_of_canonical(store, offload, compiled, offload_root):
     assert err <= max(1.5 * canonical_err, 5e-3), (err, canonical_err)
 
 
-def test_overlapped_optimizer_with_the_root_on_the_gpu():
-    """offload_root=False: the root's states on the GPU, the units' on the host; fused AdamW over both (one
-    optimizer, or one per unit and the root overlapped with backward) gives the same weights."""
-    from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
+@pytest.mark.parametrize("device_units,max_norm", [(0, 0.0), (1, 0.0), (2, 0.0), (1, 1e-3)],
+                         ids=["units-offloaded", "unit-1-on-gpu", "units-1-2-on-gpu", "unit-1-on-gpu-clipped"])
+def test_overlapped_optimizer_with_states_on_the_gpu(device_units, max_norm):
+    """offload_root=False (and device_units=K): the root's states (and units 1 .. K's) on the GPU, the other units'
+    on the host; fused AdamW over both, one optimizer stepped after the backward or one per unit and the root
+    overlapped with it (stepped during the backward, or deferred into the next forward when clipping), gives the
+    same weights."""
+    from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer, OverlappedOptimizer
 
     maybe_init_process_group("cuda")
     base = _model()
     models = [apply_speedloader(copy.deepcopy(base), num_sub_batches=2, param_dtype=BF16, offload_params=True,
-                                offload_root=False) for _ in range(2)]
+                                offload_root=False, device_units=device_units) for _ in range(2)]
     devices = {n: p.device.type for n, p in models[0].named_parameters()}
-    assert devices["model.embed_tokens.weight"] == "cuda" and devices["model.layers.0.mlp.up_proj.weight"] == "cpu"
+    assert devices["model.embed_tokens.weight"] == "cuda"
+    for layer in range(4):
+        assert devices[f"model.layers.{layer}.mlp.up_proj.weight"] == ("cuda" if layer < device_units else "cpu")
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
 
-    optimizers = [adamw(list(models[0].parameters())), OverlappedOptimizer(models[1], adamw)]
+    optimizers = [OptimizersContainer(models[0], adamw, max_norm=max_norm),
+                  OverlappedOptimizer(models[1], adamw, max_norm=max_norm)]
     try:
         for step in range(2):
             ids, labels = _batch(4, 128, seed=step)
@@ -107,23 +114,28 @@ def test_overlapped_optimizer_with_the_root_on_the_gpu():
                 opt.zero_grad()
     finally:
         optimizers[1].close()
+    if max_norm:
+        assert optimizers[0].last_grad_norm is not None and optimizers[0].last_grad_norm > max_norm  # it clipped
     for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
 def test_materialized_root_stays_on_the_gpu():
     """Built on meta and materialised with param_device=cpu (as the trainer and the benchmarks do): with
-    offload_root=False the root's shards land on the GPU, the units' on the host, and a step trains."""
+    offload_root=False and device_units=1 the root's and unit 1's shards land on the GPU, the other units' on the
+    host, and a step trains."""
     from fsdp_speedloader.models import materialize_model
 
     maybe_init_process_group("cuda")
     cfg = ModelConfig(hidden_size=512, num_layers=2, num_heads=8, intermediate_size=1408, vocab_size=2048,
                       max_position_embeddings=4096)
     model = build_model(cfg, device="meta")
-    apply_speedloader(model, num_sub_batches=2, param_dtype=BF16, offload_params=True, offload_root=False)
+    apply_speedloader(model, num_sub_batches=2, param_dtype=BF16, offload_params=True, offload_root=False,
+                      device_units=1)
     materialize_model(model, cfg, device=torch.device("cuda"), seed=0, param_device=torch.device("cpu"))
     devices = {n: p.device.type for n, p in model.named_parameters()}
-    assert {d for n, d in devices.items() if ".layers." in n} == {"cpu"}
+    assert {d for n, d in devices.items() if ".layers.1." in n} == {"cpu"}
+    assert {d for n, d in devices.items() if ".layers.0." in n} == {"cuda"}  # device_units=1
     assert {d for n, d in devices.items() if ".layers." not in n} == {"cuda"}
     ids, labels = _batch(4, 128)
     loss = model(input_ids=ids, labels=labels).loss

@@ -64,6 +64,20 @@ def test_plan_of_a_model_and_config():
     assert plan.activations == (cfg.model.num_layers + 1) * 2 * 2 * 32 * 64 * 2  # U + 1 slots of N x n x s x h, bf16
 
 
+def test_units_kept_on_the_device_leave_the_host_plan():
+    """offload.device_units=K: units 1 .. K hold no host shards, gradients or states; activations are unchanged."""
+    cfg = tiny_config("unused", offload={"params": True, "device_units": 1}, schedule={"name": "speedloader"},
+                      model={"num_layers": 4})
+    model = build_model(cfg.model, device="meta")
+    units, root = unit_and_root_shards(model, blocks_per_unit=1, shards=1)
+    plan, _ = host_memory_plan(model, cfg, shards=1)
+    everything, _ = host_memory_plan(model, tiny_config("unused", offload={"params": True},
+                                                        schedule={"name": "speedloader"}, model={"num_layers": 4}),
+                                     shards=1)
+    assert plan.num_params == everything.num_params - sum(local for _, local in units[0])
+    assert plan.optimizer_states < everything.optimizer_states and plan.activations == everything.activations
+
+
 def test_the_trainer_refuses_before_the_model_takes_host_memory(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path, offload={"params": True}, schedule={"name": "speedloader"})
     model = build_model(cfg.model, device="meta")

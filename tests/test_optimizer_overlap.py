@@ -19,12 +19,14 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
 
 
-@pytest.mark.parametrize("offload,offload_root", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("offload,offload_root,device_units", [(False, True, 0), (True, True, 0), (True, False, 0),
+                                                                (True, False, 1)])
 @pytest.mark.parametrize("blocks_per_unit", [1, 2])
-def test_overlapped_steps_equal_a_plain_step(offload, offload_root, blocks_per_unit):
+def test_overlapped_steps_equal_a_plain_step(offload, offload_root, device_units, blocks_per_unit):
     base = tiny_model("llama")
     models = [apply_speedloader(copy.deepcopy(base), mesh=cpu_mesh(), num_sub_batches=3, offload_root=offload_root,
-                                blocks_per_unit=blocks_per_unit, offload_params=offload) for _ in range(2)]
+                                blocks_per_unit=blocks_per_unit, offload_params=offload, device_units=device_units)
+              for _ in range(2)]
     plain = _adamw(models[0].parameters())
     overlapped = OverlappedOptimizer(models[1], _adamw)
     ready = []

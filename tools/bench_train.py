@@ -242,11 +242,12 @@ class Contender(NamedTuple):
     threads: int = 0  # speedloader-overlap: the optimizer worker's CPU threads (optim.worker_threads; 0: default)
     slots: int = 2  # speedloader-overlap: in-flight host gradient slots (optim.grad_slots_in_flight; 0: one per param)
     adamw: str = "local"  # speedloader-overlap's fp32 AdamW: 'local' (LocalShardAdamW, the trainer's) or 'torch'
+    dev: int = 0  # offloading contenders: units 1 .. dev keep their states on the GPU (offload.device_units)
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
     """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K][:sdpa=B][:liger]
-    [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|torch]' -> a ``Contender``.
+    [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|torch][:dev=K]' -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
     (speedloader contenders): the embeddings, final norm and LM head keep their states on the GPU. ``cap``
@@ -254,11 +255,12 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     (speedloader contenders): ``keep_activations``, pairs whose backward skips the recompute. The kernel levers
     (every contender but DeepSpeed; ``fsdp_speedloader.kernels``): ``sdpa`` the attention backend (auto, cudnn,
     flash, efficient, math), ``liger`` Liger's kernels, ``fp8`` torchao float8 linears (tensorwise unless a recipe
-    is named). ``states`` and ``threads`` (speedloader-overlap): the host optimizer's moments (``optim.state_dtype``) and
-    its worker's CPU threads (``optim.worker_threads``); ``slots`` its in-flight host gradient slots
+    is named). ``states`` and ``threads`` (speedloader-overlap): the host optimizer's moments (``optim.state_dtype``)
+    and its worker's CPU threads (``optim.worker_threads``); ``slots`` its in-flight host gradient slots
     (``optim.grad_slots_in_flight``, 0: one per parameter); ``adamw`` its fp32 AdamW, the trainer's
     ``LocalShardAdamW`` (default) or ``torch.optim.AdamW`` on the DTensors. Every other contender steps
-    ``torch.optim.AdamW`` (fused)."""
+    ``torch.optim.AdamW`` (fused). ``dev`` (speedloader and FSDP2-offload contenders): units 1 .. K keep their
+    states on the GPU (``offload.device_units``)."""
     from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 
     name, shape, *options = spec.split(":")
@@ -268,7 +270,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     cap = None
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
-    states, threads, slots, adamw = "fp32", 0, 2, "local"
+    states, threads, slots, adamw, dev = "fp32", 0, 2, "local", 0
     kernels_ok = name != "deepspeed-offload"
     for option in options:
         key, _, value = option.partition("=")
@@ -296,6 +298,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             slots = int(value)
         elif key == "adamw" and value in ("local", "torch") and name == "speedloader-overlap":
             adamw = value
+        elif key == "dev" and value.isdigit() and (name.startswith("speedloader") or name.startswith("fsdp2-offload")):
+            dev = int(value)
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
                              "(speedloader contenders), ':compile' or ':eager' (every contender but "
@@ -303,9 +307,9 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
                              f"contenders: keep_activations), ':sdpa={'|'.join(SDPA_BACKENDS)}', ':liger' and "
                              f"':fp8[={'|'.join(FLOAT8_RECIPES)}]' (every contender but deepspeed-offload), "
                              "':states=fp32|bf16|int8', ':threads=K', ':slots=R' and ':adamw=local|torch' "
-                             "(speedloader-overlap)")
+                             "(speedloader-overlap), ':dev=K' (speedloader and fsdp2-offload contenders)")
     return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads,
-                     slots, adamw)
+                     slots, adamw, dev)
 
 
 def _positive_float(text: str) -> bool:
@@ -323,18 +327,19 @@ def gpu_cap_gib(contender: Contender, default: Optional[float]) -> Optional[floa
 
 
 def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, num_sub: int, compiled: bool,
-                           kernels=None):
+                           kernels=None, device_units: int = 0):
     """An FSDP2 contender as the trainer's canonical schedule (``apply_schedule`` shards by it): gradient
     accumulation over ``num_sub`` micro-batches, every block recomputed, one FSDP unit per block;
     ``fsdp2-offload`` reduce-scatters after the last micro-batch only, ``fsdp2-offload-rs`` and ``ondevice``
-    after every one."""
+    after every one; units 1 .. ``device_units`` of the offloading ones keep their states on the GPU."""
     from fsdp_speedloader.app.config import DataConfig, KernelsConfig, OffloadConfig, ScheduleConfig, TrainConfig
 
     schedule = ScheduleConfig(name="canonical", sub_batch_size=sub_batch, num_sub_batches=num_sub,
                               activation_checkpointing=True, forward_prefetch=args.prefetch, compile_blocks=compiled,
                               gradient_sync="last" if name == "fsdp2-offload" else "every")
     return TrainConfig(model=model_config(args), data=DataConfig(seq_len=args.seq_len), schedule=schedule,
-                       offload=OffloadConfig(params=name != "ondevice"), kernels=kernels or KernelsConfig(),
+                       offload=OffloadConfig(params=name != "ondevice", device_units=device_units),
+                       kernels=kernels or KernelsConfig(),
                        device=args.device, param_dtype="bfloat16")
 
 
@@ -377,13 +382,14 @@ def run_worker(args: argparse.Namespace) -> dict:
             num_sub_batches=num_sub, activation_store=args.activation_store, offload_params=True,
             param_dtype=torch.bfloat16, forward_prefetch=args.prefetch,
             param_transfer_dtype=torch.bfloat16 if transfer == "bf16" else None, compile_blocks=compiled,
-            offload_root=not root_on_device, keep_activations=contender.keep, sdpa_backend=contender.sdpa,
+            offload_root=not root_on_device, device_units=contender.dev, keep_activations=contender.keep,
+            sdpa_backend=contender.sdpa,
             liger_kernels=contender.liger, float8_training=contender.fp8)
         apply_speedloader(model, options, mesh=mesh)
     else:
         kernels = KernelsConfig(sdpa_backend=contender.sdpa, liger_kernels=contender.liger,
                                 float8_training=contender.fp8)
-        train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled, kernels)
+        train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled, kernels, contender.dev)
         scope = apply_schedule(model, train_cfg, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         gradient_sync = train_cfg.schedule.gradient_sync
     # FSDP units besides the root: each holds whole blocks (a mixture of experts' block with all its experts).
@@ -440,8 +446,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         reset_peak=torch.cuda.reset_peak_memory_stats if cuda else (lambda: None))
     result = {
         "contender": name, "contender_spec": args.worker, "param_transfer_dtype": transfer, "compiled": compiled,
-        "root_on_device": root_on_device, "sub_batch_size": sub_batch, "num_sub_batches": num_sub,
-        "max_gpu_memory_gib": cap, "experts_implementation": experts,
+        "root_on_device": root_on_device, "device_units": contender.dev, "sub_batch_size": sub_batch,
+        "num_sub_batches": num_sub, "max_gpu_memory_gib": cap, "experts_implementation": experts,
         "sdpa_backend": contender.sdpa, "liger_kernels": contender.liger, "float8_training": contender.fp8,
         "num_fsdp_units": len(units), "blocks_per_fsdp_unit": blocks_per_fsdp_unit,
         **step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
@@ -545,8 +551,8 @@ def main() -> None:
         else:
             transfer = r.get("param_transfer_dtype")
             cap = r.get("max_gpu_memory_gib", args.max_gpu_memory_gib)
-            label = (r["contender"] + (f" ({transfer} transfer)" if transfer else "")
-                     + (" compiled" if r.get("compiled") else "") + (", root on GPU" if r.get("root_on_device") else "")
+            label = (r.get("contender_spec", r["contender"]) + (f" ({transfer} transfer)" if transfer else "")
+                     + (" compiled" if r.get("compiled") else "")
                      + (f", sdpa={r['sdpa_backend']}" if r.get("sdpa_backend", "auto") != "auto" else "")
                      + (", liger" if r.get("liger_kernels") else "")
                      + (f", fp8 {r['float8_training']}" if r.get("float8_training") else "")

@@ -212,8 +212,16 @@ class OffloadConfig:
     """With params: also the root's states (embeddings, final norm, LM head); false keeps them on the GPU
     (16 bytes per root parameter with fp32 AdamW: 4.2 GB for LLaMA-2-7B) and takes their load, gradient copy
     and CPU optimizer step out of every step."""
+    device_units: int = 0
+    """With params: units 1 .. K keep their states on the GPU, as root=false keeps the root's (16 bytes per
+    parameter with fp32 AdamW): unit 1's CPU optimizer step, which starts only when the backward ends, no longer
+    delays the next step. Both schedules."""
 
     def __post_init__(self) -> None:
+        check_positive(self.device_units, "offload.device_units", allow_zero=True)
+        check(self.device_units == 0 or self.params, "offload.device_units",
+              "keeps units' states on the GPU when the others are offloaded: set offload=params, or "
+              "offload.device_units=0")
         if self.param_transfer_dtype == "bf16":
             self.param_transfer_dtype = "bfloat16"
         if self.param_transfer_dtype is not None:

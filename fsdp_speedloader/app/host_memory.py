@@ -54,11 +54,12 @@ def _activations_on_host(cfg: TrainConfig) -> bool:
 
 def plan_for(cfg: TrainConfig, units: list[list[Shard]], root: list[Shard], *, hidden_size: int,
              activation_itemsize: int = 2) -> HostPlan:
-    """The host plan of ``cfg`` for these shards (activation slots: U + 1 of N x n x s x h)."""
+    """The host plan of ``cfg`` for these shards (activation slots: U + 1 of N x n x s x h; units 1 ..
+    ``offload.device_units`` keep their states on the GPU)."""
     sched = cfg.schedule
     activations = ((len(units) + 1) * sched.num_sub_batches * sched.sub_batch_size * cfg.data.seq_len * hidden_size
                    * activation_itemsize) if _activations_on_host(cfg) else 0
-    return plan_host_memory(units=units, root=root, root_on_host=cfg.offload.root,
+    return plan_host_memory(units=units[cfg.offload.device_units:], root=root, root_on_host=cfg.offload.root,
                             grad_slots_in_flight=cfg.optim.grad_slots_in_flight if _uses_ring(cfg) else 0,
                             state_dtype=cfg.optim.state_dtype, activation_bytes=activations,
                             transfer_itemsize=2 if cfg.offload.param_transfer_dtype else 0,

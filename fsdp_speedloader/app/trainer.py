@@ -106,7 +106,7 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
     units = [blocks[i : i + sched.blocks_per_unit] for i in range(0, len(blocks), sched.blocks_per_unit)]
     unit_modules = parallel.apply_fsdp(model, mesh, units=units, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                        offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory,
-                                       offload_root=cfg.offload.root)
+                                       offload_root=cfg.offload.root, device_units=cfg.offload.device_units)
     parallel.set_forward_prefetch(model, unit_modules, sched.forward_prefetch)
     return scope
 
@@ -126,23 +126,12 @@ def check_host_memory_plan(model: torch.nn.Module, cfg: TrainConfig, mesh: Devic
         return
     if engine is None or not engine.options.uses_arena_store:
         return
-    options, sched, s = engine.options, cfg.schedule, cfg.data.seq_len
+    sched, s = cfg.schedule, cfg.data.seq_len
     plan = ArenaPlan().add("activations", "activations", (len(engine.units) + 1, sched.num_sub_batches,
                                                           sched.sub_batch_size, s, model.config.hidden_size),
                            param_dtype)
-    if options.offload_params and options.pin_memory:  # the arena then holds the shards and their gradients
-        shards = dict(zip(mesh.mesh_dim_names, mesh.shape)).get("dp_shard", 1)
-        params = list(model.parameters() if options.offload_root else get_adapter(model).blocks.parameters())
-        padded = sum(-(-p.shape[0] // shards) * math.prod(p.shape[1:]) for p in params if p.dim() > 0)
-        plan.add("param_shards", "param_shards", (padded,), params[0].dtype)
-        plan.add("grad_shards", "grad_shards", (sum(p.numel() for p in params) // shards,), params[0].dtype)
-        if options.param_transfer_dtype is not None:
-            plan.add("param_transfer", "param_transfer", (padded,), options.param_transfer_dtype)
     hint = (f"lower schedule.num_sub_batches (N={sched.num_sub_batches}), schedule.sub_batch_size "
             f"(n={sched.sub_batch_size}) or data.seq_len (s={s}), or raise schedule.blocks_per_unit")
-    if options.offload_params and options.pin_memory:
-        hint += ("; the offloaded parameter shards and their gradients shrink only with more ranks, or leave the "
-                 "arena with offload.pin_memory=false")
     check_plan(plan, HostMemoryBudget.detect(), hint=hint)
 
 

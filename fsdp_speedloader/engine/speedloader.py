@@ -208,7 +208,8 @@ def apply_speedloader(model: nn.Module, options: Optional[SpeedLoaderOptions] = 
     arena_holds_params = options.offload_params and options.pin_memory and isinstance(store, ExchangeActivationStore)
     unit_modules = apply_fsdp(model, mesh, units=groups, param_dtype=options.param_dtype,
                               reduce_dtype=options.reduce_dtype, offload_params=options.offload_params,
-                              pin_memory=options.pin_memory and not arena_holds_params, offload_root=options.offload_root)
+                              pin_memory=options.pin_memory and not arena_holds_params,
+                              offload_root=options.offload_root, device_units=options.device_units)
     if arena_holds_params:
         store.hold_param_shards(model)
     set_forward_prefetch(model, unit_modules, options.forward_prefetch)

@@ -176,6 +176,9 @@ class OverlappedOptimizer(OptimizersContainer):
         optimizers.step()        # steps unit 1 and the root, waits for all steps
         optimizers.zero_grad()
 
+    Units whose states stay on the device (``device_units``; the root with ``offload_root=False``) are stepped by
+    ``step()`` on the calling thread, as device kernels, in either mode.
+
     With ``max_norm > 0`` or ``skip_nonfinite`` (deferred steps)::
 
         loss.backward()          # each unit's per-tensor gradient norms, while backward runs
@@ -248,6 +251,10 @@ class OverlappedOptimizer(OptimizersContainer):
     # --- the main thread's side ------------------------------------------------------------------------------
     def on_unit_grads_ready(self, index: int) -> None:
         """Called by the chain (main thread) once unit ``index``'s post-backward has run."""
+        if not self._on_worker[index - 1]:
+            # States on the device (``device_units``): stepped by step() as device kernels on this thread, after
+            # FSDP's finalize_backward has joined its reduce-scatter stream; their norms are taken there too.
+            return
         unit = self._units[index - 1]
         # The events of the non-blocking gradient copies to the host, taken now: FSDP clears them
         # when it finalises backward. None: the copy was synchronous (no CUDA, or accumulation).
