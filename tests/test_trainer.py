@@ -70,6 +70,23 @@ def test_speedloader_matches_canonical(tmp_path):
     assert b == pytest.approx(a, rel=1e-4)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_units_kept_on_the_device_train_like_all_offloaded(tmp_path, schedule):
+    """offload.device_units: a training run (overlapped optimizer for layer-major, clipping on) gives the losses of
+    the run with every unit offloaded, bit for bit (on the CPU both keep the states in the same memory: what differs
+    is each unit's FSDP offload policy and which thread steps it)."""
+    overlap = {"overlap_with_backward": schedule == "speedloader", "grad_clip": 1.0}
+    runs = []
+    for k in (0, 2):
+        trainer = Trainer(tiny_config(tmp_path / str(k), steps=3, schedule={"name": schedule},
+                                      offload={"params": True, "device_units": k}, optim=overlap))
+        blocks = trainer.model.model.layers
+        policies = [type(b._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for b in blocks]
+        assert policies == ["OffloadPolicy"] * k + ["CPUOffloadPolicy"] * (len(blocks) - k), policies
+        runs.append(_losses(trainer.train()))
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_compiled_blocks_give_the_eager_losses(tmp_path, schedule):
