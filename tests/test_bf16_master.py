@@ -153,15 +153,18 @@ def test_bf16_masters_train_and_resume_exactly(tmp_path):
     assert losses[-1] == pytest.approx(fp32[-1], rel=0.05)
 
 
-def test_a_gpu_root_keeps_fp32_masters(tmp_path):
-    """offload.root=false: only the blocks' masters become bf16 (the root's states live with it on the device)."""
-    cfg = tiny_config(tmp_path, schedule={"name": "speedloader"}, offload={"params": True, "root": False}, steps=1,
+@pytest.mark.parametrize("device_units", [0, 1])
+def test_a_gpu_root_keeps_fp32_masters(tmp_path, device_units):
+    """offload.root=false: only the blocks' masters become bf16 (the root's states live with it on the device);
+    offload.device_units=K: not those of units 1 .. K either (stepped on the device by torch's AdamW)."""
+    cfg = tiny_config(tmp_path, schedule={"name": "speedloader"}, steps=1,
+                      offload={"params": True, "root": False, "device_units": device_units},
                       optim={"master_dtype": "bf16", "state_dtype": "bf16", "overlap_with_backward": True,
                              "grad_clip": 0.0})
     trainer = Trainer(cfg)
     trainer.train()
-    blocks = {id(p) for p in trainer.adapter.blocks.parameters()}
-    dtypes = {(id(p) in blocks, p.dtype) for p in trainer.model.parameters()}
+    host = {id(p) for block in list(trainer.adapter.blocks)[device_units:] for p in block.parameters()}
+    dtypes = {(id(p) in host, p.dtype) for p in trainer.model.parameters()}
     assert dtypes == {(True, torch.bfloat16), (False, torch.float32)}
 
 

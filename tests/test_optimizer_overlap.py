@@ -60,6 +60,22 @@ def _transfer_model(base):
                              param_dtype=torch.bfloat16, param_transfer_dtype=torch.bfloat16)
 
 
+def test_container_keeps_host_and_device_parameters_in_separate_optimizers():
+    """One inner optimizer per side, host first: the build may then compress the host's states only (with the
+    root or ``device_units`` on the GPU, one optimizer over both sides would have given the host fp32 states).
+    'meta' stands in for the GPU."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, device="meta"), torch.nn.Linear(4, 4))
+    seen = []
+
+    def build(params):
+        seen.append({p.device.type for p in params})
+        return torch.optim.SGD(params, lr=0.1)
+
+    container = OptimizersContainer(model, build)
+    assert seen == [{"cpu"}, {"meta"}] and len(container) == 2
+    assert [len(g["params"]) for g in container.param_groups] == [4, 2]
+
+
 def test_container_step_casts_the_transfer_copies():
     """``OptimizersContainer.step`` casts the bf16 transfer copies its step made stale, as the overlapped one does
     in its worker: nothing is left for the next forward (a bare optimizer step leaves every offloaded one)."""

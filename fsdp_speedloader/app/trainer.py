@@ -235,7 +235,8 @@ class Trainer:
             hidden_size=model.config.hidden_size, seq_len=cfg.data.seq_len) if recompute else 0.0
         self.num_params = sum(p.numel() for p in model.parameters())
         if cfg.optim.master_dtype == "bf16":  # before sharding: FSDP2 keeps each parameter's dtype in its shard
-            cast_host_masters_(model, self.adapter.blocks, include_root=cfg.offload.root)
+            on_device = list(self.adapter.blocks)[:cfg.offload.device_units * sched.blocks_per_unit]  # units 1 .. K
+            cast_host_masters_(model, self.adapter.blocks, include_root=cfg.offload.root, keep=on_device)
         self.kernel_scope = apply_schedule(model, cfg, self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         check_host_memory_plan(model, cfg, self.mesh, param_dtype=param_dtype)  # before the shards take host memory
         param_device = torch.device("cpu") if cfg.offload.params else self.device

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -82,14 +82,18 @@ def stochastic_round_(out: torch.Tensor, x: torch.Tensor, bits: torch.Tensor) ->
         out[nonfinite] = kept.to(torch.bfloat16)
 
 
-def cast_host_masters_(model: nn.Module, blocks: nn.ModuleList, *, include_root: bool) -> int:
+def cast_host_masters_(model: nn.Module, blocks: nn.ModuleList, *, include_root: bool,
+                       keep: Sequence[nn.Module] = ()) -> int:
     """Makes the parameters whose master copy lives on the host bf16, on a model not yet sharded (meta or CPU):
-    every block's, and with ``include_root`` every other parameter too (embeddings, final norm, LM head). Returns
-    how many parameters it cast. Buffers (rotary frequencies) keep their dtype."""
+    every block's but those of ``keep`` (the blocks of units whose states stay on the GPU, ``device_units``: fp32
+    there, stepped by torch's AdamW), and with ``include_root`` every other parameter too (embeddings, final norm,
+    LM head). Returns how many parameters it cast. Buffers (rotary frequencies) keep their dtype."""
     in_blocks = {id(p) for p in blocks.parameters()}
+    kept = {id(p) for module in keep for p in module.parameters()}
     cast = 0
     for p in model.parameters():
-        if p.is_floating_point() and p.dtype != torch.bfloat16 and (include_root or id(p) in in_blocks):
+        if (p.is_floating_point() and p.dtype != torch.bfloat16 and id(p) not in kept
+                and (include_root or id(p) in in_blocks)):
             p.data = p.data.to(torch.bfloat16)
             cast += 1
     return cast

@@ -93,8 +93,13 @@ class OptimizersContainer:
         self.num_skipped_steps = 0
 
     def _partition(self, model: nn.Module) -> list[list[nn.Parameter]]:
-        """The parameters of each inner optimizer."""
-        return [[p for p in model.parameters() if p.requires_grad]]
+        """The parameters of each inner optimizer: those in host memory, then those on the device (the root with
+        ``offload_root=False``, ``device_units``), so that ``build`` may give each its own kind (compressed
+        states for the host's only: ``app.optim.build_adamw``). Element-wise steps: the split changes no bit."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        host = [p for p in params if p.device.type == "cpu"]
+        device = [p for p in params if p.device.type != "cpu"]
+        return [side for side in (host, device) if side] or [[]]
 
     @property
     def needs_grad_norm(self) -> bool:
