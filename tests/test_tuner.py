@@ -24,10 +24,10 @@ from fsdp_speedloader import SpeedLoaderOptions
 from fsdp_speedloader.memory.arena import ArenaPlan, HostMemoryBudget, check_plan
 from fsdp_speedloader.app.config import ModelConfig, OptimConfig, TrainConfig
 from fsdp_speedloader.app.launch import UserError, fail
-from fsdp_speedloader.models import build_model
+from fsdp_speedloader.models import build_model, get_adapter
 from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 from fsdp_speedloader.app.optim import build_optimizer
-from fsdp_speedloader.app.planning import planned_schedule, tune_train_config
+from fsdp_speedloader.app.planning import planned_config, planned_schedule, tune_train_config
 from fsdp_speedloader.app.runtime import speedloader_options
 from fsdp_speedloader.app.trainer import Trainer
 from fsdp_speedloader.tuning.trial import Measurement, TrialModel, slot_host_bytes
@@ -79,6 +79,37 @@ def test_plan_keeps_activations_in_the_gpu_memory_left_over():
     unmeasured = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB,
                                         host_budget_bytes=120 * GIB)
     assert unmeasured.keep_activations == 0  # the CPU stand-in measures no kept pair: nothing planned
+
+
+def test_plan_keeps_unit_1_on_the_gpu_before_kept_pairs():
+    """Offloaded on CUDA: unit 1's states (16 B per parameter) go on the GPU when the memory left over holds them,
+    first; the kept pairs fill what is left after them. Given a value, the plan keeps it."""
+    recorded = _recorded(sizes=(2, 4))
+    for m in recorded:
+        m.kept_pair_bytes = int(0.3 * GIB * m.sub_batch_size)
+    kw = dict(num_layers=L, host_budget_bytes=120 * GIB, max_sub_batch_size=4, max_num_sub_batches=8)
+    plan = plan_from_measurements(recorded, gpu_budget_bytes=40 * GIB, device_unit_bytes_per_block=3 * GIB, **kw)
+    # n = 4: peak 8 GiB; unit 1 takes 3 of the 28 GiB left under 36 -> 1 + 25 // 1.2 = 21 kept pairs
+    assert (plan.device_units, plan.device_unit_bytes) == (1, 3 * GIB) and plan.keep_activations == 21
+    assert plan.predicted_gpu_bytes == pytest.approx(11 * GIB + 20 * 1.2 * GIB, rel=1e-6)
+    assert plan.predicted_gpu_bytes <= plan.gpu_target_bytes
+    assert "offload.device_units=1" in plan.overrides() and plan.as_metrics()["tune/device_units"] == 1
+    assert "device_units=1: the first 1 unit(s) keep their states on the GPU (3.000 GiB a unit" in plan.summary()
+    cfg = planned_config(plan, tiny_config("unused", offload={"params": True}, schedule={"name": "auto"}))
+    assert cfg.offload.device_units == 1 and cfg.schedule.keep_activations == 21
+    tight = plan_from_measurements(recorded, gpu_budget_bytes=11 * GIB, device_unit_bytes_per_block=3 * GIB, **kw)
+    assert tight.device_units == 0 and "offload.device_units" not in " ".join(tight.overrides())
+    given = plan_from_measurements(recorded, gpu_budget_bytes=40 * GIB, device_units=2, **kw)
+    assert given.device_units == 2 and given.keep_activations == 24  # its states were in the trials' peaks
+    unplanned = plan_from_measurements(recorded, gpu_budget_bytes=40 * GIB, **kw)
+    assert unplanned.device_units == 0 and unplanned.keep_activations == 24
+
+
+def test_device_unit_bytes_count_one_rank_s_shard_of_the_largest_block():
+    from fsdp_speedloader.tuning.tuner import device_unit_bytes_per_block
+
+    block = sum(p.numel() for p in get_adapter(build_model(TINY, device="meta")).blocks[0].parameters())
+    assert device_unit_bytes_per_block(TINY, _cpu_mesh()) == 16 * block
 
 
 # --- fits ------------------------------------------------------------------------------------------

@@ -123,13 +123,16 @@ def test_predicted_peak_gpu_memory_within_5_percent(capped_gpu):
         out = Path(os.environ["FSL_RECORD_DIR"], f"tuner_gpu_prediction_{allocator}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2))
-    # The plan itself, with the kept pairs it planned in the memory left over: its peak as predicted.
-    with TrialModel(MODEL, options.replace(num_sub_batches=N, keep_activations=plan.keep_activations),
+    # The plan itself, with unit 1's states and the kept pairs it planned in the memory left over: its peak as
+    # predicted.
+    with TrialModel(MODEL, options.replace(num_sub_batches=N, keep_activations=plan.keep_activations,
+                                           device_units=plan.device_units),
                     mesh=build_mesh("cuda"), seed=0, build_optimizer=lambda m: build_optimizer(m, OptimConfig())) as run:
         planned = run.measure(plan.sub_batch_size, SEQ)
     kept_error = plan.predicted_gpu_bytes / planned.gpu_peak_bytes - 1
-    print(f"plan n={plan.sub_batch_size}, keep_activations={plan.keep_activations}: GPU measured "
-          f"{planned.gpu_peak_bytes / GIB:.3f} GiB, predicted {plan.predicted_gpu_bytes / GIB:.3f} GiB ({kept_error:+.2%})")
+    print(f"plan n={plan.sub_batch_size}, device_units={plan.device_units}, keep_activations={plan.keep_activations}: "
+          f"GPU measured {planned.gpu_peak_bytes / GIB:.3f} GiB, predicted {plan.predicted_gpu_bytes / GIB:.3f} GiB "
+          f"({kept_error:+.2%})")
     assert plan.keep_activations >= 1 and planned.gpu_reserved_bytes <= CAP_GIB * GIB
     assert -plan.gpu_margin <= kept_error <= 0.25, (kept_error, plan.keep_activations)
     for row in rows:

@@ -31,6 +31,12 @@ def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduc
                 budget_names=(gpu_name, "schedule.host_memory_budget_gib"))
 
 
+def planned_config(plan: TunePlan, cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` running the plan: its schedule (``planned_schedule``) and the units it keeps on the GPU."""
+    return dataclasses.replace(cfg, schedule=planned_schedule(plan, cfg.schedule),
+                               offload=dataclasses.replace(cfg.offload, device_units=plan.device_units))
+
+
 def planned_schedule(plan: TunePlan, base: ScheduleConfig) -> ScheduleConfig:
     """``base`` as a layer-major schedule with the plan's n, N, blocks_per_unit and keep_activations."""
     return dataclasses.replace(base, name="speedloader", sub_batch_size=plan.sub_batch_size,

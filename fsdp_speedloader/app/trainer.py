@@ -55,7 +55,7 @@ from fsdp_speedloader.kernels import KernelScope, apply_kernels
 from fsdp_speedloader.app.metrics import StepMetrics, num_block_params, recompute_flops_per_token
 from fsdp_speedloader.models import build_hf_config, build_model, get_adapter, materialize_model
 from fsdp_speedloader.app.optim import build_lr_scheduler, build_optimizer
-from fsdp_speedloader.app.planning import planned_schedule, tune_train_config
+from fsdp_speedloader.app.planning import planned_config, tune_train_config
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
     seed_everything, speedloader_options
 from fsdp_speedloader.engine.speedloader import apply_speedloader, speedloader_engine
@@ -220,7 +220,7 @@ class Trainer:
             self._info("schedule=auto: tuning n and N from trial steps")
             self.tune_plan = tune_train_config(cfg, mesh=self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
             self._info("schedule=auto:\n%s", self.tune_plan.summary())
-            cfg = self.cfg = dataclasses.replace(cfg, schedule=planned_schedule(self.tune_plan, sched))
+            cfg = self.cfg = planned_config(self.tune_plan, cfg)
             sched = cfg.schedule
 
         # 3. The model: meta -> schedule (sharding) -> materialise this rank's shards.

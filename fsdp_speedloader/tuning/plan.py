@@ -96,6 +96,10 @@ class TunePlan:
     """(unit, sub-batch) pairs that keep their activations (skip the recompute) in the GPU memory left over."""
     kept_pair_bytes: int = 0
     """GPU memory of one kept pair at the planned n (from the trials' measurement; 0: not measured)."""
+    device_units: int = 0
+    """Units 1 .. K whose states stay on the GPU (``offload.device_units``): planned before the kept pairs."""
+    device_unit_bytes: int = 0
+    """GPU memory the states of one unit kept there take (from the parameter count; 0: not planned)."""
     trial_s: float = 0.0
 
     # --- the memory model ----------------------------------------------------------------------
@@ -148,7 +152,8 @@ class TunePlan:
         """The training overrides that run this plan without tuning again."""
         return ["schedule=speedloader", f"schedule.sub_batch_size={self.sub_batch_size}",
                 f"schedule.num_sub_batches={self.num_sub_batches}", f"schedule.blocks_per_unit={self.blocks_per_unit}",
-                f"schedule.keep_activations={self.keep_activations}"]
+                f"schedule.keep_activations={self.keep_activations}"] + (
+                    [f"offload.device_units={self.device_units}"] if self.device_units else [])
 
     def memory_error(self, error: BaseException) -> Optional[Exception]:
         """For a GPU out-of-memory error, or the arena's host budget error, raised while running this plan:
@@ -254,7 +259,8 @@ class TunePlan:
                "tune/predicted_gpu_peak_gib": gib(self.predicted_gpu_bytes),
                "tune/predicted_gpu_reserved_gib": gib(self.predicted_gpu_reserved_bytes),
                "tune/predicted_host_gib": gib(self.predicted_host_bytes), "tune/trial_s": self.trial_s,
-               "tune/keep_activations": self.keep_activations, "tune/kept_pair_gib": gib(self.kept_pair_bytes)}
+               "tune/keep_activations": self.keep_activations, "tune/kept_pair_gib": gib(self.kept_pair_bytes),
+               "tune/device_units": self.device_units, "tune/device_unit_gib": gib(self.device_unit_bytes)}
         fits = {"gpu": self.gpu_fit, "gpu_reserved": self.gpu_reserved_fit, "host": self.host_fit}
         for name, fit in fits.items():
             if fit is None:
@@ -289,6 +295,11 @@ class TunePlan:
             "| trial | n | N | blocks/unit | GPU GiB measured | fitted | reserved GiB measured | fitted "
             "| host GiB measured | predicted | step s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
+        if self.device_units or self.device_unit_bytes:
+            each = format_bytes(self.device_unit_bytes) if self.device_unit_bytes else "as configured"
+            lines.insert(3, f"device_units={self.device_units}: the first {self.device_units} unit(s) keep their "
+                            f"states on the GPU ({each} a unit; unit 1's CPU optimizer step then does not delay the "
+                            "next step)")
         if self.gpu_reserved_fit is not None:
             lines.insert(2, f"GPU reserved (allocator settings: {self.gpu_allocator_settings or 'defaults'}): "
                             f"{self.gpu_reserved_fit.describe()}")
@@ -327,7 +338,8 @@ def plan_from_measurements(
     measurements: Sequence[Measurement], *, num_layers: int, gpu_budget_bytes: int, host_budget_bytes: int,
     gpu_margin: float = DEFAULT_GPU_MARGIN, blocks_per_unit: Optional[Sequence[int]] = None,
     max_sub_batch_size: Optional[int] = None, max_num_sub_batches: Optional[int] = None,
-    target_batch_size: Optional[int] = None, keep_activations: Optional[int] = None, **plan_fields,
+    target_batch_size: Optional[int] = None, keep_activations: Optional[int] = None,
+    device_units: Optional[int] = None, device_unit_bytes_per_block: int = 0, **plan_fields,
 ) -> TunePlan:
     """Fits the two memory models to ``measurements`` and picks the plan (no model runs here).
 
@@ -338,7 +350,10 @@ def plan_from_measurements(
     (then the larger n, then the smaller blocks_per_unit). ``plan_fields``: more :class:`TunePlan`
     fields (budget sources, device, ...). Raises ``ValueError`` naming the budget that cannot hold one
     sequence per sub-batch. ``keep_activations``: None plans it (as many kept pairs as the GPU memory left over
-    holds, from the trials' ``kept_pair_bytes``), an integer keeps it.
+    holds, from the trials' ``kept_pair_bytes``), an integer keeps it. ``device_units``: an integer keeps it (the
+    trials ran with it); None plans it: unit 1's states on the GPU (``device_unit_bytes_per_block`` x blocks per
+    unit) when the memory left over holds them, before any kept pair (measured per GB, unit 1 was worth more than
+    kept activations: docs/results.md); 0 bytes per block: not planned (no CUDA, or nothing offloaded).
     """
     if not measurements:
         raise ValueError("no trial measurements to fit")
@@ -378,6 +393,7 @@ def plan_from_measurements(
     plan.predicted_gpu_bytes = int(plan.predict_gpu_bytes(n, N, b))
     plan.predicted_gpu_reserved_bytes = int(plan.predict_gpu_reserved_bytes(n, N, b))
     plan.predicted_host_bytes = int(plan.predict_host_bytes(n, N, b))
+    _plan_device_units(plan, device_units, device_unit_bytes_per_block * b)
     plan.keep_activations, plan.kept_pair_bytes = _kept_pairs(plan, [m for m in measurements if m.blocks_per_unit == b])
     if keep_activations is not None:
         plan.keep_activations = keep_activations
@@ -386,6 +402,24 @@ def plan_from_measurements(
         plan.predicted_gpu_bytes += extra
         plan.predicted_gpu_reserved_bytes += extra
     return plan
+
+
+def _plan_device_units(plan: TunePlan, given: Optional[int], unit_bytes: int) -> None:
+    """``device_units``: ``given`` as it is (the trials held those states), else 1 when one unit's states fit under the
+    target beside the predicted peak (their bytes added to it), else 0. One: it is unit 1's CPU step, which starts
+    only when the backward ends, that the next step waits for; more units pay only where the host step outlasts the
+    backward, which the trials do not measure."""
+    if given is not None:
+        plan.device_units = given
+        return
+    if unit_bytes <= 0:
+        return
+    plan.device_unit_bytes = unit_bytes
+    left = plan.gpu_target_bytes - max(plan.predicted_gpu_bytes, plan.predicted_gpu_reserved_bytes)
+    if left >= unit_bytes:
+        plan.device_units = 1
+        plan.predicted_gpu_bytes += unit_bytes
+        plan.predicted_gpu_reserved_bytes += unit_bytes
 
 
 def _kept_pairs(plan: TunePlan, measurements: Sequence[Measurement]) -> tuple[int, int]:

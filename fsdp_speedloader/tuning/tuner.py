@@ -67,6 +67,7 @@ def tune(
     max_num_sub_batches: Optional[int] = None,
     tune_blocks_per_unit: Sequence[int] = (),
     plan_keep_activations: bool = True,
+    plan_device_units: bool = True,
     trial_sub_batch_sizes: tuple[int, int] = (2, 4),
     trial_num_sub_batches: int = 2,
     gpu_margin: float = DEFAULT_GPU_MARGIN,
@@ -99,6 +100,9 @@ def tune(
         plan_keep_activations: plan ``keep_activations`` (the trials keep one pair to measure its bytes; the plan
             keeps as many as the GPU memory left over holds); False: the trials and the plan keep
             ``options.keep_activations``.
+        plan_device_units: with offloaded parameters on CUDA and ``options.device_units`` 0, plan it: unit 1's
+            states on the GPU when the memory left over holds them (16 B per parameter), before kept pairs.
+            False, or ``options.device_units`` set: the plan keeps the options' value (the trials ran with it).
         trial_sub_batch_sizes: the two sub-batch sizes of the trial steps. Not 1: at n = 1 some kernels
             take other paths, and the step from 1 to 2 is not the slope beyond. If the larger one runs out
             of GPU memory, the trials run again at (1, the smaller one).
@@ -123,11 +127,15 @@ def tune(
                       host_memory_budget_bytes=host_memory_budget_bytes, budget_names=budget_names)
     start = time.perf_counter()
     measurements = _run_trials(model, trials, seq_len, build_optimizer=build_optimizer or default_optimizer, seed=seed)
+    plan_units = (plan_device_units and options.offload_params and options.device_units == 0
+                  and trials.device.type == "cuda")
     plan = plan_from_measurements(
         measurements, num_layers=model_num_layers(model), gpu_margin=gpu_margin,
         blocks_per_unit=[o.blocks_per_unit for o in trials.options], max_sub_batch_size=max_sub_batch_size,
         max_num_sub_batches=max_num_sub_batches, target_batch_size=target_batch_size,
         keep_activations=None if plan_keep_activations else options.keep_activations,
+        device_units=None if plan_units else options.device_units,
+        device_unit_bytes_per_block=device_unit_bytes_per_block(model, trials.mesh) if plan_units else 0,
         trial_s=time.perf_counter() - start, **trials.budgets.plan_fields(), **_device_fields(trials.device))
     warning = plan.single_sub_batch_warning(budget_names)
     if warning is not None and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -267,6 +275,23 @@ def _device_fields(device: torch.device) -> dict:
         return {"device": "cuda", "gpu_measure": "torch.cuda.max_memory_allocated, max_memory_reserved",
                 "gpu_allocator_settings": cuda_allocator_settings()}
     return {"device": device.type, "gpu_measure": "CPU stand-in: resident model states + profiled peak allocation"}
+
+
+DEVICE_STATE_BYTES_PER_PARAM = 16
+"""GPU bytes of a parameter whose states stay there: the fp32 shard, its fp32 gradient and AdamW's two fp32 moments
+(with compressed host states or bf16 host masters too: the GPU's keep fp32, ``app.optim.build_adamw``)."""
+
+
+def device_unit_bytes_per_block(model: ModelConfig, mesh: DeviceMesh) -> int:
+    """GPU bytes of one block's states on one rank when its unit stays on the GPU (``device_units``): the largest
+    block's parameters over the ranks that shard them, times ``DEVICE_STATE_BYTES_PER_PARAM``."""
+    from fsdp_speedloader.models import build_model, get_adapter
+
+    blocks = get_adapter(build_model(model, device="meta")).blocks
+    names = mesh.mesh_dim_names
+    shards = mesh.shape[names.index("dp_shard")] if names and "dp_shard" in names else mesh.shape[-1]
+    largest = max(sum(p.numel() for p in block.parameters()) for block in blocks)
+    return -(-largest // shards) * DEVICE_STATE_BYTES_PER_PARAM
 
 
 def model_num_layers(model: ModelConfig) -> int:
