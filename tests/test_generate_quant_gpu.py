@@ -101,14 +101,18 @@ def test_streamed_quantized_weights_equal_hugging_face_on_the_gpu(family, name):
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
 @pytest.mark.parametrize("name", ["int8", "fp8"])
-def test_8bit_host_kv_cache_equals_round_tripped_hugging_face_on_the_gpu(family, name):
+def test_8bit_kv_cache_equals_round_tripped_hugging_face_on_the_gpu(family, name):
+    """The host cache (copied, attended on the host), the split cache and the device cache, all in 8 bits."""
     device, codec, ids = torch.device("cuda"), KVCodec(name), _ids()
     ref = copy.deepcopy(_model(family)).to(device)
     want = _reference(ref, ids.to(device), past_key_values=_RoundTripCache(codec, config=ref.config))
-    for offload, cpu in ((True, 0), (True, 2), (False, 4)):
+    for offload, kv_cache, cpu in ((True, "host", 0), (True, "host", 2), (False, "host", 4), (True, "split", 1),
+                                   (True, "device", 0), (False, "device", 0)):
         model = apply_speedloader(copy.deepcopy(_model(family)), num_sub_batches=4, offload_params=offload)
-        generate(model, ids, max_new_tokens=2, num_sub_batches=4, kv_cache="host", kv_cache_dtype=name)
+        split = 2 if kv_cache == "split" else None
+        generate(model, ids, max_new_tokens=2, num_sub_batches=4, kv_cache=kv_cache, kv_device_sub_batches=split,
+                 kv_cache_dtype=name)
         _lag(model)
-        out = generate(model, ids, max_new_tokens=NEW, num_sub_batches=4, kv_cache="host",
+        out = generate(model, ids, max_new_tokens=NEW, num_sub_batches=4, kv_cache=kv_cache, kv_device_sub_batches=split,
                        cpu_attention_sub_batches=cpu, kv_cache_dtype=name)
-        assert torch.equal(out.cpu(), want), (offload, cpu)
+        assert torch.equal(out.cpu(), want), (offload, kv_cache, cpu)

@@ -12,7 +12,7 @@ weights: nothing is downloaded), prompt length and generation length, and genera
                          'host', 'device', 'split', 'split=D' (the last D sub-batches on the GPU) or 'off';
                          cpu=C: the first C host sub-batches attend on the CPU (cpu_attention_sub_batches);
                          w=int8|int4: block linears group-wise quantized (dummy codes, nothing computed), streamed
-                         packed and dequantized on the GPU per unit; kvq=int8|fp8: the host KV cache in 8 bits
+                         packed and dequantized on the GPU per unit; kvq=int8|fp8: the KV cache in 8 bits (GPU and host)
   accelerate:B           Hugging Face generate on a model dispatched by accelerate (device_map from
                          infer_auto_device_map with max_memory: the budget minus B's KV cache and a margin
                          on the GPU, the rest of the layers on the host)

@@ -181,9 +181,8 @@ class GenerateConfig:
                   f"must be at most the {host} sub-batches whose cache is on the host")
         if self.kv_cache_dtype is not None:
             check_choice(self.kv_cache_dtype, "kv_cache_dtype", KV_CACHE_DTYPES)
-            check(self.kv_cache in ("host", "split"), "kv_cache_dtype",
-                  f"stores the host part of the KV cache in 8 bits: it needs kv_cache=host or split (got "
-                  f"{self.kv_cache}; auto may pick device, where it would not apply)")
+            check(self.kv_cache != "off", "kv_cache_dtype",
+                  "stores the KV cache in 8 bits; kv_cache=off stores none: choose auto, device, split or host")
         if self.weight_quant is not None:
             check_choice(self.weight_quant, "weight_quant", WEIGHT_FORMATS)
             weight_format(self.weight_quant, self.weight_quant_group_size)  # a bad group size fails here

@@ -93,10 +93,9 @@ def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batc
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; choose one of "
                              f"{', '.join(map(repr, KV_CACHE_DTYPES))} or None (the compute dtype)")
-        if kv_cache not in ("host", "split"):
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} stores the host part of the KV cache in 8 bits: it "
-                             f"needs kv_cache='host' or 'split' (got kv_cache={kv_cache!r}; 'auto' may pick "
-                             "'device', where it would not apply)")
+        if kv_cache == "off":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} stores the KV cache in 8 bits; kv_cache='off' stores "
+                             "none: choose kv_cache 'auto', 'device', 'split' or 'host', or kv_cache_dtype=None")
     for name, value in (("max_new_tokens", max_new_tokens), ("num_sub_batches", num_sub_batches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}; it must be an integer >= 1")
@@ -216,9 +215,10 @@ def generate(
             decoding attention runs on the CPU next to their cache (FlexGen's ``cpu_cache_compute``): the
             query and output cross the link instead of the cache. The others' cache is copied to the GPU.
             Balances link and CPU memory bandwidth; 0 (default): every host cache is copied.
-        kv_cache_dtype: None (the compute dtype), 'int8' or 'fp8' (e4m3): the host part of a 'host' or
-            'split' cache in 8 bits with one scale per (position, sequence, head): half the host memory, and
-            half the bytes over the link and read by host attention (``quant/kv.py``).
+        kv_cache_dtype: None (the compute dtype), 'int8' or 'fp8' (e4m3): the cache in 8 bits, on the GPU and in
+            the host alike, with one scale per (position, sequence, head): half the memory (twice the sequences
+            whose cache fits on the GPU), and half the bytes over the link and read by host attention
+            (``quant/kv.py``). Not with kv_cache='off'.
 
     A model whose block linears were quantized (``quant.quantize_linears_`` and
     ``quant.materialize_quantized_weights``) streams their packed int8 / int4 bytes unit by unit and dequantizes

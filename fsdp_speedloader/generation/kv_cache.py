@@ -21,7 +21,8 @@ Modes:
   so the layout only has to let attention read any group of rows as a view. ``update`` writes the new
   positions in place and hands the attention views of ``kv[l, :past + q, :, rows]``. Rows of the whole
   batch are one view too, which lets a decoding step run each unit once on all N sub-batches
-  (``whole_batch_decode``: one decoder-layer call per layer instead of N).
+  (``whole_batch_decode``: one decoder-layer call per layer instead of N). With a codec it holds 8-bit
+  codes and scales and hands attention the visible positions dequantized.
 - ``SplitKVCache``: the last D sub-batches' cache on the device, the first N - D sub-batches' in the
   host arena (a ``HostKVCache`` and a ``DeviceKVCache`` of their own sub-batches). Each step copies
   only the host part: when the batch outgrows the GPU, the sequences that still fit there cost no link
@@ -89,6 +90,17 @@ def _scales_as_attention(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return block[:, 0].permute(1, 2, 0), block[:, 1].permute(1, 2, 0)
 
 
+def stored_nbytes(layout: KVLayout, codec: Optional[KVCodec]) -> int:
+    """Bytes a cache of ``layout`` holds: the compute dtype, or 8-bit codes and one scale per head_dim codes."""
+    if codec is None:
+        return layout.nbytes
+    return layout.numel * codec.code_dtype.itemsize + layout.numel // layout.head_dim * layout.dtype.itemsize
+
+
+def _dtype_name(layout: KVLayout, codec: Optional[KVCodec]) -> str:
+    return str(layout.dtype).removeprefix("torch.") if codec is None else codec.name
+
+
 class KVCache(ABC):
     """Keys and values of all sub-batches and layers for one generation; one step at a time.
 
@@ -153,17 +165,26 @@ class DeviceKVCache(KVCache):
 
     ``update(i, ...)`` with keys of ``k`` sequences addresses rows ``i*k .. (i+1)*k`` of the batch: sub-batch
     ``i`` when ``k = n``, the whole batch when ``i = 0, k = N x n`` (``whole_batch_decode``).
+
+    With a ``codec`` the buffers hold 8-bit codes and one scale per (position, sequence, head), as the host
+    cache's (half the GPU memory: twice the sequences whose cache costs no link bandwidth); a new position is
+    quantized once, and attention reads every cached position dequantized, the new one included.
     """
 
     whole_batch_decode = True
 
-    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+    def __init__(self, layout: KVLayout, device: torch.device, codec: Optional[KVCodec] = None) -> None:
         super().__init__(layout, device)
         lay = layout
+        self.codec = codec
+        rows = lay.num_sub_batches * lay.sub_batch_size
         # Per group (L_g, span, 2, B, H_kv, d): the batch's rows adjacent, so any group of sub-batches is a view.
-        self.buffers = [torch.empty((len(layers), span, 2, lay.num_sub_batches * lay.sub_batch_size,
-                                     lay.num_kv_heads, lay.head_dim), dtype=lay.dtype, device=device)
+        self.buffers = [torch.empty((len(layers), span, 2, rows, lay.num_kv_heads, lay.head_dim),
+                                    dtype=lay.dtype if codec is None else codec.code_dtype, device=device)
                         for layers, span in lay.groups]
+        self.scales = None if codec is None else [
+            torch.empty((len(layers), span, 2, rows, lay.num_kv_heads), dtype=lay.dtype, device=device)
+            for layers, span in lay.groups]
         self._where = {layer: (g, j) for g, (layers, _) in enumerate(lay.groups) for j, layer in enumerate(layers)}
 
     def update(self, i, layer, key, value):
@@ -172,21 +193,38 @@ class DeviceKVCache(KVCache):
         assert i == 0 or not whole, f"sub-batch {i} of a whole-batch call"
         self._check(i, layer, key, rows=k if whole else None)
         g, j = self._where[layer]
-        block = self.buffers[g][j, :, :, i * k : (i + 1) * k]  # (span, 2, k, H_kv, d)
+        rows = slice(i * k, (i + 1) * k)
+        block = self.buffers[g][j, :, :, rows]  # (span, 2, k, H_kv, d)
         keys, values = _as_positions(key), _as_positions(value)
-        for slot, offset, n in self.layout.kept_runs(layer, self.past, self.query):
-            block[slot : slot + n, 0].copy_(keys[offset : offset + n])
-            block[slot : slot + n, 1].copy_(values[offset : offset + n])
+        kept = self.layout.kept_runs(layer, self.past, self.query)
+        if self.codec is None:
+            for slot, offset, n in kept:
+                block[slot : slot + n, 0].copy_(keys[offset : offset + n])
+                block[slot : slot + n, 1].copy_(values[offset : offset + n])
+        else:
+            scales = self.scales[g][j, :, :, rows]  # (span, 2, k, H_kv)
+            codes, new_scales = self.codec.quantize(torch.stack((keys, values), dim=1), self.layout.dtype)
+            for slot, offset, n in kept:
+                block[slot : slot + n].copy_(codes[offset : offset + n])
+                scales[slot : slot + n].copy_(new_scales[offset : offset + n])
         if self.past == 0:
             return key, value  # prefill: exactly what attention would use without a cache
-        return _as_attention(gather_runs(block, self.layout.visible_runs(layer, self.past, self.query)))
+        visible = self.layout.visible_runs(layer, self.past, self.query)
+        if self.codec is None:
+            return _as_attention(gather_runs(block, visible))
+        return _as_attention(self.codec.dequantize(gather_runs(block, visible), gather_runs(scales, visible),
+                                                   self.layout.dtype))
 
     def positions_kept(self, layer: int) -> int:
         g, j = self._where[layer]
         return self.buffers[g][j].shape[0]
 
+    def stats(self) -> dict:
+        return {**super().stats(), "kv_device_bytes": stored_nbytes(self.layout, self.codec),
+                "kv_device_dtype": _dtype_name(self.layout, self.codec)}
+
     def close(self) -> None:
-        self.buffers = None
+        self.buffers = self.scales = None
 
 
 class HostKVCache(KVCache):
@@ -360,7 +398,7 @@ class HostKVCache(KVCache):
     def stats(self) -> dict:
         return {**super().stats(), "kv_cpu_attention_sub_batches": self.cpu_attention,
                 "kv_cpu_attention_read_bytes": self.cpu_read_bytes,
-                "kv_host_dtype": str(self.layout.dtype).removeprefix("torch.") if self.codec is None else self.codec.name,
+                "kv_host_dtype": _dtype_name(self.layout, self.codec),
                 "kv_host_bytes": self.host_bytes}
 
     @property
@@ -388,7 +426,8 @@ class SplitKVCache(KVCache):
         self.num_device = device_sub_batches
         self.num_host = layout.num_sub_batches - device_sub_batches
         self.on_host = HostKVCache(dataclasses.replace(layout, num_sub_batches=self.num_host), device, **host_kwargs)
-        self.on_device = DeviceKVCache(dataclasses.replace(layout, num_sub_batches=device_sub_batches), device)
+        self.on_device = DeviceKVCache(dataclasses.replace(layout, num_sub_batches=device_sub_batches), device,
+                                       codec=host_kwargs.get("codec"))
         self.arena, self.exchange = self.on_host.arena, self.on_host.exchange  # kept for reuse, as HostKVCache's
 
     def _part(self, i: int) -> tuple[KVCache, int]:
@@ -415,8 +454,9 @@ class SplitKVCache(KVCache):
         self.on_host.end_step()
 
     def stats(self) -> dict:
+        device = self.on_device.stats()
         return {**self.on_host.stats(), "kv_cache_bytes": self.layout.nbytes, "kv_device_sub_batches": self.num_device,
-                "kv_device_bytes": self.on_device.layout.nbytes}
+                "kv_device_bytes": device["kv_device_bytes"], "kv_device_dtype": device["kv_device_dtype"]}
 
     def close(self) -> None:
         self.on_device.close()
@@ -449,9 +489,10 @@ class SubBatchCache:
         return self._cache.mask_sizes(self._sized_as if self._sized_as is not None else (layer_idx or 0), q)
 
 
-def device_sub_batches_that_fit(layout: KVLayout, device: torch.device, *, device_fraction: float = 0.5) -> int:
-    """Sub-batches whose cache fits in ``device_fraction`` of the GPU memory this process may still use
-    (the units in flight, the host part's fetched blocks and the activations need the rest)."""
+def device_sub_batches_that_fit(layout: KVLayout, device: torch.device, *, device_fraction: float = 0.5,
+                                codec: Optional[KVCodec] = None) -> int:
+    """Sub-batches whose cache (in ``codec``'s bytes) fits in ``device_fraction`` of the GPU memory this process
+    may still use (the units in flight, the host part's fetched blocks and the activations need the rest)."""
     if device.type != "cuda":
         return layout.num_sub_batches
     free, total = torch.cuda.mem_get_info(device)
@@ -459,12 +500,12 @@ def device_sub_batches_that_fit(layout: KVLayout, device: torch.device, *, devic
     fraction = get_fraction(device) if get_fraction is not None else 1.0
     allowed = fraction * total - torch.cuda.memory_reserved(device)
     available = min(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), allowed)
-    per_sub_batch = layout.nbytes // layout.num_sub_batches
+    per_sub_batch = stored_nbytes(layout, codec) // layout.num_sub_batches
     return min(layout.num_sub_batches, int(device_fraction * max(0, available)) // per_sub_batch)
 
 
 def choose_kv_mode(mode: str, layout: KVLayout, device: torch.device, *, device_sub_batches: Optional[int] = None,
-                   device_fraction: float = 0.5) -> tuple[str, int]:
+                   device_fraction: float = 0.5, codec: Optional[KVCodec] = None) -> tuple[str, int]:
     """The mode and the number of sub-batches whose cache is on the device.
 
     'auto': 'device' when every sub-batch fits (``device_sub_batches_that_fit``), 'split' when some do,
@@ -475,11 +516,12 @@ def choose_kv_mode(mode: str, layout: KVLayout, device: torch.device, *, device_
     if mode in ("device", "host", "off"):
         return mode, {"device": n_sub, "host": 0, "off": 0}[mode]
     fit = device_sub_batches if device_sub_batches is not None else device_sub_batches_that_fit(
-        layout, device, device_fraction=device_fraction)
+        layout, device, device_fraction=device_fraction, codec=codec)
     if mode == "split":
         fit = min(fit, n_sub - 1)
         if fit < 1:
-            raise ValueError(f"kv_cache='split': not one sub-batch's cache ({layout.nbytes / n_sub / 2**30:.2f} GiB) "
+            raise ValueError(f"kv_cache='split': not one sub-batch's cache "
+                             f"({stored_nbytes(layout, codec) / n_sub / 2**30:.2f} GiB) "
                              f"fits in {device_fraction:.0%} of the free GPU memory; use kv_cache='host', or "
                              "smaller sub-batches (more of them)")
         return "split", fit
@@ -494,15 +536,15 @@ def build_kv_cache(mode: str, layout: KVLayout, device: torch.device, *, device_
                    host_memory_limit_bytes: Optional[int] = None, codec: Optional[KVCodec] = None) -> Optional[KVCache]:
     """'device', 'split' (``device_sub_batches`` on the device), 'host' or 'off' (None: the caller
     recomputes the prefix every step). ``cpu_attention``: host sub-batches (the first ones) whose
-    decoding attention runs on the host (``host_attention.py``). ``codec``: the host part in 8 bits
-    ('host' and 'split' only; the device part of 'split' keeps the compute dtype)."""
-    if codec is not None and mode not in ("host", "split"):
-        raise ValueError(f"kv_cache_dtype={codec.name!r} stores the host part of the cache in 8 bits: it needs "
-                         f"kv_cache='host' or 'split' (got {mode!r})")
+    decoding attention runs on the host (``host_attention.py``). ``codec``: the cache in 8 bits, wherever it
+    lies (not with 'off', which stores nothing)."""
+    if codec is not None and mode == "off":
+        raise ValueError(f"kv_cache_dtype={codec.name!r} stores the KV cache in 8 bits; kv_cache='off' stores none: "
+                         "choose kv_cache 'auto', 'device', 'split' or 'host', or kv_cache_dtype=None")
     if mode == "off":
         return None
     if mode == "device":
-        return DeviceKVCache(layout, device)
+        return DeviceKVCache(layout, device, codec=codec)
     host_kwargs = dict(cpu_attention=cpu_attention, arena=arena, exchange=exchange,
                        host_memory_limit_bytes=host_memory_limit_bytes, codec=codec)
     if mode == "split":

@@ -108,7 +108,7 @@ class GenerationRun:
     host_memory_limit_bytes: Optional[int]
     resources: "GenerationResources"
     kv: Optional[KVCache] = None
-    kv_codec: Optional[KVCodec] = None  # the host cache's 8-bit keys and values (kv_cache_dtype); None: compute dtype
+    kv_codec: Optional[KVCodec] = None  # the cache's 8-bit keys and values (kv_cache_dtype); None: compute dtype
     weights: Optional[WeightStream] = None  # quantized weights (quant.quantize_linears_): fetched and dequantized per unit
     on_local_shards: bool = False  # the modules run on their local shards: no FSDP2 hooks (one rank, resident)
     block_kwargs: frozenset = frozenset()
@@ -218,7 +218,7 @@ def _setup_kv(run: GenerationRun, dtype: torch.dtype) -> None:
                            sub_batch_size=run.sub_batch_size, capacity=run.capacity, dtype=dtype,
                            sliding_layers=sliding)
     run.kv_mode, on_device = choose_kv_mode(run.kv_mode, layout, run.device,
-                                            device_sub_batches=run.kv_device_sub_batches)
+                                            device_sub_batches=run.kv_device_sub_batches, codec=run.kv_codec)
     res = run.resources
     run.kv = build_kv_cache(run.kv_mode, layout, run.device, device_sub_batches=on_device,
                             cpu_attention=run.cpu_attention_sub_batches, arena=res.kv_arena,
@@ -226,7 +226,7 @@ def _setup_kv(run: GenerationRun, dtype: torch.dtype) -> None:
                             codec=run.kv_codec)
     if run.kv_mode in ("host", "split"):
         res.kv_arena, res.kv_exchange = run.kv.arena, run.kv.exchange
-    log.debug("KV cache: %s (%d of %d sub-batches on the device, host part in %s), %.3f GiB in the compute dtype, "
+    log.debug("KV cache: %s (%d of %d sub-batches on the device, stored in %s), %.3f GiB in the compute dtype, "
               "(layers, positions) %s", run.kv_mode, on_device, layout.num_sub_batches,
               run.kv_codec.name if run.kv_codec else dtype, layout.nbytes / 2**30,
               [(len(layers), span) for layers, span in layout.groups])
