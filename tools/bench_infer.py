@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -446,6 +447,12 @@ def run_zero_inference(args, spec: str) -> dict:
     """DeepSpeed ZeRO-Inference (ZeRO-3 parameter offload) with Hugging Face generate: every forward gathers
     each module's parameters from the host (a mixture of experts' sparse block at once: a ZeRO-3 leaf module)."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/fsl_torch_extensions")
+    # DeepSpeed's op builder reads TORCH_CUDA_ARCH_LIST entries as numbers: an arch-specific one ('9.0a', which
+    # the GPU image sets) stops its JIT build of the dequantization kernel; the plain target ('9.0') builds.
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arch:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(
+            re.sub(r"(\d+\.\d+)[a-z]+", r"\1", a) for a in arch.replace(" ", ";").split(";") if a)
     try:
         import deepspeed
     except ImportError as exc:
