@@ -6,21 +6,21 @@
 #
 #   core (~5 min, the default):
 #     llama70b  LLaMA-2-70B shape, int4 weights (g64, 38.5 GB packed: the bf16 model, 138 GB, exceeds the host),
-#               int8 host KV cache: speedloader 256 x 16 (303 s end to end on f922d2f:
-#               bench/results/infer_llama2_70b_int4_p512_g32_24g.json)
+#               the whole KV cache on the GPU in int8: speedloader 192 x 16 (103 s end to end on one H100, 9fa67a3:
+#               bench/results/infer_llama2_70b_int4_device_kv8_p512_g32_24g.json)
 #   opt30b (~9 min): OPT-30B, ONE invocation: speedloader int4 weights + int8 host KV, 208 x 16 (~150 s), then
 #               FlexGen 0.1.8 with its OPT-30B policy (~190 s). Its own device command: after llama70b in one
 #               command it was cut by the 600 s limit.
 #   zero (~9 min): DeepSpeed ZeRO-Inference with its 4-bit weights (fp16, group 64) appended to both records:
-#               OPT-30B zero-inference:16:q4 (~220 s?), LLaMA-2-70B zero-inference:32:q4 (~300 s?): no record yet,
-#               guesses (build under zero.Init + Hugging Face's init gathering every module, then generate)
+#               OPT-30B zero-inference:16:q4 (~220 s?, a guess), LLaMA-2-70B zero-inference:64:q4 (123 s on one
+#               H100; its largest batch under 24 GiB)
 #   more (~8 min): OPT-30B speedloader int8 weights (~170 s) and bf16 weights with the int8 KV cache (~230 s),
 #               appended to the OPT-30B record (bf16 vs int8 vs int4 in one record, FlexGen's row from `core`)
 #   accelerate (~6 min, optional): OPT-30B accelerate:16 appended (its last row: 2.5 tokens/s, 358 s)
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [PART...]       (default: core)
 #   e.g. four device commands:  bash tools/bench_quant.sh "$OUT" core ; ... opt30b ; ... zero ; ... more
-# Records: OUT_DIR/infer_llama2_70b_int4_p512_g32_24g.json and OUT_DIR/infer_opt30b_quant_p512_g32_24g.json
+# Records: OUT_DIR/infer_llama2_70b_int4_device_kv8_p512_g32_24g.json and OUT_DIR/infer_opt30b_quant_p512_g32_24g.json
 # (tools/harness.py's header; a part appends its rows with --append), logs OUT_DIR/<part>.log, wall times
 # OUT_DIR/bench_quant_times.txt. Carry .wheels (tools/device_wheels.sh) and .whl (FlexGen's wheel, `pip download
 # flexgen==0.1.8 --no-deps -d .whl`; DeepSpeed 0.19.8 and hjson: tools/build_deepspeed_wheels.sh). The quantized
@@ -42,7 +42,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/fsl_torch_extensions}  
 budget=${FSL_BENCH_BUDGET_S:-570}
 dry=${FSL_BENCH_DRY_RUN:-0}
 opt=infer_opt30b_quant_p512_g32_24g
-llama=infer_llama2_70b_int4_p512_g32_24g
+llama=infer_llama2_70b_int4_device_kv8_p512_g32_24g
 common=(--gpu-memory-gib 24 --prompt-len 512 --gen-len 32)
 echo "commit $FSL_COMMIT, parts:$parts" | tee -a "$out/bench_quant_times.txt"
 
@@ -76,13 +76,13 @@ run() {  # run PART STEP ESTIMATE_S REQUIRED(1|0) COMMAND...: an optional step i
 }
 
 # core: LLaMA-2-70B int4 (the row that could not run before); opt30b: OPT-30B int4 and FlexGen in ONE invocation.
-# 256 x 16: n = 16, 4 sub-batches' cache (64 sequences, 11 GB in bf16) on the GPU, 12 in the host arena in int8
-# (17 GB), 6 of those attending on the CPU; per decoding step the link carries 38.5 GB of packed weights.
-run core llama70b 310 1 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --timeout 300 \
-  --contender speedloader:256x16:split=4:cpu=6:w=int4:kvq=int8
-# 208 x 16: n = 13, 1 sub-batch's cache (13 sequences, 9.7 GB) on the GPU (the 72.4 tokens/s run kept 2, but the
-# int4 dequantization's temporaries need room), 15 on the host in int8 (74 GB), 9 of those on the CPU; the link
-# carries 16.6 GB of packed weights and 6 sub-batches' int8 cache (29.6 GB).
+# 192 x 16: the whole cache (17.3 GB in int8) on the GPU, so a decoding step runs the batch as one group per layer;
+# per decoding step the link carries 38.5 GB of packed weights. (256 x 16 with a split cache, f922d2f: 36.5 tokens/s.)
+run core llama70b 150 1 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --timeout 300 \
+  --contender speedloader:192x16:device:w=int4:kvq=int8
+# 208 x 16: n = 13, 1 sub-batch's cache (13 sequences, 4.9 GB in int8) on the GPU, 15 on the host in int8 (74 GB),
+# 9 of those on the CPU; the link carries 16.6 GB of packed weights and 6 sub-batches' int8 cache (29.6 GB). On a
+# freshly started H100 (session 17) this contender gave no output within 270 s: give it more, or fewer on the CPU.
 run opt30b opt30b 340 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --timeout 270 \
   --contender speedloader:208x16:split=1:cpu=9:w=int4:kvq=int8 --contender flexgen:32x2
 
@@ -90,7 +90,7 @@ run opt30b opt30b 340 1 python3 tools/bench_infer.py --model opt_30b "${common[@
 run zero opt30b 240 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append --timeout 300 \
   --contender zero-inference:16:q4
 run zero llama70b 320 0 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --append \
-  --timeout 330 --contender zero-inference:32:q4
+  --timeout 330 --contender zero-inference:64:q4
 
 # more: OPT-30B int8 weights (31 GB packed), and bf16 weights (59 GB) with the int8 KV cache (host: 125 GiB - 55 GiB
 # of weights leaves room for 150 int8 sequences where bf16 held 78).
