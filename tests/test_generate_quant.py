@@ -378,7 +378,9 @@ def test_bench_infer_runs_quantized_contenders_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
-    row = json.loads((tmp_path / "quant.json").read_text())["results"][0]
+    record = json.loads((tmp_path / "quant.json").read_text())
+    row = record["results"][0]
     assert row["status"] == "ok", row
+    assert row["device"] == record["device"]  # each row names its machine: --append merges rows of several
     assert (row["weight_quant"], row["kv_cache_dtype"], row["weights"]["weights_source"]) == ("int4", "int8", "dummy")
     assert row["weights"]["weights_h2d_bytes"] == 3 * row["weights"]["weights_packed_bytes"]  # 3 steps

@@ -629,11 +629,12 @@ def main() -> None:
     for contender in contenders:
         reason = unsupported_reason(contender.partition(":")[0], cfg)
         if reason:  # not launched
-            row = harness.unsupported_row(contender, reason, commit=header["commit"])
+            row = harness.unsupported_row(contender, reason, commit=header["commit"], device=header["device"])
         else:
             cmd = harness.worker_command(__file__, contender, sys.argv[1:], drop=("--contender",))
-            # Rows merged with --append may come from other commits: each names its own.
-            row = harness.launch_worker(cmd, timeout=args.timeout).row(contender=contender, commit=header["commit"])
+            # Rows merged with --append may come from other commits and machines: each names its own.
+            row = harness.launch_worker(cmd, timeout=args.timeout).row(contender=contender, commit=header["commit"],
+                                                                       device=header["device"])
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "output_tail"}), flush=True)
         mine = {r["contender"] for r in rows}
