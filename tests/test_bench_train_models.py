@@ -171,6 +171,14 @@ def test_a_traced_step_is_summarised_with_its_timeline(tmp_path):
     assert summary["top_host_cuda_calls_s"] == pytest.approx({"cudaEventSynchronize": 30e-6})
 
 
+def test_an_fsdp2_contender_may_skip_the_recompute():
+    assert bench_train.parse_contender("ondevice:1x8:recompute=off", None).recompute is False
+    assert bench_train.parse_contender("fsdp2-offload:1x8", None).recompute is True
+    for bad in ("speedloader:1x8:recompute=off", "deepspeed-offload:1x8:recompute=off", "ondevice:1x8:recompute=no"):
+        with pytest.raises(ValueError, match="recompute=on"):
+            bench_train.parse_contender(bad, None)
+
+
 def test_a_speedloader_contender_may_keep_activations():
     assert bench_train.parse_contender("speedloader-overlap:1x8:root=device:keep=40", None).keep == 40
     assert bench_train.parse_contender("speedloader:1x8", None).keep == 0
@@ -323,7 +331,7 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
     DeepSpeed too where it is installed."""
     contenders = ["speedloader-overlap:2x2:root=device",
                   "speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0",
-                  "fsdp2-offload:2x2", "ondevice:1x4:cap=none"]
+                  "fsdp2-offload:2x2", "ondevice:1x4:cap=none", "ondevice:1x4:cap=none:recompute=off"]
     if importlib.util.find_spec("deepspeed") is not None:
         contenders.append("deepspeed-offload:2x2")
     argv = ["--device", "cpu", "--model", _yaml(tmp_path, "qwen3_moe"), "--layers", "2", "--seq-len", "32", "--steps",
@@ -345,6 +353,9 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
         else:
             assert r["num_fsdp_units"] == 2 and r["blocks_per_fsdp_unit"] == [1]  # one MoE block, all experts, a unit
     assert rows["ondevice:1x4:cap=none"]["max_gpu_memory_gib"] is None
+    plain, kept = rows["ondevice:1x4:cap=none"], rows["ondevice:1x4:cap=none:recompute=off"]
+    assert plain["recompute"] is True and kept["recompute"] is False  # the model's own flag
+    assert plain["hfu_fwd_bwd"] > plain["mfu_fwd_bwd"] and kept["hfu_fwd_bwd"] == pytest.approx(kept["mfu_fwd_bwd"])
     for spec, states in (("speedloader-overlap:2x2:root=device", "fp32"),
                          ("speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0", "bf16")):
         assert rows[spec]["optimizer_states"] == states and rows[spec]["optimizer_busy_s"] > 0  # the CPU step ran

@@ -9,7 +9,8 @@ cap), on the same model shape, sequence length and effective batch, with random 
                   gradient sync (fp32 unsharded gradients accumulate on the GPU, one reduce-scatter)
   fsdp2-offload-rs  the same, reduce-scattering every micro-batch (gradients accumulate on the host)
   ondevice        FSDP2 with everything on the GPU, canonical accumulation, same recompute policy
-                  (activation checkpointing of every block), the ceiling for the same blocks
+                  (activation checkpointing of every block), the ceiling for the same blocks; with
+                  ``:recompute=off`` none is recomputed (the ceiling where its activations fit)
   deepspeed-offload  DeepSpeed ZeRO-3, parameters and DeepSpeedCPUAdam on the host (tools/bench_deepspeed.py)
 
 Usage (one GPU):
@@ -209,12 +210,12 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
 
 
 def step_figures(fb_times: list, opt_times: list, losses: list, *, tokens: int, flops_per_token: float,
-                 peak_tflops: float, attention_flops_per_token: float = 0.0) -> dict:
+                 peak_tflops: float, attention_flops_per_token: float = 0.0, recomputed: float = 1.0) -> dict:
     """The figures every contender reports (the medians of the timed steps), DeepSpeed's included. MFU counts
     ``flops_per_token`` (6 N + 12 L h s), ``mfu_no_attention`` leaves the attention term out (6 N), HFU adds the
-    recomputed forward."""
+    recomputed forward (of the fraction ``recomputed`` of the blocks' work: 0 without recompute)."""
     fb, opt = statistics.median(fb_times), statistics.median(opt_times)
-    recompute_per_token = flops_per_token / 3  # every block's forward runs twice: + (2 N + 4 L h s)
+    recompute_per_token = recomputed * flops_per_token / 3  # a recomputed forward: + (2 N + 4 L h s)
     peak = peak_tflops * 1e12
     return {
         "tokens_per_step": tokens, "fwd_bwd_s": fb, "optimizer_s": opt, "step_s": fb + opt,
@@ -243,11 +244,13 @@ class Contender(NamedTuple):
     slots: int = 2  # speedloader-overlap: in-flight host gradient slots (optim.grad_slots_in_flight; 0: one per param)
     adamw: str = "local"  # speedloader-overlap's fp32 AdamW: 'local' (LocalShardAdamW, the trainer's) or 'torch'
     dev: int = 0  # offloading contenders: units 1 .. dev keep their states on the GPU (offload.device_units)
+    recompute: bool = True  # FSDP2 contenders: every block recomputed in backward (schedule.activation_checkpointing)
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
     """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K][:sdpa=B][:liger]
-    [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|torch][:dev=K]' -> a ``Contender``.
+    [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|torch][:dev=K][:recompute=off]'
+    -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
     (speedloader contenders): the embeddings, final norm and LM head keep their states on the GPU. ``cap``
@@ -260,7 +263,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     (``optim.grad_slots_in_flight``, 0: one per parameter); ``adamw`` its fp32 AdamW, the trainer's
     ``LocalShardAdamW`` (default) or ``torch.optim.AdamW`` on the DTensors. Every other contender steps
     ``torch.optim.AdamW`` (fused). ``dev`` (speedloader and FSDP2-offload contenders): units 1 .. K keep their
-    states on the GPU (``offload.device_units``)."""
+    states on the GPU (``offload.device_units``). ``recompute=off`` (FSDP2 contenders): no block is recomputed in
+    backward (``schedule.activation_checkpointing=false``): the ceiling where its activations fit."""
     from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 
     name, shape, *options = spec.split(":")
@@ -271,6 +275,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
     states, threads, slots, adamw, dev = "fp32", 0, 2, "local", 0
+    recompute = True
     kernels_ok = name != "deepspeed-offload"
     for option in options:
         key, _, value = option.partition("=")
@@ -300,6 +305,9 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             adamw = value
         elif key == "dev" and value.isdigit() and (name.startswith("speedloader") or name.startswith("fsdp2-offload")):
             dev = int(value)
+        elif key == "recompute" and value in ("on", "off") and name in ("ondevice", "fsdp2-offload",
+                                                                          "fsdp2-offload-rs"):
+            recompute = value == "on"
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
                              "(speedloader contenders), ':compile' or ':eager' (every contender but "
@@ -307,9 +315,10 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
                              f"contenders: keep_activations), ':sdpa={'|'.join(SDPA_BACKENDS)}', ':liger' and "
                              f"':fp8[={'|'.join(FLOAT8_RECIPES)}]' (every contender but deepspeed-offload), "
                              "':states=fp32|bf16|int8', ':threads=K', ':slots=R' and ':adamw=local|torch' "
-                             "(speedloader-overlap), ':dev=K' (speedloader and fsdp2-offload contenders)")
+                             "(speedloader-overlap), ':dev=K' (speedloader and fsdp2-offload contenders), "
+                             "':recompute=on|off' (ondevice and fsdp2-offload contenders)")
     return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads,
-                     slots, adamw, dev)
+                     slots, adamw, dev, recompute)
 
 
 def _positive_float(text: str) -> bool:
@@ -327,15 +336,17 @@ def gpu_cap_gib(contender: Contender, default: Optional[float]) -> Optional[floa
 
 
 def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, num_sub: int, compiled: bool,
-                           kernels=None, device_units: int = 0):
+                           kernels=None, device_units: int = 0, recompute: bool = True):
     """An FSDP2 contender as the trainer's canonical schedule (``apply_schedule`` shards by it): gradient
-    accumulation over ``num_sub`` micro-batches, every block recomputed, one FSDP unit per block;
+    accumulation over ``num_sub`` micro-batches, every block recomputed (none without ``recompute``), one FSDP
+    unit per block;
     ``fsdp2-offload`` reduce-scatters after the last micro-batch only, ``fsdp2-offload-rs`` and ``ondevice``
     after every one; units 1 .. ``device_units`` of the offloading ones keep their states on the GPU."""
     from fsdp_speedloader.app.config import DataConfig, KernelsConfig, OffloadConfig, ScheduleConfig, TrainConfig
 
     schedule = ScheduleConfig(name="canonical", sub_batch_size=sub_batch, num_sub_batches=num_sub,
-                              activation_checkpointing=True, forward_prefetch=args.prefetch, compile_blocks=compiled,
+                              activation_checkpointing=recompute, forward_prefetch=args.prefetch,
+                              compile_blocks=compiled,
                               gradient_sync="last" if name == "fsdp2-offload" else "every")
     return TrainConfig(model=model_config(args), data=DataConfig(seq_len=args.seq_len), schedule=schedule,
                        offload=OffloadConfig(params=name != "ondevice", device_units=device_units),
@@ -389,7 +400,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     else:
         kernels = KernelsConfig(sdpa_backend=contender.sdpa, liger_kernels=contender.liger,
                                 float8_training=contender.fp8)
-        train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled, kernels, contender.dev)
+        train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled, kernels, contender.dev,
+                                           contender.recompute)
         scope = apply_schedule(model, train_cfg, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         gradient_sync = train_cfg.schedule.gradient_sync
     # FSDP units besides the root: each holds whole blocks (a mixture of experts' block with all its experts).
@@ -440,6 +452,11 @@ def run_worker(args: argparse.Namespace) -> dict:
             engine.refresh_param_transfer()  # a no-op without transfer copies
         optim.zero_grad(set_to_none=True)
 
+    def recomputed_fraction() -> float:  # of the blocks' forward work, for HFU
+        if not layer_major:
+            return 1.0 if contender.recompute else 0.0
+        return 1.0 - min(contender.keep, len(engine.units) * num_sub) / (len(engine.units) * num_sub)
+
     fb_times, opt_times, losses, profile = time_steps(
         fwd_bwd, optimizer_step, argparse.Namespace(**{**vars(args), "profile": args.profile and cuda}),
         sync=torch.cuda.synchronize if cuda else (lambda: None),
@@ -452,7 +469,11 @@ def run_worker(args: argparse.Namespace) -> dict:
         "num_fsdp_units": len(units), "blocks_per_fsdp_unit": blocks_per_fsdp_unit,
         **step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
                        flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops,
-                       attention_flops_per_token=adapter.attention_flops_per_token(args.seq_len)),
+                       attention_flops_per_token=adapter.attention_flops_per_token(args.seq_len),
+                       recomputed=recomputed_fraction()),
+        # What the model does, not what was asked: Hugging Face's flag (transformers 5.x: either name).
+        "recompute": layer_major or bool(getattr(model, "is_activation_checkpointing",
+                                                 getattr(model, "is_gradient_checkpointing", False))),
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
     }
