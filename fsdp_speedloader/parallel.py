@@ -83,6 +83,13 @@ def build_mesh(device_type: str, dp_replicate: int = 1) -> DeviceMesh:
                             mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
+def shard_size(mesh: DeviceMesh) -> int:
+    """Ranks a parameter is sharded over: the ``dp_shard`` dimension, or a user's unnamed mesh's last one (FSDP2
+    shards over the last dimension and replicates over the first of a 2-D mesh)."""
+    names = mesh.mesh_dim_names
+    return mesh.shape[names.index("dp_shard")] if names and "dp_shard" in names else mesh.shape[-1]
+
+
 def check_mesh(mesh: DeviceMesh) -> None:
     """The engine needs a mesh over exactly the ranks of the default process group."""
     world = dist.get_world_size()

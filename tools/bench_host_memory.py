@@ -57,6 +57,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     from fsdp_speedloader.app.trainer import Trainer
     from fsdp_speedloader.engine.speedloader import speedloader_engine
     from fsdp_speedloader.fsdp2 import fast_path_stats
+    from fsdp_speedloader.parallel import shard_size
 
     # Timestamped set-up and per-step lines: a run cut by --timeout still shows (in the record's output_tail)
     # where its time went (the model build, compilation or the steps).
@@ -67,7 +68,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     build_start = time.perf_counter()
     trainer = Trainer(cfg)
     build_s = time.perf_counter() - build_start  # model build, initialisation, optimizer: before step 1
-    shards = dict(zip(trainer.mesh.mesh_dim_names, trainer.mesh.shape)).get("dp_shard", 1)
+    shards = shard_size(trainer.mesh)
     plan = None
     if cfg.offload.params and speedloader_engine(trainer.model, missing_ok=True) is not None:
         plan, _ = host_memory_plan(trainer.model, cfg, shards=shards,

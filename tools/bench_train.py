@@ -452,10 +452,11 @@ def run_worker(args: argparse.Namespace) -> dict:
             engine.refresh_param_transfer()  # a no-op without transfer copies
         optim.zero_grad(set_to_none=True)
 
-    def recomputed_fraction() -> float:  # of the blocks' forward work, for HFU
-        if not layer_major:
-            return 1.0 if contender.recompute else 0.0
-        return 1.0 - min(contender.keep, len(engine.units) * num_sub) / (len(engine.units) * num_sub)
+    # Of the blocks' forward work, recomputed in backward (HFU): layer-major recomputes every (unit, sub-batch) pair
+    # it does not keep; an FSDP2 contender what Hugging Face's own flag says (transformers 5.x: either name).
+    checkpointed = bool(getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", 0)))
+    pairs = len(engine.units) * num_sub if layer_major else 0
+    recomputed = 1.0 - min(contender.keep, pairs) / pairs if layer_major else float(checkpointed)
 
     fb_times, opt_times, losses, profile = time_steps(
         fwd_bwd, optimizer_step, argparse.Namespace(**{**vars(args), "profile": args.profile and cuda}),
@@ -470,10 +471,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         **step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
                        flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops,
                        attention_flops_per_token=adapter.attention_flops_per_token(args.seq_len),
-                       recomputed=recomputed_fraction()),
-        # What the model does, not what was asked: Hugging Face's flag (transformers 5.x: either name).
-        "recompute": layer_major or bool(getattr(model, "is_activation_checkpointing",
-                                                 getattr(model, "is_gradient_checkpointing", False))),
+                       recomputed=recomputed),
+        "recompute": layer_major or checkpointed,
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
     }

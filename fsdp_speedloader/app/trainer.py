@@ -121,8 +121,7 @@ def check_host_memory_plan(model: torch.nn.Module, cfg: TrainConfig, mesh: Devic
     engine = speedloader_engine(model, missing_ok=True)
     if engine is not None and engine.options.offload_params:
         # Every tier (parameter shards, gradients, optimizer states, activations, transfer copies): memory/host_plan.py
-        shards = dict(zip(mesh.mesh_dim_names, mesh.shape)).get("dp_shard", 1)
-        check_host_memory(model, cfg, shards=shards, activation_dtype=param_dtype)
+        check_host_memory(model, cfg, shards=parallel.shard_size(mesh), activation_dtype=param_dtype)
         return
     if engine is None or not engine.options.uses_arena_store:
         return

@@ -286,10 +286,10 @@ def device_unit_bytes_per_block(model: ModelConfig, mesh: DeviceMesh) -> int:
     """GPU bytes of one block's states on one rank when its unit stays on the GPU (``device_units``): the largest
     block's parameters over the ranks that shard them, times ``DEVICE_STATE_BYTES_PER_PARAM``."""
     from fsdp_speedloader.models import build_model, get_adapter
+    from fsdp_speedloader.parallel import shard_size
 
     blocks = get_adapter(build_model(model, device="meta")).blocks
-    names = mesh.mesh_dim_names
-    shards = mesh.shape[names.index("dp_shard")] if names and "dp_shard" in names else mesh.shape[-1]
+    shards = shard_size(mesh)
     largest = max(sum(p.numel() for p in block.parameters()) for block in blocks)
     return -(-largest // shards) * DEVICE_STATE_BYTES_PER_PARAM
 
