@@ -8,14 +8,13 @@
 #     llama70b  LLaMA-2-70B shape, int4 weights (g64, 38.5 GB packed: the bf16 model, 138 GB, exceeds the host),
 #               the whole KV cache on the GPU in int8: speedloader 192 x 16 (103 s end to end on one H100, 9fa67a3:
 #               bench/results/infer_llama2_70b_int4_device_kv8_p512_g32_24g.json)
-#   opt30b (~5 min): OPT-30B, ONE invocation: speedloader int4 weights + int8 KV, 128 x 4 (~90 s), then
-#               FlexGen 0.1.8 with its OPT-30B policy (~190 s). Its own device command: after llama70b in one
-#               command it was cut by the 600 s limit.
-#   zero (~9 min): DeepSpeed ZeRO-Inference with its 4-bit weights (fp16, group 64) appended to both records:
-#               OPT-30B zero-inference:16:q4 (~220 s?, a guess), LLaMA-2-70B zero-inference:64:q4 (123 s on one
-#               H100; its largest batch under 24 GiB)
-#   more (~8 min): OPT-30B speedloader int8 weights (~170 s) and bf16 weights with the int8 KV cache (~230 s),
-#               appended to the OPT-30B record (bf16 vs int8 vs int4 in one record, FlexGen's row from `core`)
+#   opt30b (~9 min): OPT-30B, ONE invocation: speedloader int4 weights + int8 KV, 128 x 4 (~90 s), FlexGen
+#               0.1.8 with its OPT-30B policy (~190 s), DeepSpeed ZeRO-Inference 4-bit (fp16, group 64) at 16
+#               sequences (~220 s?, a guess). Its own device command.
+#   zero (~3 min): ZeRO-Inference 4-bit on the LLaMA-2-70B shape at 64 sequences appended to its record (123 s
+#               on one H100; its largest batch under 24 GiB)
+#   more (~7 min): OPT-30B speedloader bf16 weights, then int8 weights, in the int4 row's shape, appended to the
+#               OPT-30B record (bf16 vs int8 vs int4 in one record)
 #   accelerate (~6 min, optional): OPT-30B accelerate:16 appended (its last row: 2.5 tokens/s, 358 s)
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [PART...]       (default: core)
@@ -48,7 +47,7 @@ echo "commit $FSL_COMMIT, parts:$parts" | tee -a "$out/bench_quant_times.txt"
 
 [ "$dry" = 1 ] || {
 python3 -c "import hydra, wandb" 2>/dev/null || python3 -m pip install -q --no-index --find-links .wheels hydra-core wandb
-if [[ "$parts" == *" zero "* ]]; then
+if [[ "$parts" == *" zero "* || "$parts" == *" opt30b "* ]]; then
   python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
     --find-links .whl --find-links .wheels deepspeed==0.19.8 hjson pydantic pydantic-core annotated-types \
     typing-inspection typing-extensions || echo "deepspeed not installed: the zero-inference rows will say so"
@@ -75,7 +74,7 @@ run() {  # run PART STEP ESTIMATE_S REQUIRED(1|0) COMMAND...: an optional step i
   echo "$key/$step: $((SECONDS - start)) s (estimate ${estimate} s), ${SECONDS} s elapsed" | tee -a "$out/bench_quant_times.txt"
 }
 
-# core: LLaMA-2-70B int4 (the row that could not run before); opt30b: OPT-30B int4 and FlexGen in ONE invocation.
+# core: LLaMA-2-70B int4 (the row that could not run before); opt30b: OPT-30B int4, FlexGen and ZeRO-Inference.
 # 192 x 16: the whole cache (17.3 GB in int8) on the GPU, so a decoding step runs the batch as one group per layer;
 # per decoding step the link carries 38.5 GB of packed weights. (256 x 16 with a split cache, f922d2f: 36.5 tokens/s.)
 run core llama70b 150 1 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --timeout 300 \
@@ -86,19 +85,22 @@ run core llama70b 150 1 python3 tools/bench_infer.py --model llama2_70b "${commo
 # sub-batches attended on the CPU gave no output within 270 s.
 run opt30b opt30b 300 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --timeout 270 \
   --contender speedloader:128x4:split=1:w=int4:kvq=int8 --contender flexgen:32x2
+# ZeRO-Inference's 4-bit weights (its KV offload needs a patched transformers: not carried) in the same record: the
+# opt30b part's second step, so the three contenders share one invocation (~90 + 190 + 220 s).
+run opt30b zero 220 0 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
+  --timeout 300 --contender zero-inference:16:q4
 
-# zero: ZeRO-Inference's 4-bit weights (its KV offload needs a patched transformers: not carried).
-run zero opt30b 240 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append --timeout 300 \
-  --contender zero-inference:16:q4
-run zero llama70b 320 0 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --append \
+# zero: ZeRO-Inference on the LLaMA-2-70B shape (its largest batch under 24 GiB; 123 s on one H100).
+run zero llama70b 320 1 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --append \
   --timeout 330 --contender zero-inference:64:q4
 
-# more: OPT-30B int8 weights (31 GB packed), and bf16 weights (59 GB) with the int8 KV cache (host: 125 GiB - 55 GiB
-# of weights leaves room for 150 int8 sequences where bf16 held 78).
-run more opt30b_int8 200 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
-  --timeout 270 --contender speedloader:208x16:split=1:cpu=9:w=int8:kvq=int8
-run more opt30b_bf16 260 0 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
-  --timeout 300 --contender speedloader:156x12:split=2:cpu=10:kvq=int8
+# more: OPT-30B in bf16 (59 GB of weights a step) and int8 weights (31 GB) in the int4 row's shape, 128 x 4 with one
+# sub-batch's int8 cache on the GPU and three copied (36.5 GB a step): the int4 / bf16 ratio on one machine. (The
+# earlier 208 x 16 with 9 sub-batches attended on the CPU over int8 codes gave no output within 270 s.)
+run more opt30b_bf16 200 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
+  --timeout 270 --contender speedloader:128x4:split=1:kvq=int8
+run more opt30b_int8 170 0 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
+  --timeout 270 --contender speedloader:128x4:split=1:w=int8:kvq=int8
 
 run accelerate opt30b 380 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
   --timeout 420 --contender accelerate:16
