@@ -6,6 +6,9 @@
 #       (2 x 4) and without recompute (1 x 8: one sequence's activations at a time, ~4.3 GiB beside 30 GB of model
 #       states), layer-major with the root on the GPU keeping 24 and 28 of 32 (unit, sub-batch) pairs (a pair holds
 #       1.07 GiB at 2 sequences) and 56 of 64 at 1 x 8.
+#   liger (~3 min): the same table's best rows with Liger's RMSNorm, SwiGLU and RoPE (+3.8% on layer-major in
+#       kernels_llama7b_L8_b8_cap40.json): the ceiling without recompute at 2 x 4 and 1 x 8, layer-major 1 x 8
+#       keeping 56 of 64 pairs.
 #   full (~7 min): full LLaMA-2-7B (32 layers), every model state on the host, activations on the GPU: the recorded
 #       configuration (3 x 8 under a 40 GiB cap, 46.6% MFU in train_llama2_7b_full_1gpu_compiled.json), then 2 x 4
 #       uncapped keeping as many of its 128 pairs as the card holds, K = (card GiB - 19) / 1.07 (8 sequences'
@@ -19,7 +22,7 @@
 # Carry .wheels (tools/device_wheels.sh liger-kernel torchao). An optional step is skipped when this call's elapsed
 # time plus its estimate exceeds FSL_BENCH_BUDGET_S (default 570). FSL_BENCH_DRY_RUN=1 prints the commands instead.
 set -uo pipefail
-out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_recompute.sh OUT_DIR [ceiling] [full]}
+out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_recompute.sh OUT_DIR [ceiling] [liger] [full]}
 shift
 parts=" ${*:-ceiling} "
 mkdir -p "$out"
@@ -72,6 +75,10 @@ run ceiling table 330 1 python3 tools/bench_train.py "${layers8[@]}" --name reco
   --contender speedloader-overlap:1x8:root=device:keep=56
 run ceiling more 100 0 python3 tools/bench_train.py "${layers8[@]}" --name recompute_llama7b_L8_b8_cap40_2x4 \
   --contender ondevice:2x4:recompute=off
+
+run liger table 160 0 python3 tools/bench_train.py "${layers8[@]}" --name recompute_liger_llama7b_L8_b8_cap40 \
+  --contender ondevice:2x4:recompute=off:liger --contender ondevice:1x8:recompute=off:liger \
+  --contender speedloader-overlap:1x8:root=device:keep=56:liger
 
 full=(--model llama2_7b --layers 32 --seq-len 4096 --activation-store device --compile --steps 2 --warmup 1
       --timeout 240)
