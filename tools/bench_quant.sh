@@ -13,8 +13,8 @@
 #               sequences (~220 s?, a guess). Its own device command.
 #   zero (~3 min): ZeRO-Inference 4-bit on the LLaMA-2-70B shape at 64 sequences appended to its record (123 s
 #               on one H100; its largest batch under 24 GiB)
-#   more (~7 min): OPT-30B speedloader bf16 weights, then int8 weights, in the int4 row's shape, appended to the
-#               OPT-30B record (bf16 vs int8 vs int4 in one record)
+#   more (~9 min): OPT-30B speedloader bf16 weights (over 270 s on one H200: cut there before printing, d4a8997),
+#               then int8 weights if the budget allows, in the int4 row's shape, appended to the OPT-30B record
 #   accelerate (~6 min, optional): OPT-30B accelerate:16 appended (its last row: 2.5 tokens/s, 358 s)
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [PART...]       (default: core)
@@ -97,8 +97,8 @@ run zero llama70b 320 1 python3 tools/bench_infer.py --model llama2_70b "${commo
 # more: OPT-30B in bf16 (59 GB of weights a step) and int8 weights (31 GB) in the int4 row's shape, 128 x 4 with one
 # sub-batch's int8 cache on the GPU and three copied (36.5 GB a step): the int4 / bf16 ratio on one machine. (The
 # earlier 208 x 16 with 9 sub-batches attended on the CPU over int8 codes gave no output within 270 s.)
-run more opt30b_bf16 200 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
-  --timeout 270 --contender speedloader:128x4:split=1:kvq=int8
+run more opt30b_bf16 400 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
+  --timeout 420 --contender speedloader:128x4:split=1:kvq=int8
 run more opt30b_int8 170 0 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
   --timeout 270 --contender speedloader:128x4:split=1:w=int8:kvq=int8
 
