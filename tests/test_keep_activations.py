@@ -7,6 +7,8 @@ kept pair's blocks really run once per step (the saving is real).
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from dist_utils import run_distributed
 from engine_cases import assert_grads_close, batch, cpu_mesh, reference_grads, tiny_family_model, tiny_model
 from fsdp_speedloader import apply_speedloader
 from fsdp_speedloader.engine.chain import Unit, kept_pairs
+from fsdp_speedloader.engine.speedloader import speedloader_engine
 
 # (family, keep_activations, offload_params, activation_store, blocks_per_unit); 4 layers, N = 3
 CASES = [("llama", 2, False, "device", 1), ("llama", 100, True, "host", 2), ("llama", 5, True, "host", 1),
@@ -80,3 +83,20 @@ def test_the_last_units_are_kept_first():
 def test_keep_activations_is_checked():
     with pytest.raises(ValueError, match="keep_activations"):
         apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), keep_activations=-1)
+
+
+def test_the_pairs_held_are_reported_mid_step_and_held_only_weakly():
+    """``kept_pairs_report``: what an out-of-memory error's message reads while it is handled (the failed step's
+    frames keep its state alive); the engine itself holds the step's state weakly, so a caller that goes on
+    after the error (the tuner's trials) gets the kept graphs' memory back."""
+    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=3, keep_activations=5)
+    engine = speedloader_engine(model)
+    ids, labels = batch(3)
+    loss = model(input_ids=ids, labels=labels).loss
+    assert engine.kept_pairs_report() == (5, 0)  # forward done, backward to come; no CUDA: no bytes measured
+    loss.backward()
+    assert engine.kept_pairs_report() == (0, 0)
+    loss = model(input_ids=ids, labels=labels).loss
+    del loss
+    gc.collect()
+    assert engine._step_state() is None and engine.kept_pairs_report() == (0, 0)

@@ -202,6 +202,38 @@ def test_gpu_memory_cap_applies(tmp_path):
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
 
 
+def test_running_out_of_gpu_memory_with_kept_pairs_says_what_to_change(tmp_path, monkeypatch):
+    """A hand-set schedule.keep_activations that the GPU cannot hold: the allocator's error comes back as a user
+    error (one line, exit code 2) naming the setting, how many pairs were held when it ran out, and what to set;
+    it keeps 'out of memory' (sweeps classify the point by it). Here unit 2's second sub-batch runs out, after
+    3 of the 4 pairs were kept. Without kept pairs the allocator's error is left as it is."""
+    from fsdp_speedloader.app.launch import UserError
+    from fsdp_speedloader.engine.chain import Unit
+
+    original, runs = Unit.forward, []
+
+    def forward(self, *args, **kwargs):
+        runs.append(self.index)
+        if len(runs) == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Unit, "forward", forward)
+    trainer = Trainer(tiny_config(tmp_path / "kept", schedule={"name": "speedloader", "keep_activations": 4}))
+    with pytest.raises(UserError) as raised:
+        trainer.train()
+    message = str(raised.value)
+    assert "schedule.keep_activations=4: 3 kept (unit, sub-batch) pairs" in message
+    assert "set schedule.keep_activations below 3" in message and "schedule=auto" in message
+    assert "out of memory. Tried to allocate 2.00 GiB." in message and "\n" not in message
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+
+    runs.clear()
+    plain = Trainer(tiny_config(tmp_path / "plain", schedule={"name": "speedloader"}))
+    with pytest.raises(torch.OutOfMemoryError):
+        plain.train()
+
+
 # --- optimizer, LR schedule, metrics, logger ---------------------------------------------------
 
 

@@ -424,11 +424,14 @@ class Trainer:
 
     def _memory_error(self, error: BaseException) -> Optional[UserError]:
         """A step's error as the user error it is when a memory budget was wrong: a tuned plan's GPU or host budget
-        (``TunePlan.memory_error`` names it and by how much), or the host arena's at its first step. A
+        (``TunePlan.memory_error`` names it and by how much), the kept activations of a hand-set
+        ``schedule.keep_activations`` (``_kept_pairs_error``), or the host arena's at its first step. A
         :class:`launch.UserError` (one line and exit code 2 at the entry point) whose ``__cause__`` is the plan's
         ``GpuPlanMemoryError`` / ``HostPlanMemoryError`` (caused by ``error``) or ``error``; None for any other error.
         The GPU case keeps the allocator's 'out of memory' in its text (sweeps classify the point as ``oom``)."""
         tuned = self.tune_plan.memory_error(error) if self.tune_plan is not None else None
+        if tuned is None and (kept := self._kept_pairs_error(error)) is not None:
+            return kept
         if tuned is None and not (isinstance(error, ValueError) and "pinned host arena needs" in str(error)):
             return None
         cause = tuned if tuned is not None else error
@@ -436,6 +439,26 @@ class Trainer:
             tuned.__cause__ = error
         user_error = UserError(" ".join(str(cause).split()))  # one line, whatever the allocator's text holds
         user_error.__cause__ = cause
+        return user_error
+
+    def _kept_pairs_error(self, error: BaseException) -> Optional[UserError]:
+        """A GPU out-of-memory error of a step that keeps (unit, sub-batch) pairs' activations by hand
+        (``schedule.keep_activations`` > 0, no tuned plan): the same error, saying how many pairs were held and
+        what one held, and what to change. None otherwise."""
+        engine = speedloader_engine(self.model, missing_ok=True)
+        if (not isinstance(error, torch.OutOfMemoryError) or self.tune_plan is not None or engine is None
+                or not engine.options.keep_activations):
+            return None
+        keep = engine.options.keep_activations
+        held, pair_bytes = engine.kept_pairs_report()
+        each = f", {pair_bytes / 2**30:.2f} GiB each" if pair_bytes else ""
+        fewer = f"below {held}" if 1 < held <= keep else "lower"
+        user_error = UserError(
+            f"GPU out of memory with schedule.keep_activations={keep}: {held} kept (unit, sub-batch) pairs held "
+            f"their activations{each} when it ran out; set schedule.keep_activations {fewer} (0 recomputes every "
+            f"pair), or schedule=auto to plan it from the GPU's memory. The allocator said: "
+            + " ".join(str(error).split()))
+        user_error.__cause__ = error
         return user_error
 
     def _any_rank(self, *flags: int) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from typing import Optional
 
 import torch
@@ -50,6 +51,7 @@ class SpeedLoader:
         self.device = device
         self.loss_chunk_tokens = options.loss_chunk_tokens
         self.kept_pair_bytes = 0  # keep_activations: the most GPU memory one kept pair held in the last step
+        self._step_state = None  # the step in flight's TrainStepState, weakly: an error's report reads it
         # Called with l once unit l's gradients are final in backward (OverlappedOptimizer sets it).
         self.grad_ready_hook = None
         # Called with l just before unit l's FSDP-hooked forward call, which unshards unit l and prefetches the
@@ -77,6 +79,16 @@ class SpeedLoader:
         fast path engaged or fell back (``fsdp2.fast_path_stats()``: counts since the process started), and
         ``kept_pair_bytes``: with ``keep_activations``, the GPU memory one kept (unit, sub-batch) held (CUDA)."""
         return {**self.store.step_stats(), **fast_path_stats(), "kept_pair_bytes": self.kept_pair_bytes}
+
+    def kept_pairs_report(self) -> tuple[int, int]:
+        """With ``keep_activations``: (kept (unit, sub-batch) pairs whose activations the step in flight holds now,
+        the most GPU bytes one of them held: this step's measure, else the last step's). For an out-of-memory
+        error's message: read while the error is handled, the failed step's state is still alive (its frames hold
+        it); the engine keeps it only weakly, so a caller that goes on after the error gets the memory back."""
+        state = self._step_state() if self._step_state is not None else None
+        if state is None:
+            return 0, self.kept_pair_bytes
+        return len(state.kept), max(state.kept_pair_bytes, self.kept_pair_bytes)
 
     def _check_inputs(self, input_ids, attention_mask, labels, kwargs) -> None:
         if input_ids is None or input_ids.dim() != 2:
@@ -130,6 +142,7 @@ class SpeedLoader:
             loss_chunk_tokens=self.loss_chunk_tokens, grad_ready_hook=self.grad_ready_hook,
             replay_rng=adapter.model.training and adapter.has_dropout and torch.is_grad_enabled(),
             router_loss=router_loss, keep_activations=self.options.keep_activations)
+        self._step_state = weakref.ref(state)
         self.store.begin_step(len(self.units) + 1, n_sub, (sub, input_ids.shape[1], adapter.config.hidden_size),
                               act_dtype, device)
 
