@@ -9,8 +9,9 @@
 #       all together, layer-major and on-device (the ceiling with the same kernels).
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_kernels.sh OUT_DIR [PART...]      (default: levers best)
-# Records: OUT_DIR/kernels_llama7b_L8_b8_cap40.json and OUT_DIR/kernels_best_llama7b_L8_b8_cap40.json (tools/harness.py's
-# header; rows written after every contender), logs OUT_DIR/<part>.log, wall times OUT_DIR/bench_kernels_times.txt.
+# Records: OUT_DIR/kernels_llama7b_L8_b8_cap40.json and OUT_DIR/kernels_best_llama7b_L8_b8_cap40.json
+# (tools/harness.py's header; rows written after every contender), logs OUT_DIR/<part>.log, wall times
+# OUT_DIR/bench_kernels_times.txt.
 # Carry .wheels (tools/device_wheels.sh liger-kernel torchao: hydra, wandb, and the two kernel wheels; triton is in
 # the GPU image's torch). An optional part is skipped when this call's elapsed time plus its estimate exceeds
 # FSL_BENCH_BUDGET_S (default 570: a 600 s command). FSL_BENCH_DRY_RUN=1 prints the commands instead.
@@ -18,47 +19,17 @@ set -uo pipefail
 out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_kernels.sh OUT_DIR [levers] [best]}
 shift
 parts=" ${*:-levers best} "
-mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-export FSL_COMMIT=${FSL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-export FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB=${FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB:-120}
-budget=${FSL_BENCH_BUDGET_S:-570}
-dry=${FSL_BENCH_DRY_RUN:-0}
+source tools/bench_lib.sh
+bench_init bench_kernels_times.txt
+bench_install kernels
 levers=kernels_llama7b_L8_b8_cap40
 best=kernels_best_llama7b_L8_b8_cap40
 common=(--model llama2_7b --layers 8 --seq-len 4096 --max-gpu-memory-gib 40 --compile --steps 3 --warmup 1
         --timeout 150)
 base=speedloader-overlap:2x4:root=device:keep=24
-echo "commit $FSL_COMMIT, parts:$parts" | tee -a "$out/bench_kernels_times.txt"
 
-[ "$dry" = 1 ] || {
-python3 -c "import hydra, wandb" 2>/dev/null || python3 -m pip install -q --no-index --find-links .wheels hydra-core wandb
-python3 -c "import liger_kernel, torchao" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
-  --find-links .wheels liger-kernel torchao || echo "liger-kernel/torchao not installed: their rows will say so"
-python3 -m pip install -q --no-deps --no-build-isolation -e .
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-ulimit -l unlimited 2>/dev/null || true
-}
-
-run() {  # run PART ESTIMATE_S REQUIRED(1|0) COMMAND...: an optional part is skipped when over the budget
-  local key=$1 estimate=$2 required=$3; shift 3
-  [[ "$parts" == *" $key "* ]] || return 0
-  if [ "$required" = 0 ] && [ $((SECONDS + estimate)) -gt "$budget" ]; then
-    echo "$key: skipped (${SECONDS} s elapsed + ~${estimate} s > ${budget} s budget)" | tee -a "$out/bench_kernels_times.txt"
-    return 0
-  fi
-  if [ "$dry" = 1 ]; then
-    echo "$* --out-dir $out"
-    return 0
-  fi
-  local start=$SECONDS
-  "$@" --out-dir "$out" 2>&1 | tee -a "$out/$key.log" | grep -v '^{' | tail -10
-  echo "$key: $((SECONDS - start)) s (estimate ${estimate} s), ${SECONDS} s elapsed" | tee -a "$out/bench_kernels_times.txt"
-}
-
-run levers 360 1 python3 tools/bench_train.py "${common[@]}" --name "$levers" --contender ondevice:2x4 \
+bench_run levers levers 360 1 python3 tools/bench_train.py "${common[@]}" --name "$levers" --contender ondevice:2x4 \
   --contender "$base" --contender "$base:sdpa=cudnn" --contender "$base:liger" --contender "$base:fp8"
 
 # The levers whose row beat the baseline's tokens/s (all three in a dry run: no record to read).
@@ -76,7 +47,7 @@ PY
   )
 fi
 if [ -n "$winners" ]; then
-  run best 150 0 python3 tools/bench_train.py "${common[@]}" --name "$best" --contender "$base$winners" \
+  bench_run best best 150 0 python3 tools/bench_train.py "${common[@]}" --name "$best" --contender "$base$winners" \
     --contender "ondevice:2x4$winners"
 else
   echo "best: no lever beat the baseline (or no levers record)" | tee -a "$out/bench_kernels_times.txt"

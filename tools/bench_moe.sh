@@ -17,7 +17,7 @@
 #   bash tools/bench_moe.sh "$OUT" moe_train          and then
 #   bash tools/bench_moe.sh "$OUT" moe_infer llama3 llama2
 # Records: OUT_DIR/<name>.json (tools/harness.py's header, "commit" from $FSL_COMMIT: the GPU machine's copy of the
-# tree has no .git; written after every contender), logs OUT_DIR/<name>.log, wall times OUT_DIR/bench_moe_times.txt.
+# tree has no .git; written after every contender), logs OUT_DIR/<part>.log, wall times OUT_DIR/bench_moe_times.txt.
 # Carry .wheels (tools/device_wheels.sh: hydra, wandb, pydantic) and .whl (tools/build_deepspeed_wheels.sh:
 # DeepSpeed 0.19.8, hjson); accelerate is in the GPU image. An optional part is skipped when this call's elapsed
 # time plus its estimate exceeds FSL_BENCH_BUDGET_S (default 570: a 600 s command). FSL_MOE_INFER_LAYERS
@@ -26,44 +26,18 @@ set -uo pipefail
 out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_moe.sh OUT_DIR [moe_train] [moe_infer] [llama3] [llama2]}
 shift
 parts=" ${*:-moe_train moe_infer llama3 llama2} "
-mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-export FSL_COMMIT=${FSL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-# The GPU machine's MemTotal starts small and grows with use: give the arena the real budget.
-export FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB=${FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB:-120}
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/fsl_torch_extensions}  # DeepSpeed's CPU Adam, built once
-budget=${FSL_BENCH_BUDGET_S:-570}
+source tools/bench_lib.sh
+bench_init bench_moe_times.txt
+bench_install deepspeed
+[ "$dry" = 1 ] || python3 -c "import deepspeed, accelerate; print('deepspeed', deepspeed.__version__, 'accelerate', \
+  accelerate.__version__)"
 infer_layers=${FSL_MOE_INFER_LAYERS:-16}
-dry=${FSL_BENCH_DRY_RUN:-0}
-echo "commit $FSL_COMMIT, parts:$parts" | tee -a "$out/bench_moe_times.txt"
 
-[ "$dry" = 1 ] || {
-python3 -c "import hydra, wandb" 2>/dev/null || python3 -m pip install -q --no-index --find-links .wheels hydra-core wandb
-python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
-  --find-links .whl --find-links .wheels deepspeed==0.19.8 hjson pydantic pydantic-core annotated-types \
-  typing-inspection typing-extensions || echo "deepspeed not installed: the deepspeed-offload row will say so"
-python3 -m pip install -q --no-deps --no-build-isolation -e .
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -c "import deepspeed, accelerate; print('deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__)"
-ulimit -l unlimited 2>/dev/null || true
-}
-
-part() {  # part KEY NAME ESTIMATE_S REQUIRED(1|0) COMMAND...: runs it if asked for, unless optional and over budget
-  local key=$1 name=$2 estimate=$3 required=$4; shift 4
-  [[ "$parts" == *" $key "* ]] || return 0
-  if [ "$required" = 0 ] && [ $((SECONDS + estimate)) -gt "$budget" ]; then
-    echo "$name: skipped (${SECONDS} s elapsed + ~${estimate} s > ${budget} s budget)" | tee -a "$out/bench_moe_times.txt"
-    return 0
-  fi
-  if [ "$dry" = 1 ]; then
-    echo "$* --name $name --out-dir $out"
-    return 0
-  fi
-  local start=$SECONDS
-  "$@" --name "$name" --out-dir "$out" 2>&1 | tee "$out/$name.log" | grep -v '^{' | tail -12
-  echo "$name: $((SECONDS - start)) s (estimate ${estimate} s), ${SECONDS} s elapsed" | tee -a "$out/bench_moe_times.txt"
+part() {  # part KEY NAME ESTIMATE_S REQUIRED(1|0) COMMAND...: bench_run with the record's --name
+  local key=$1 name=$2 estimate=$3 required=$4
+  shift 4
+  bench_run "$key" "$name" "$estimate" "$required" "$@" --name "$name"
 }
 
 # a) MoE training. Micro-batch 2 is every contender's largest that fits: at 4 x 4096 tokens the fp32 logits, their
@@ -87,4 +61,4 @@ part llama2 llama2_7b_L8_s4096_b8_cap40 100 0 \
   python3 tools/bench_train.py --model llama2_7b --layers 8 --seq-len 4096 --max-gpu-memory-gib 40 --compile \
     --contender ondevice:2x4 --contender speedloader-overlap:2x4:root=device --steps 3 --warmup 1 --timeout 120
 
-echo "total ${SECONDS} s" | tee -a "$out/bench_moe_times.txt"
+echo "total ${SECONDS} s" | tee -a "$times"

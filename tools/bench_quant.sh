@@ -31,76 +31,53 @@ set -uo pipefail
 out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [core] [opt30b] [zero] [more] [accelerate]}
 shift
 parts=" ${*:-core} "
-mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-export FSL_COMMIT=${FSL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 # The budget of the 72.4 tokens/s run (infer_opt30b_24g_same_run.json); the machine's MemTotal starts small.
 export FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB=${FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB:-125}
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/fsl_torch_extensions}  # DeepSpeed's quantizer op, built once
-budget=${FSL_BENCH_BUDGET_S:-570}
-dry=${FSL_BENCH_DRY_RUN:-0}
+source tools/bench_lib.sh
+bench_init bench_quant_times.txt
+if [[ "$parts" == *" zero "* || "$parts" == *" opt30b "* ]]; then
+  bench_install deepspeed
+else
+  bench_install
+fi
 opt=infer_opt30b_quant_p512_g32_24g
 llama=infer_llama2_70b_int4_device_kv8_p512_g32_24g
 common=(--gpu-memory-gib 24 --prompt-len 512 --gen-len 32)
-echo "commit $FSL_COMMIT, parts:$parts" | tee -a "$out/bench_quant_times.txt"
-
-[ "$dry" = 1 ] || {
-python3 -c "import hydra, wandb" 2>/dev/null || python3 -m pip install -q --no-index --find-links .wheels hydra-core wandb
-if [[ "$parts" == *" zero "* || "$parts" == *" opt30b "* ]]; then
-  python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
-    --find-links .whl --find-links .wheels deepspeed==0.19.8 hjson pydantic pydantic-core annotated-types \
-    typing-inspection typing-extensions || echo "deepspeed not installed: the zero-inference rows will say so"
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e .
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-ulimit -l unlimited 2>/dev/null || true
-}
-
-run() {  # run PART STEP ESTIMATE_S REQUIRED(1|0) COMMAND...: an optional step is skipped when over the budget
-  local key=$1 step=$2 estimate=$3 required=$4; shift 4
-  [[ "$parts" == *" $key "* ]] || return 0
-  if [ "$required" = 0 ] && [ $((SECONDS + estimate)) -gt "$budget" ]; then
-    echo "$key/$step: skipped (${SECONDS} s elapsed + ~${estimate} s > ${budget} s budget)" | tee -a "$out/bench_quant_times.txt"
-    return 0
-  fi
-  if [ "$dry" = 1 ]; then
-    echo "$* --out-dir $out"
-    return 0
-  fi
-  local start=$SECONDS
-  "$@" --out-dir "$out" 2>&1 | tee -a "$out/$key.log" | grep -v '^{' | tail -8
-  echo "$key/$step: $((SECONDS - start)) s (estimate ${estimate} s), ${SECONDS} s elapsed" | tee -a "$out/bench_quant_times.txt"
-}
 
 # core: LLaMA-2-70B int4 (the row that could not run before); opt30b: OPT-30B int4, FlexGen and ZeRO-Inference.
 # 192 x 16: the whole cache (17.3 GB in int8) on the GPU, so a decoding step runs the batch as one group per layer;
 # per decoding step the link carries 38.5 GB of packed weights. (256 x 16 with a split cache, f922d2f: 36.5 tokens/s.)
-run core llama70b 150 1 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --timeout 300 \
+bench_run core core/llama70b 150 1 python3 tools/bench_infer.py --model llama2_70b \
+  "${common[@]}" --name "$llama" --timeout 300 \
   --contender speedloader:192x16:device:w=int4:kvq=int8
 # 128 x 4: n = 32, 1 sub-batch's cache (32 sequences, 12 GB in int8) on the GPU, 3 copied from the host in int8 each
 # step (36.5 GB, with 16.6 GB of packed weights: ~1.05 s at the link's rate), no CPU attention (int8 codes attended on
 # the host ran at ~5 GB/s): 99.2 tokens/s, 90 s end to end on one H100 (00e0eb7). The earlier 208 x 16 with 9
 # sub-batches attended on the CPU gave no output within 270 s.
-run opt30b opt30b 300 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --timeout 270 \
+bench_run opt30b opt30b/opt30b 300 1 python3 tools/bench_infer.py --model opt_30b \
+  "${common[@]}" --name "$opt" --timeout 270 \
   --contender speedloader:128x4:split=1:w=int4:kvq=int8 --contender flexgen:32x2
 # ZeRO-Inference's 4-bit weights (its KV offload needs a patched transformers: not carried) in the same record: the
 # opt30b part's second step, so the three contenders share one invocation (~90 + 190 + 220 s).
-run opt30b zero 220 0 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
+bench_run opt30b opt30b/zero 220 0 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
   --timeout 300 --contender zero-inference:16:q4
 
 # zero: ZeRO-Inference on the LLaMA-2-70B shape (its largest batch under 24 GiB; 123 s on one H100).
-run zero llama70b 320 1 python3 tools/bench_infer.py --model llama2_70b "${common[@]}" --name "$llama" --append \
+bench_run zero zero/llama70b 320 1 python3 tools/bench_infer.py --model llama2_70b \
+  "${common[@]}" --name "$llama" --append \
   --timeout 330 --contender zero-inference:64:q4
 
 # more: OPT-30B in bf16 (59 GB of weights a step) and int8 weights (31 GB) in the int4 row's shape, 128 x 4 with one
 # sub-batch's int8 cache on the GPU and three copied (36.5 GB a step): the int4 / bf16 ratio on one machine. (The
 # earlier 208 x 16 with 9 sub-batches attended on the CPU over int8 codes gave no output within 270 s.)
-run more opt30b_bf16 400 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
+bench_run more more/opt30b_bf16 400 1 python3 tools/bench_infer.py --model opt_30b \
+  "${common[@]}" --name "$opt" --append \
   --timeout 420 --contender speedloader:128x4:split=1:kvq=int8
-run more opt30b_int8 170 0 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
+bench_run more more/opt30b_int8 170 0 python3 tools/bench_infer.py --model opt_30b \
+  "${common[@]}" --name "$opt" --append \
   --timeout 270 --contender speedloader:128x4:split=1:w=int8:kvq=int8
 
-run accelerate opt30b 380 1 python3 tools/bench_infer.py --model opt_30b "${common[@]}" --name "$opt" --append \
+bench_run accelerate accelerate/opt30b 380 1 python3 tools/bench_infer.py --model opt_30b \
+  "${common[@]}" --name "$opt" --append \
   --timeout 420 --contender accelerate:16
