@@ -97,7 +97,6 @@ def plan_host_memory(*, units: Sequence[Sequence[Shard]], root: Sequence[Shard],
     """
     host_root = list(root) if root_on_host else []
     shards = [s for unit in units for s in unit] + host_root
-    padded = sum(p for p, _ in shards)
     grad_bytes = [[_aligned(local * param_itemsize) for _, local in unit if local] for unit in units]
     if grad_slots_in_flight:
         unit_grads = grad_slots_in_flight * max((sum(g) for g in grad_bytes), default=0)
