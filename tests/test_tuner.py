@@ -498,10 +498,20 @@ def test_trainer_auto_host_budget_too_small(tmp_path):
 @pytest.mark.parametrize("schedule,field", [({"gpu_memory_budget_gib": 0.0}, "schedule.gpu_memory_budget_gib"),
                                             ({"host_memory_budget_gib": -1.0}, "schedule.host_memory_budget_gib"),
                                             ({"target_batch_size": 0}, "schedule.target_batch_size"),
+                                            ({"max_sub_batch_size": -2}, "schedule.max_sub_batch_size"),
                                             ({"tune_blocks_per_unit": [1, 0]}, "schedule.tune_blocks_per_unit")])
 def test_auto_schedule_fields_are_validated(tmp_path, schedule, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         _auto_config(tmp_path, **schedule)
+
+
+def test_auto_schedule_caps_the_sub_batch_size(tmp_path):
+    """schedule.max_sub_batch_size caps n, target_batch_size then caps N: the way to a plan of few short sub-batches
+    whose GPU memory left over goes to kept pairs (docs/tuner.md)."""
+    plan = tune_train_config(_auto_config(tmp_path, max_sub_batch_size=1, target_batch_size=3), mesh=_cpu_mesh(),
+                             param_dtype=torch.float32, reduce_dtype=torch.float32)
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (1, 3)
+    assert plan.limited_by == {"sub_batch_size": "max_sub_batch_size", "num_sub_batches": "target_batch_size"}
 
 
 # --- the entry point --------------------------------------------------------------------------------------

@@ -147,6 +147,9 @@ class ScheduleConfig:
     """auto: host memory for model states and activation slots; null: detected (as the host arena's budget)."""
     target_batch_size: Optional[int] = None
     """auto: at most this many sequences per rank per step (caps n x N); null: as many as memory holds."""
+    max_sub_batch_size: Optional[int] = None
+    """auto: at most this many sequences per sub-batch (caps n); with target_batch_size, the GPU memory a smaller n
+    leaves over goes to kept pairs (keep_activations) instead of longer sub-batches; null: as large as fits."""
     tune_blocks_per_unit: list = field(default_factory=list)
     """auto: more blocks_per_unit values to choose from (two trial steps each); empty: blocks_per_unit only."""
 
@@ -166,8 +169,9 @@ class ScheduleConfig:
         for name in ("gpu_memory_budget_gib", "host_memory_budget_gib"):
             value = getattr(self, name)
             check(value is None or value > 0, f"schedule.{name}", f"got {value}; must be > 0 (or null)")
-        if self.target_batch_size is not None:
-            check_positive(self.target_batch_size, "schedule.target_batch_size")
+        for name in ("target_batch_size", "max_sub_batch_size"):
+            if getattr(self, name) is not None:
+                check_positive(getattr(self, name), f"schedule.{name}")
         for value in self.tune_blocks_per_unit:
             check_positive(value, "schedule.tune_blocks_per_unit")
 

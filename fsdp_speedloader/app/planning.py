@@ -26,7 +26,7 @@ def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduc
     options = speedloader_options(cfg, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return tune(cfg.model, options, seq_len=cfg.data.seq_len, gpu_memory_budget_bytes=gib(gpu_budget),
                 host_memory_budget_bytes=gib(sched.host_memory_budget_gib), target_batch_size=sched.target_batch_size,
-                tune_blocks_per_unit=sched.tune_blocks_per_unit, mesh=mesh,
+                max_sub_batch_size=sched.max_sub_batch_size, tune_blocks_per_unit=sched.tune_blocks_per_unit, mesh=mesh,
                 build_optimizer=lambda model: build_optimizer(model, cfg.optim, seed=cfg.seed), seed=cfg.seed,
                 budget_names=(gpu_name, "schedule.host_memory_budget_gib"))
 
