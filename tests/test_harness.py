@@ -78,6 +78,10 @@ def test_record_header_and_write_record(monkeypatch, tmp_path):
     assert header["commit"] == "feedbeef"
     assert header["command"] == "python tools/bench_train.py --model llama2_7b --name 'a b'"  # runnable again
     assert header["pytorch_cuda_alloc_conf"] == "expandable_segments:True"
+    import transformers
+
+    assert header["packages"]["transformers"] == transformers.__version__  # the installed metadata
+    assert set(header["packages"]) == set(harness.RECORDED_PACKAGES)
     age = time.time() - datetime.datetime.fromisoformat(header["timestamp"]).timestamp()
     assert 0 <= age < 60
     path = harness.write_record(tmp_path / "new" / "dir" / "r.json", {**header, "results": [{"x": 1.5}]})

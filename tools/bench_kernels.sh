@@ -7,6 +7,11 @@
 #       layer-major row of that record: every pair kept, no recompute); the same with :sdpa=cudnn, :liger, :fp8.
 #   best (optional, ~2.5 min): the levers that beat that baseline in `levers` (by tokens/s, read from its record),
 #       all together, layer-major and on-device (the ceiling with the same kernels).
+#   liger_ab (~4 min, not in the default): the baseline and :liger with the installed Liger (0.8.5 in .wheels),
+#       then :liger with Liger 0.8.1, reinstalled from .wheels for that one invocation: Liger's RMSNorm kernels
+#       from 0.8.2 on call .to() on `offset`, which torch.compile passes as a Python float, and Inductor's
+#       analysis of the Triton kernel fails ("assuming every input is mutated"; the error text of
+#       recompute_liger_llama7b_L8_b8_cap40.json), the suspected cause of Liger's rows being slower there.
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_kernels.sh OUT_DIR [PART...]      (default: levers best)
 # Records: OUT_DIR/kernels_llama7b_L8_b8_cap40.json and OUT_DIR/kernels_best_llama7b_L8_b8_cap40.json
@@ -16,7 +21,7 @@
 # the GPU image's torch). An optional part is skipped when this call's elapsed time plus its estimate exceeds
 # FSL_BENCH_BUDGET_S (default 570: a 600 s command). FSL_BENCH_DRY_RUN=1 prints the commands instead.
 set -uo pipefail
-out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_kernels.sh OUT_DIR [levers] [best]}
+out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_kernels.sh OUT_DIR [levers] [best] [liger_ab]}
 shift
 parts=" ${*:-levers best} "
 cd "$(dirname "$0")/.."
@@ -50,5 +55,17 @@ if [ -n "$winners" ]; then
   bench_run best best 150 0 python3 tools/bench_train.py "${common[@]}" --name "$best" --contender "$base$winners" \
     --contender "ondevice:2x4$winners"
 else
-  echo "best: no lever beat the baseline (or no levers record)" | tee -a "$out/bench_kernels_times.txt"
+  echo "best: no lever beat the baseline (or no levers record)" | tee -a "$times"
+fi
+
+# liger_ab: one record per Liger version (each record's "packages" names it).
+bench_run liger_ab liger_ab/installed 150 1 python3 tools/bench_train.py "${common[@]}" \
+  --name kernels_liger_ab_installed --contender "$base" --contender "$base:liger"
+if [[ "$parts" == *" liger_ab "* && "$dry" != 1 ]]; then
+  python3 -m pip install -q --no-index --no-deps --force-reinstall --find-links .wheels liger-kernel==0.8.1
+fi
+bench_run liger_ab liger_ab/0.8.1 100 1 python3 tools/bench_train.py "${common[@]}" --name kernels_liger_ab_0_8_1 \
+  --contender "$base:liger"
+if [[ "$parts" == *" liger_ab "* && "$dry" != 1 ]]; then  # back to the newest in .wheels
+  python3 -m pip install -q --no-index --no-deps --force-reinstall --find-links .wheels "liger-kernel>=0.8,<0.9"
 fi

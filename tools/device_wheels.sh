@@ -19,4 +19,6 @@ pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --
 pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 \
   --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform any -d "$out" \
   "liger-kernel>=0.8,<0.9" "torchao>=0.18,<0.19"
+# Liger 0.8.1 too: tools/bench_kernels.sh's liger_ab part measures it against the newest 0.8 under torch.compile.
+pip download -q --no-deps --only-binary=:all: --platform any -d "$out" "liger-kernel==0.8.1"
 du -sh "$out"

@@ -102,6 +102,24 @@ def command_line(script: str, argv: Optional[Sequence[str]] = None) -> str:
     return shlex.join(["python", str(shown), *(sys.argv[1:] if argv is None else argv)])
 
 
+# The libraries a figure may depend on besides torch (kernels, peers): their versions go into every record. A
+# kernel library's minor release can change a row (Liger's RMSNorm under torch.compile, docs/results.md).
+RECORDED_PACKAGES = ("transformers", "triton", "liger-kernel", "torchao", "deepspeed", "accelerate", "flexgen")
+
+
+def package_versions(names: Sequence[str] = RECORDED_PACKAGES) -> dict:
+    """{distribution name: installed version, or None}, read from the installed metadata (nothing is imported)."""
+    from importlib import metadata
+
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
 def record_header(benchmark: str, script: str, argv: Optional[Sequence[str]] = None, *,
                   device: Optional[str] = None) -> dict:
     """What every record starts with. ``script``: the tool's ``__file__``; ``argv``: its arguments (default
@@ -109,7 +127,7 @@ def record_header(benchmark: str, script: str, argv: Optional[Sequence[str]] = N
     import torch
 
     return {"benchmark": benchmark, "device": device or device_name(), "torch": torch.__version__,
-            "commit": commit(), "command": command_line(script, argv),
+            "packages": package_versions(), "commit": commit(), "command": command_line(script, argv),
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
 
