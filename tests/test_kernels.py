@@ -273,3 +273,15 @@ def test_bench_recompute_script_runs_well_formed_commands(tmp_path):
             if layers == 32:
                 assert not c.root_on_device and c.name == "speedloader-overlap"  # every model state on the host
     assert recompute_off == 4
+
+
+@pytest.mark.parametrize("version,warned", [("0.8.1", False), ("0.8.2", True), ("0.8.5", True), ("0.9.0.dev1", True),
+                                            ("0.7.3", False), (None, False), ("unknown", False)])
+def test_compiled_liger_warning_names_the_releases_that_compile_badly(version, warned):
+    """Liger from 0.8.2 on, in compiled blocks: a warning that says why and what to do (docs/results.md)."""
+    from fsdp_speedloader.kernels.liger import compiled_liger_warning
+
+    message = compiled_liger_warning(version)
+    assert (message is not None) == warned
+    if warned:
+        assert f"liger-kernel {version}" in message and "kernels.liger_kernels" in message

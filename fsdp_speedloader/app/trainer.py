@@ -97,7 +97,8 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
         return contextlib.nullcontext
     kernels = cfg.kernels
     scope = apply_kernels(model, get_adapter(model).blocks, device_type=mesh.device_type, sdpa=kernels.sdpa_backend,
-                          liger_kernels=kernels.liger_kernels, float8_training=kernels.float8_training)
+                          liger_kernels=kernels.liger_kernels, float8_training=kernels.float8_training,
+                          compiled=sched.compile_blocks)
     if sched.activation_checkpointing:  # before sharding: FSDP's hooks then sit inside the checkpoint
         enable_activation_checkpointing(model)
     if sched.compile_blocks:  # lazy; before sharding, so a refusal leaves the model untouched

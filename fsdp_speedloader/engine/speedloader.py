@@ -212,7 +212,8 @@ def apply_speedloader(model: nn.Module, options: Optional[SpeedLoaderOptions] = 
         raise ValueError("apply_speedloader was already applied to this model")
     # Before sharding, so FSDP2 wraps the modules that will run; its checks fail before anything changed.
     scope = apply_kernels(model, adapter.blocks, device_type=mesh.device_type, sdpa=options.sdpa_backend,
-                          liger_kernels=options.liger_kernels, float8_training=options.float8_training)
+                          liger_kernels=options.liger_kernels, float8_training=options.float8_training,
+                          compiled=options.compile_blocks)
 
     blocks = list(adapter.blocks)
     groups = [blocks[i : i + options.blocks_per_unit] for i in range(0, len(blocks), options.blocks_per_unit)]

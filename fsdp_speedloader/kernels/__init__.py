@@ -17,19 +17,24 @@ from typing import Callable, ContextManager, Iterator, Optional
 from torch import nn
 
 from fsdp_speedloader.kernels.float8 import FLOAT8_RECIPES, apply_float8_training, check_float8_training
-from fsdp_speedloader.kernels.liger import LIGER_FAMILIES, apply_liger_kernels, check_liger_kernels, liger_rope
+from fsdp_speedloader.kernels.liger import LIGER_FAMILIES, apply_liger_kernels, check_liger_kernels, liger_rope, \
+    warn_if_compiled_liger_is_slow
 from fsdp_speedloader.kernels.sdpa import SDPA_BACKENDS, check_sdpa_backend, sdpa_backend
 
 KernelScope = Callable[[], ContextManager[None]]
 
 
 def apply_kernels(model: nn.Module, blocks: nn.ModuleList, *, device_type: str, sdpa: str = "auto",
-                  liger_kernels: bool = False, float8_training: Optional[str] = None) -> KernelScope:
+                  liger_kernels: bool = False, float8_training: Optional[str] = None,
+                  compiled: bool = False) -> KernelScope:
     """Checks every asked-for lever first (ValueError in one line: what is missing, what to set), then applies
-    Liger and float8 to ``model`` in place; returns the scope the blocks' runs enter."""
+    Liger and float8 to ``model`` in place; returns the scope the blocks' runs enter. ``compiled``: the blocks will
+    run compiled (a Liger release that compiles badly is warned about)."""
     check_sdpa_backend(sdpa, model=model, device_type=device_type)
     if liger_kernels:
         check_liger_kernels(model, device_type=device_type)
+        if compiled:
+            warn_if_compiled_liger_is_slow()
     if float8_training is not None:
         check_float8_training(float8_training, device_type=device_type)
     if liger_kernels:

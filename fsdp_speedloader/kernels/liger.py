@@ -17,11 +17,15 @@ the count of targets with ``.item()`` on every call, a host sync per chunk in th
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
-from typing import Callable, ContextManager, Iterator
+from importlib import metadata
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 # model_type -> the Hugging Face families whose blocks are LLaMA's (RMSNorm as LlamaRMSNorm, SwiGLU gate/up/down
 # MLP, apply_rotary_pos_emb(q, k, cos, sin)); Liger's own kernels reproduce LLaMA's casts ('llama' casting mode).
@@ -48,6 +52,35 @@ def check_liger_kernels(model: nn.Module, *, device_type: str) -> None:
     if act not in _SWIGLU_ACTS:
         raise ValueError(f"liger_kernels: Liger's SwiGLU kernel computes silu(gate) * up and the model's MLP uses "
                          f"{act!r}; set liger_kernels=false")
+
+
+def compiled_liger_warning(version: Optional[str]) -> Optional[str]:
+    """What to tell a user who runs Liger ``version`` inside compiled blocks, or None. From 0.8.2 on, Liger's RMSNorm
+    kernels call ``.to()`` on ``offset``, which ``torch.compile`` passes as a Python float: Inductor's analysis of
+    the Triton kernel fails and it assumes every input is mutated (copies, memory); with Liger 0.8.5 every compiled
+    row measured slower than without Liger (docs/results.md, recompute_liger_llama7b_L8_b8_cap40.json)."""
+    if version is None:
+        return None
+    try:
+        major, minor, patch = (int(p) for p in version.split("+")[0].split(".")[:3])
+    except ValueError:
+        return None
+    if (major, minor, patch) < (0, 8, 2):
+        return None
+    return (f"liger_kernels with compiled blocks: liger-kernel {version}'s RMSNorm kernels fail torch.compile's "
+            "analysis of user Triton kernels (Inductor then assumes they mutate every input); on an H200 every "
+            "compiled row with liger-kernel 0.8.5 was slower than the same row without it (docs/results.md): "
+            "measure before keeping kernels.liger_kernels=true")
+
+
+def warn_if_compiled_liger_is_slow() -> None:
+    """Logs ``compiled_liger_warning`` for the installed liger-kernel (for compiled blocks)."""
+    try:
+        version = metadata.version("liger-kernel")
+    except metadata.PackageNotFoundError:
+        return
+    if (message := compiled_liger_warning(version)) is not None:
+        log.warning(message)
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
