@@ -21,12 +21,8 @@
 # the GPU image's torch). An optional part is skipped when this call's elapsed time plus its estimate exceeds
 # FSL_BENCH_BUDGET_S (default 570: a 600 s command). FSL_BENCH_DRY_RUN=1 prints the commands instead.
 set -uo pipefail
-out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_kernels.sh OUT_DIR [levers] [best] [liger_ab]}
-shift
-parts=" ${*:-levers best} "
-cd "$(dirname "$0")/.."
-source tools/bench_lib.sh
-bench_init bench_kernels_times.txt
+source "$(dirname "$0")/bench_lib.sh"
+bench_start "bench_kernels.sh OUT_DIR [levers] [best] [liger_ab]" "levers best" bench_kernels_times.txt "$@"
 bench_install kernels
 levers=kernels_llama7b_L8_b8_cap40
 best=kernels_best_llama7b_L8_b8_cap40

@@ -1,5 +1,8 @@
-# What the device benchmark scripts share (bench_kernels.sh, bench_moe.sh, bench_quant.sh, bench_recompute.sh):
-# sourced by a script after it has set `out` (OUT_DIR) and `parts` (" PART PART ... ") and cd'ed to the repository.
+# What the device benchmark scripts share (bench_kernels.sh, bench_moe.sh, bench_quant.sh, bench_recompute.sh),
+# sourced first thing (`source "$(dirname "$0")/bench_lib.sh"`):
+#   bench_start USAGE DEFAULT_PARTS TIMES_FILE "$@"
+#                                the script's arguments (OUT_DIR [PART...]: sets `out` and `parts`), the repository
+#                                root as working directory, then bench_init
 #   bench_init TIMES_FILE        the environment every run wants, the budget, the dry-run flag and the commit line
 #   bench_install [deepspeed] [kernels]
 #                                the carried wheels (.wheels: hydra, wandb, liger-kernel, torchao; .whl: DeepSpeed
@@ -10,6 +13,17 @@
 #                                (default 570: a 600 s device command); its output goes to OUT_DIR/PART.log, a
 #                                line with its wall time to the times file; FSL_BENCH_DRY_RUN=1 prints it instead
 # FSL_COMMIT names the commit in every record (the GPU machine's copy of the tree has no .git).
+
+bench_start() {
+  local usage=$1 default_parts=$2 times_file=$3
+  shift 3
+  out=${1:?usage: FSL_COMMIT=<commit> bash tools/$usage}
+  shift
+  parts=" ${*:-$default_parts} "
+  out=$(mkdir -p "$out" && cd "$out" && pwd)  # absolute: the scripts run from the repository root
+  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  bench_init "$times_file"
+}
 
 bench_init() {
   times="$out/$1"

@@ -23,12 +23,9 @@
 # time plus its estimate exceeds FSL_BENCH_BUDGET_S (default 570: a 600 s command). FSL_MOE_INFER_LAYERS
 # (default 16) sets moe_infer's depth. FSL_BENCH_DRY_RUN=1 prints the commands instead (no installs, no GPU).
 set -uo pipefail
-out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_moe.sh OUT_DIR [moe_train] [moe_infer] [llama3] [llama2]}
-shift
-parts=" ${*:-moe_train moe_infer llama3 llama2} "
-cd "$(dirname "$0")/.."
-source tools/bench_lib.sh
-bench_init bench_moe_times.txt
+source "$(dirname "$0")/bench_lib.sh"
+bench_start "bench_moe.sh OUT_DIR [moe_train] [moe_infer] [llama3] [llama2]" "moe_train moe_infer llama3 llama2" \
+  bench_moe_times.txt "$@"
 bench_install deepspeed
 [ "$dry" = 1 ] || python3 -c "import deepspeed, accelerate; print('deepspeed', deepspeed.__version__, 'accelerate', \
   accelerate.__version__)"

@@ -28,14 +28,10 @@
 # written after every contender, so a command cut short keeps what finished. FSL_BENCH_DRY_RUN=1 prints the
 # commands instead.
 set -uo pipefail
-out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [core] [opt30b] [zero] [more] [accelerate]}
-shift
-parts=" ${*:-core} "
-cd "$(dirname "$0")/.."
 # The budget of the 72.4 tokens/s run (infer_opt30b_24g_same_run.json); the machine's MemTotal starts small.
 export FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB=${FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB:-125}
-source tools/bench_lib.sh
-bench_init bench_quant_times.txt
+source "$(dirname "$0")/bench_lib.sh"
+bench_start "bench_quant.sh OUT_DIR [core] [opt30b] [zero] [more] [accelerate]" "core" bench_quant_times.txt "$@"
 if [[ "$parts" == *" zero "* || "$parts" == *" opt30b "* ]]; then
   bench_install deepspeed
 else

@@ -22,12 +22,8 @@
 # Carry .wheels (tools/device_wheels.sh liger-kernel torchao). An optional step is skipped when this call's elapsed
 # time plus its estimate exceeds FSL_BENCH_BUDGET_S (default 570). FSL_BENCH_DRY_RUN=1 prints the commands instead.
 set -uo pipefail
-out=${1:?usage: FSL_COMMIT=<commit> bash tools/bench_recompute.sh OUT_DIR [ceiling] [liger] [full]}
-shift
-parts=" ${*:-ceiling} "
-cd "$(dirname "$0")/.."
-source tools/bench_lib.sh
-bench_init bench_recompute_times.txt
+source "$(dirname "$0")/bench_lib.sh"
+bench_start "bench_recompute.sh OUT_DIR [ceiling] [liger] [full]" "ceiling" bench_recompute_times.txt "$@"
 bench_install kernels
 card_gib=80  # a dry run's card
 [ "$dry" = 1 ] \
