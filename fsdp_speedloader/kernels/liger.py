@@ -23,6 +23,7 @@ from importlib import metadata
 from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
+from packaging.version import InvalidVersion, Version
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -59,13 +60,10 @@ def compiled_liger_warning(version: Optional[str]) -> Optional[str]:
     kernels call ``.to()`` on ``offset``, which ``torch.compile`` passes as a Python float: Inductor's analysis of
     the Triton kernel fails and it assumes every input is mutated (copies, memory); with Liger 0.8.5 every compiled
     row measured slower than without Liger (docs/results.md, recompute_liger_llama7b_L8_b8_cap40.json)."""
-    if version is None:
-        return None
     try:
-        major, minor, patch = (int(p) for p in version.split("+")[0].split(".")[:3])
-    except ValueError:
-        return None
-    if (major, minor, patch) < (0, 8, 2):
+        if version is None or Version(version) < Version("0.8.2"):
+            return None
+    except InvalidVersion:
         return None
     return (f"liger_kernels with compiled blocks: liger-kernel {version}'s RMSNorm kernels fail torch.compile's "
             "analysis of user Triton kernels (Inductor then assumes they mutate every input); on an H200 every "
