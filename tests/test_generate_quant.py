@@ -392,12 +392,12 @@ def test_bench_quant_script_runs_well_formed_commands(tmp_path):
     part (one device command), later parts append."""
     env = {"PATH": "/usr/bin:/bin", "FSL_BENCH_DRY_RUN": "1", "FSL_COMMIT": "abc123"}
     done = subprocess.run(["bash", str(REPO / "tools" / "bench_quant.sh"), str(tmp_path), "core", "opt30b", "zero",
-                           "more"], capture_output=True, text=True, env=env, timeout=60)
+                           "more", "ratio"], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == "commit abc123, parts: core opt30b zero more "
+    assert lines[0] == "commit abc123, parts: core opt30b zero more ratio "
     commands = [line.split()[1:] for line in lines if line.startswith("python3 tools/")]
-    assert len(commands) == 6
+    assert len(commands) == 7
     records = {}
     for argv in commands:
         assert argv[0] == "tools/bench_infer.py" and argv[argv.index("--out-dir") + 1] == str(tmp_path)
@@ -409,3 +409,5 @@ def test_bench_quant_script_runs_well_formed_commands(tmp_path):
     opt = records["infer_opt30b_quant_p512_g32_24g"]
     assert opt[:3] == ["speedloader:128x4:split=1:w=int4:kvq=int8", "flexgen:32x2", "zero-inference:16:q4"]
     assert "speedloader:128x4:split=1:kvq=int8" in opt  # bf16 weights in the int4 row's shape
+    ratio = records["infer_opt30b_int4_vs_bf16_p512_g32_24g"]  # one invocation: bf16 first, then int4
+    assert ratio[0] == "speedloader:128x4:split=1:kvq=int8" and all(":w=int4:" in c for c in ratio[1:])

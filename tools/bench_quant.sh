@@ -15,6 +15,9 @@
 #               on one H100; its largest batch under 24 GiB)
 #   more (~9 min): OPT-30B speedloader bf16 weights (over 270 s on one H200: cut there before printing, d4a8997),
 #               then int8 weights if the budget allows, in the int4 row's shape, appended to the OPT-30B record
+#   ratio (~9.5 min): int4 vs bf16 weights on OPT-30B in ONE invocation: bf16 in its shape above (373 s on one H200,
+#               62.2 tokens/s, 1ce4881), then int4 weights with the whole int8 cache on the GPU at 56 and 48 sequences
+#               (19.5 and 16.7 GiB of cache; no cache crosses the link, only the 16.6 GB of packed weights a step)
 #   accelerate (~6 min, optional): OPT-30B accelerate:16 appended (its last row: 2.5 tokens/s, 358 s)
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [PART...]       (default: core)
@@ -31,7 +34,7 @@ set -uo pipefail
 # The budget of the 72.4 tokens/s run (infer_opt30b_24g_same_run.json); the machine's MemTotal starts small.
 export FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB=${FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB:-125}
 source "$(dirname "$0")/bench_lib.sh"
-bench_start "bench_quant.sh OUT_DIR [core] [opt30b] [zero] [more] [accelerate]" "core" bench_quant_times.txt "$@"
+bench_start "bench_quant.sh OUT_DIR [core] [opt30b] [zero] [more] [ratio] [accelerate]" "core" bench_quant_times.txt "$@"
 if [[ "$parts" == *" zero "* || "$parts" == *" opt30b "* ]]; then
   bench_install deepspeed
 else
@@ -73,6 +76,14 @@ bench_run more more/opt30b_bf16 400 1 python3 tools/bench_infer.py --model opt_3
 bench_run more more/opt30b_int8 170 0 python3 tools/bench_infer.py --model opt_30b \
   "${common[@]}" --name "$opt" --append \
   --timeout 270 --contender speedloader:128x4:split=1:w=int8:kvq=int8
+
+# ratio: int4 / bf16 at each one's best shape, one invocation. bf16 at 128 x 4 streams 59 GB of weights and 31 GB of
+# int8 cache a step (1.8 s); int4 with the cache on the GPU streams 16.6 GB (~0.31 s at the link's ~53 GB/s), so
+# fewer sequences (what fits 24 GiB beside the cache) decode faster than 128 whose cache crosses the link.
+bench_run ratio ratio/opt30b 560 1 python3 tools/bench_infer.py --model opt_30b \
+  "${common[@]}" --name infer_opt30b_int4_vs_bf16_p512_g32_24g \
+  --timeout 420 --contender speedloader:128x4:split=1:kvq=int8 --contender speedloader:56x4:device:w=int4:kvq=int8 \
+  --contender speedloader:48x4:device:w=int4:kvq=int8
 
 bench_run accelerate accelerate/opt30b 380 1 python3 tools/bench_infer.py --model opt_30b \
   "${common[@]}" --name "$opt" --append \
