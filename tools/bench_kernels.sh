@@ -11,7 +11,8 @@
 #       then :liger with Liger 0.8.1, reinstalled from .wheels for that one invocation: Liger's RMSNorm kernels
 #       from 0.8.2 on call .to() on `offset`, which torch.compile passes as a Python float, and Inductor's
 #       analysis of the Triton kernel fails ("assuming every input is mutated"; the error text of
-#       recompute_liger_llama7b_L8_b8_cap40.json), the suspected cause of Liger's rows being slower there.
+#       recompute_liger_llama7b_L8_b8_cap40.json), once the suspected cause of Liger's rows being slower there.
+#       Measured (1ce4881, kernels_liger_ab_*.json): 0.8.5 +4.6% on this row, 0.8.1 +3.3%: not the cause.
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_kernels.sh OUT_DIR [PART...]      (default: levers best)
 # Records: OUT_DIR/kernels_llama7b_L8_b8_cap40.json and OUT_DIR/kernels_best_llama7b_L8_b8_cap40.json
@@ -34,7 +35,9 @@ bench_run levers levers 360 1 python3 tools/bench_train.py "${common[@]}" --name
   --contender "$base" --contender "$base:sdpa=cudnn" --contender "$base:liger" --contender "$base:fp8"
 
 # The levers whose row beat the baseline's tokens/s (all three in a dry run: no record to read).
-if [ "$dry" = 1 ]; then
+if [[ "$parts" != *" best "* ]]; then
+  winners=""
+elif [ "$dry" = 1 ]; then
   winners=":sdpa=cudnn:liger:fp8"
 else
   winners=$(python3 - "$out/$levers.json" "$base" <<'PY'
@@ -47,7 +50,9 @@ if base:
 PY
   )
 fi
-if [ -n "$winners" ]; then
+if [[ "$parts" != *" best "* ]]; then
+  :
+elif [ -n "$winners" ]; then
   bench_run best best 150 0 python3 tools/bench_train.py "${common[@]}" --name "$best" --contender "$base$winners" \
     --contender "ondevice:2x4$winners"
 else
