@@ -276,13 +276,10 @@ def test_bench_recompute_script_runs_well_formed_commands(tmp_path):
     assert recompute_off == 6
 
 
-@pytest.mark.parametrize("version,warned", [("0.8.1", False), ("0.8.2", True), ("0.8.5", True), ("0.9.0.dev1", True),
-                                            ("0.7.3", False), (None, False), ("unknown", False)])
-def test_compiled_liger_warning_names_the_releases_that_compile_badly(version, warned):
-    """Liger from 0.8.2 on, in compiled blocks: a warning that says why and what to do (docs/results.md)."""
+@pytest.mark.parametrize("version", ["0.8.1", "0.8.5", None])
+def test_compiled_liger_warning_says_to_measure(version):
+    """Liger in compiled blocks, any release: a warning naming the release, what was measured and what to set."""
     from fsdp_speedloader.kernels.liger import compiled_liger_warning
 
     message = compiled_liger_warning(version)
-    assert (message is not None) == warned
-    if warned:
-        assert f"liger-kernel {version}" in message and "kernels.liger_kernels" in message
+    assert (version or "unknown version") in message and "kernels.liger_kernels" in message and "results.md" in message
