@@ -109,6 +109,30 @@ def test_formats_round_trip_within_their_step_and_requantize_exactly(name, bound
     assert torch.allclose(again.dequantize(torch.float32), deq, rtol=0, atol=1e-6 * float(w.abs().max()))
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_8bit_kv_quantizer_in_chunks_equals_the_whole_tensor_formula(name, dtype, monkeypatch):
+    """The cache's quantizer widens a few rows to fp32 at a time (its whole-tensor fp32 copy once ran a 24 GiB GPU out
+    of memory): codes and scales are bit-identical to the formula over the whole tensor, with chunks that do not
+    divide the rows."""
+    import fsdp_speedloader.quant.kv as kv
+
+    x = (torch.randn(3, 2, 5, 7, 64, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    x[0, 0, 0, 0] = 0  # an all-zero row: the smallest scale, codes 0
+    codec = KVCodec(name)
+    tiny = torch.finfo(torch.float32).tiny
+    x32 = x.to(torch.float32)
+    scales = (x32.abs().amax(dim=-1) / codec.qmax).clamp_min(tiny).to(dtype)
+    y = x32 / scales.to(torch.float32).clamp_min(tiny).unsqueeze(-1)
+    want = (y.round().clamp(-127, 127).to(torch.int8) if name == "int8"
+            else y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn))
+    monkeypatch.setattr(kv, "_CHUNK_ELEMENTS", 64 * 4)  # 4 rows a chunk: 210 rows, a partial last chunk
+    codes, got_scales = codec.quantize(x, dtype)
+    assert codes.dtype == codec.code_dtype and codes.shape == x.shape and got_scales.shape == x.shape[:-1]
+    assert torch.equal(got_scales, scales)
+    assert torch.equal(codes.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_packed_bytes_are_half_and_about_a_quarter_of_bf16():
     fmt8, fmt4 = weight_format("int8"), weight_format("int4")
     bf16 = 4096 * 4096 * 2
