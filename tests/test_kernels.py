@@ -249,8 +249,9 @@ def test_bench_kernels_script_runs_well_formed_commands(tmp_path):
 
 def test_bench_recompute_script_runs_well_formed_commands(tmp_path):
     """tools/bench_recompute.sh (dry run): the 8-layer table under the 40 GiB cap with the ceiling with and without
-    recompute and layer-major keeping pairs, the cuDNN attention rows, the Liger rows, then the full 7B keeping what the card holds; every
-    contender parses, no count of kept pairs exceeds the pairs the shape has, and each command writes its own record."""
+    recompute and layer-major keeping pairs, the cuDNN attention rows, the Liger rows, then the full 7B keeping what
+    the card holds; every contender parses, no count of kept pairs exceeds the pairs the shape has, and each command
+    writes its own record."""
     env = {"PATH": "/usr/bin:/bin", "FSL_BENCH_DRY_RUN": "1", "FSL_COMMIT": "abc123"}
     done = subprocess.run(["bash", str(TOOLS / "bench_recompute.sh"), str(tmp_path), "ceiling", "cudnn", "liger",
                            "full"],

@@ -12,7 +12,8 @@
 #       from 0.8.2 on call .to() on `offset`, which torch.compile passes as a Python float, and Inductor's
 #       analysis of the Triton kernel fails ("assuming every input is mutated"; the error text of
 #       recompute_liger_llama7b_L8_b8_cap40.json), once the suspected cause of Liger's rows being slower there.
-#       Measured (1ce4881, kernels_liger_ab_*.json): 0.8.5 +4.6% on this row, 0.8.1 +3.3%: not the cause.
+#       Measured (1ce4881, kernels_liger_ab_*.json): 0.8.5 +4.6% on this row, 0.8.1 +3.3% (over the first
+#       invocation's baseline): not the cause.
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_kernels.sh OUT_DIR [PART...]      (default: levers best)
 # Records: OUT_DIR/kernels_llama7b_L8_b8_cap40.json and OUT_DIR/kernels_best_llama7b_L8_b8_cap40.json
