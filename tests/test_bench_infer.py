@@ -75,3 +75,21 @@ def test_count_decode_ops_counts_every_group_of_a_split_cache():
                                 (("device", 16), ("split", 16), ("split", 32)))
     assert device["ops_per_layer"] > 0
     assert split32["ops_per_layer"] > 1.5 * split16["ops_per_layer"] > 1.5 * device["ops_per_layer"]
+
+
+def test_dummy_init_fills_every_parameter_in_threaded_chunks(monkeypatch):
+    """bench_infer's dummy weights: every host value filled in [-0.02, 0.02] by chunks on the host threads (CPU
+    uniform_ alone is one thread), chunks that do not divide a tensor included, distinct chunks distinct, and
+    parameters that require grad (and DTensors' locals) filled in place without an autograd error."""
+    import torch
+
+    monkeypatch.setattr(bench_infer, "_DUMMY_CHUNK", 1000)
+    params = [torch.nn.Parameter(torch.full((3, 1234), 7.0, dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.full((999,), 7.0)), torch.nn.Parameter(torch.zeros(4, 4).t()),  # strided
+              torch.nn.Parameter(torch.zeros(5, dtype=torch.int64), requires_grad=False)]
+    bench_infer._dummy_init(params)
+    for p in params[:3]:
+        assert p.abs().max() <= 0.02 and (p != 0).float().mean() > 0.99 and not (p == 7.0).any()
+    first = params[0].detach().view(-1)
+    assert not torch.equal(first[:1000].float(), first[1000:2000].float())  # a generator per chunk
+    assert torch.equal(params[3], torch.zeros(5, dtype=torch.int64))  # not floating point: untouched
