@@ -34,7 +34,8 @@ _SWIGLU_ACTS = ("silu", "swish")
 
 
 def check_liger_kernels(model: nn.Module, *, device_type: str) -> None:
-    """ValueError unless Liger can run ``model`` here: liger_kernel and triton installed, CUDA, a LLaMA-layout family."""
+    """ValueError unless Liger can run ``model`` here: liger_kernel and triton installed, CUDA, a LLaMA-layout
+    family."""
     try:
         import liger_kernel  # noqa: F401
         import triton  # noqa: F401
@@ -42,12 +43,13 @@ def check_liger_kernels(model: nn.Module, *, device_type: str) -> None:
         raise ValueError(f"liger_kernels needs liger-kernel and triton (pip install 'fsdp-speedloader[kernels]', or "
                          f"the wheel in .wheels: tools/device_wheels.sh): {e}; or set liger_kernels=false") from None
     if device_type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(f"liger_kernels: Liger's kernels are Triton kernels for CUDA and this run is on {device_type}; "
-                         "set liger_kernels=false")
+        raise ValueError(f"liger_kernels: Liger's kernels are Triton kernels for CUDA and this run is on "
+                         f"{device_type}; set liger_kernels=false")
     model_type = getattr(model.config, "model_type", None)
     if model_type not in LIGER_FAMILIES:
         raise ValueError(f"liger_kernels: {type(model).__name__} (model_type {model_type!r}) is not a LLaMA-layout "
-                         f"family fsdp_speedloader applies Liger to ({', '.join(LIGER_FAMILIES)}); set liger_kernels=false")
+                         f"family fsdp_speedloader applies Liger to ({', '.join(LIGER_FAMILIES)}); "
+                         "set liger_kernels=false")
     act = getattr(model.config, "hidden_act", None)
     if act not in _SWIGLU_ACTS:
         raise ValueError(f"liger_kernels: Liger's SwiGLU kernel computes silu(gate) * up and the model's MLP uses "

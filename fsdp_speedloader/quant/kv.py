@@ -7,8 +7,8 @@
 
 One scale per token and head, for keys and values alike: the granularity a cache written one position at a
 time can keep (KIVI's per-channel key scales need a window of positions before they can be fixed). Every
-position's codes are independent of the others: a position is quantized once, when it is written, never again. Scales are stored in the
-compute dtype, 2 bytes per head_dim codes (1.6% for d = 128).
+position's codes are independent of the others: a position is quantized once, when it is written, never again.
+Scales are stored in the compute dtype, 2 bytes per head_dim codes (1.6% for d = 128).
 
 Host attention reads codes and scales where they lie (``host_attention.py``): the cache hands it the codes
 with their scales attached (``attach_scales`` / ``scales_of``), and it dequantizes a few sequences at a time, so
