@@ -102,8 +102,8 @@ def command_line(script: str, argv: Optional[Sequence[str]] = None) -> str:
     return shlex.join(["python", str(shown), *(sys.argv[1:] if argv is None else argv)])
 
 
-# The libraries a figure may depend on besides torch (kernels, peers): their versions go into every record. A
-# kernel library's minor release can change a row (Liger's RMSNorm under torch.compile, docs/results.md).
+# The libraries a figure may depend on besides torch (kernels, peers): their versions go into every record, so rows
+# measured in different sessions can be told apart by release (Liger's A/B by release, docs/results.md).
 RECORDED_PACKAGES = ("transformers", "triton", "liger-kernel", "torchao", "deepspeed", "accelerate", "flexgen")
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from fsdp_speedloader.kernels.float8 import FLOAT8_RECIPES, apply_float8_training, check_float8_training
 from fsdp_speedloader.kernels.liger import LIGER_FAMILIES, apply_liger_kernels, check_liger_kernels, liger_rope, \
-    warn_if_compiled_liger_is_slow
+    warn_liger_in_compiled_blocks
 from fsdp_speedloader.kernels.sdpa import SDPA_BACKENDS, check_sdpa_backend, sdpa_backend
 
 KernelScope = Callable[[], ContextManager[None]]
@@ -29,12 +29,12 @@ def apply_kernels(model: nn.Module, blocks: nn.ModuleList, *, device_type: str, 
                   compiled: bool = False) -> KernelScope:
     """Checks every asked-for lever first (ValueError in one line: what is missing, what to set), then applies
     Liger and float8 to ``model`` in place; returns the scope the blocks' runs enter. ``compiled``: the blocks will
-    run compiled (a Liger release that compiles badly is warned about)."""
+    run compiled (Liger there is warned about: it measured faster in one compiled configuration, slower in others)."""
     check_sdpa_backend(sdpa, model=model, device_type=device_type)
     if liger_kernels:
         check_liger_kernels(model, device_type=device_type)
         if compiled:
-            warn_if_compiled_liger_is_slow()
+            warn_liger_in_compiled_blocks()
     if float8_training is not None:
         check_float8_training(float8_training, device_type=device_type)
     if liger_kernels:

@@ -66,7 +66,7 @@ def compiled_liger_warning(version: Optional[str]) -> str:
             "'Liger'): measure before keeping kernels.liger_kernels=true")
 
 
-def warn_if_compiled_liger_is_slow() -> None:
+def warn_liger_in_compiled_blocks() -> None:
     """Logs ``compiled_liger_warning`` for the installed liger-kernel (for compiled blocks)."""
     try:
         version = metadata.version("liger-kernel")
