@@ -179,6 +179,16 @@ def test_an_fsdp2_contender_may_skip_the_recompute():
             bench_train.parse_contender(bad, None)
 
 
+def test_an_fsdp2_contender_may_sync_last_and_keep_its_units_gathered():
+    c = bench_train.parse_contender("ondevice:1x8:recompute=off:sync=last:reshard=off", None)
+    assert (c.sync, c.reshard) == ("last", False)
+    default = bench_train.parse_contender("fsdp2-offload:1x8", None)
+    assert (default.sync, default.reshard) == (None, True)  # the contender's own gradient_sync
+    for bad in ("speedloader:1x8:sync=last", "ondevice:1x8:reshard=no", "ondevice:1x8:sync=first"):
+        with pytest.raises(ValueError, match="reshard=on"):
+            bench_train.parse_contender(bad, None)
+
+
 def test_a_speedloader_contender_may_keep_activations():
     assert bench_train.parse_contender("speedloader-overlap:1x8:root=device:keep=40", None).keep == 40
     assert bench_train.parse_contender("speedloader:1x8", None).keep == 0
@@ -331,7 +341,8 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
     DeepSpeed too where it is installed."""
     contenders = ["speedloader-overlap:2x2:root=device",
                   "speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0",
-                  "fsdp2-offload:2x2", "ondevice:1x4:cap=none", "ondevice:1x4:cap=none:recompute=off"]
+                  "fsdp2-offload:2x2", "ondevice:1x4:cap=none", "ondevice:1x4:cap=none:recompute=off",
+                  "ondevice:1x4:cap=none:recompute=off:sync=last:reshard=off"]
     if importlib.util.find_spec("deepspeed") is not None:
         contenders.append("deepspeed-offload:2x2")
     argv = ["--device", "cpu", "--model", _yaml(tmp_path, "qwen3_moe"), "--layers", "2", "--seq-len", "32", "--steps",
@@ -355,6 +366,10 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
     assert rows["ondevice:1x4:cap=none"]["max_gpu_memory_gib"] is None
     plain, kept = rows["ondevice:1x4:cap=none"], rows["ondevice:1x4:cap=none:recompute=off"]
     assert plain["recompute"] is True and kept["recompute"] is False  # the model's own flag
+    gathered = rows["ondevice:1x4:cap=none:recompute=off:sync=last:reshard=off"]
+    assert (kept["gradient_sync"], kept["reshard_after_forward"]) == ("every", True)
+    assert (gathered["gradient_sync"], gathered["reshard_after_forward"]) == ("last", False)
+    assert rows["fsdp2-offload:2x2"]["gradient_sync"] == "last"
     assert plain["hfu_fwd_bwd"] > plain["mfu_fwd_bwd"] and kept["hfu_fwd_bwd"] == pytest.approx(kept["mfu_fwd_bwd"])
     for spec, states in (("speedloader-overlap:2x2:root=device", "fp32"),
                          ("speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0", "bf16")):

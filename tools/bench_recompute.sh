@@ -9,6 +9,10 @@
 #   cudnn (~3.5 min): cuDNN's attention (sdpa=cudnn) on the table's fastest rows, beside the ceiling without recompute
 #       at 2 x 4 again (48.9% MFU in recompute_llama7b_L8_b8_cap40_2x4.json), all three in one invocation: the ceiling
 #       without recompute with cuDNN, and layer-major 1 x 8 keeping 56 of 64 pairs with cuDNN.
+#   gathered (~5 min, traced): the ceiling without recompute with its FSDP2 units gathered once per step
+#       (schedule.reshard_after_forward=false) and one reduce-scatter per step (gradient_sync=last), at 1 x 8 and
+#       2 x 4 (2 x 4 without them peaks at 39.8 of 40 GiB: the 3.2 GB of gathered bf16 weights may not fit), beside
+#       both without them and layer-major 1 x 8 keeping 56 of 64 pairs; every row with one traced step (--profile).
 #   liger (~3 min): the same table's best rows with Liger's RMSNorm, SwiGLU and RoPE (+3.8% on layer-major in
 #       kernels_llama7b_L8_b8_cap40.json): the ceiling without recompute at 2 x 4 and 1 x 8, layer-major 1 x 8
 #       keeping 56 of 64 pairs.
@@ -19,14 +23,15 @@
 #       keeping none (optional: what the batch change alone does).
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_recompute.sh OUT_DIR [PART...]      (default: ceiling)
-# Records: OUT_DIR/recompute_llama7b_L8_b8_cap40.json, OUT_DIR/recompute_cudnn_llama7b_L8_b8_cap40.json and OUT_DIR/recompute_llama2_7b_full_1gpu.json (their optional
+# Records: OUT_DIR/recompute_llama7b_L8_b8_cap40.json, OUT_DIR/recompute_cudnn_llama7b_L8_b8_cap40.json,
+# OUT_DIR/recompute_gathered_llama7b_L8_b8_cap40.json and OUT_DIR/recompute_llama2_7b_full_1gpu.json (their optional
 # rows: ..._2x4.json and ..._keep0.json; tools/harness.py's header; rows written after every contender), logs
 # OUT_DIR/<part>.log, wall times OUT_DIR/bench_recompute_times.txt.
 # Carry .wheels (tools/device_wheels.sh liger-kernel torchao). An optional step is skipped when this call's elapsed
 # time plus its estimate exceeds FSL_BENCH_BUDGET_S (default 570). FSL_BENCH_DRY_RUN=1 prints the commands instead.
 set -uo pipefail
 source "$(dirname "$0")/bench_lib.sh"
-bench_start "bench_recompute.sh OUT_DIR [ceiling] [cudnn] [liger] [full]" "ceiling" bench_recompute_times.txt "$@"
+bench_start "bench_recompute.sh OUT_DIR [ceiling] [cudnn] [gathered] [liger] [full]" "ceiling" bench_recompute_times.txt "$@"
 bench_install kernels
 card_gib=80  # a dry run's card
 [ "$dry" = 1 ] \
@@ -46,6 +51,11 @@ bench_run ceiling ceiling/more 100 0 python3 tools/bench_train.py "${layers8[@]}
 bench_run cudnn cudnn/table 220 1 python3 tools/bench_train.py "${layers8[@]}" \
   --name recompute_cudnn_llama7b_L8_b8_cap40 --contender ondevice:2x4:recompute=off \
   --contender ondevice:2x4:recompute=off:sdpa=cudnn --contender speedloader-overlap:1x8:root=device:keep=56:sdpa=cudnn
+
+bench_run gathered gathered/table 330 1 python3 tools/bench_train.py "${layers8[@]}" --profile \
+  --name recompute_gathered_llama7b_L8_b8_cap40 --contender ondevice:1x8:recompute=off \
+  --contender ondevice:1x8:recompute=off:sync=last:reshard=off --contender ondevice:2x4:recompute=off \
+  --contender ondevice:2x4:recompute=off:sync=last:reshard=off --contender speedloader-overlap:1x8:root=device:keep=56
 
 bench_run liger liger/table 160 0 python3 tools/bench_train.py "${layers8[@]}" \
   --name recompute_liger_llama7b_L8_b8_cap40 --contender ondevice:2x4:recompute=off:liger \

@@ -245,11 +245,14 @@ class Contender(NamedTuple):
     adamw: str = "local"  # speedloader-overlap's fp32 AdamW: 'local' (LocalShardAdamW, the trainer's) or 'torch'
     dev: int = 0  # offloading contenders: units 1 .. dev keep their states on the GPU (offload.device_units)
     recompute: bool = True  # FSDP2 contenders: every block recomputed in backward (schedule.activation_checkpointing)
+    sync: Optional[str] = None  # FSDP2 contenders: schedule.gradient_sync ('every', 'last'); None: the contender's own
+    reshard: bool = True  # FSDP2 contenders: schedule.reshard_after_forward (False: gathered once per step)
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
     """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K][:sdpa=B][:liger]
-    [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|torch][:dev=K][:recompute=off]'
+    [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|torch][:dev=K][:recompute=off]
+    [:sync=every|last][:reshard=off]'
     -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
@@ -264,7 +267,9 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     ``LocalShardAdamW`` (default) or ``torch.optim.AdamW`` on the DTensors. Every other contender steps
     ``torch.optim.AdamW`` (fused). ``dev`` (speedloader and FSDP2-offload contenders): units 1 .. K keep their
     states on the GPU (``offload.device_units``). ``recompute=off`` (FSDP2 contenders): no block is recomputed in
-    backward (``schedule.activation_checkpointing=false``): the ceiling where its activations fit."""
+    backward (``schedule.activation_checkpointing=false``): the ceiling where its activations fit. ``sync`` (FSDP2
+    contenders): ``schedule.gradient_sync`` instead of the contender's own (``last`` for fsdp2-offload, else
+    ``every``); ``reshard=off``: ``schedule.reshard_after_forward=false``, each unit gathered once per step."""
     from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 
     name, shape, *options = spec.split(":")
@@ -275,7 +280,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
     states, threads, slots, adamw, dev = "fp32", 0, 2, "local", 0
-    recompute = True
+    recompute, sync, reshard = True, None, True
+    fsdp2 = name in ("ondevice", "fsdp2-offload", "fsdp2-offload-rs")
     kernels_ok = name != "deepspeed-offload"
     for option in options:
         key, _, value = option.partition("=")
@@ -305,9 +311,12 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             adamw = value
         elif key == "dev" and value.isdigit() and (name.startswith("speedloader") or name.startswith("fsdp2-offload")):
             dev = int(value)
-        elif key == "recompute" and value in ("on", "off") and name in ("ondevice", "fsdp2-offload",
-                                                                          "fsdp2-offload-rs"):
+        elif key == "recompute" and value in ("on", "off") and fsdp2:
             recompute = value == "on"
+        elif key == "sync" and value in ("every", "last") and fsdp2:
+            sync = value
+        elif key == "reshard" and value in ("on", "off") and fsdp2:
+            reshard = value == "on"
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
                              "(speedloader contenders), ':compile' or ':eager' (every contender but "
@@ -316,9 +325,10 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
                              f"':fp8[={'|'.join(FLOAT8_RECIPES)}]' (every contender but deepspeed-offload), "
                              "':states=fp32|bf16|int8', ':threads=K', ':slots=R' and ':adamw=local|torch' "
                              "(speedloader-overlap), ':dev=K' (speedloader and fsdp2-offload contenders), "
-                             "':recompute=on|off' (ondevice and fsdp2-offload contenders)")
+                             "':recompute=on|off', ':sync=every|last' and ':reshard=on|off' (ondevice and "
+                             "fsdp2-offload contenders)")
     return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads,
-                     slots, adamw, dev, recompute)
+                     slots, adamw, dev, recompute, sync, reshard)
 
 
 def _positive_float(text: str) -> bool:
@@ -336,18 +346,21 @@ def gpu_cap_gib(contender: Contender, default: Optional[float]) -> Optional[floa
 
 
 def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, num_sub: int, compiled: bool,
-                           kernels=None, device_units: int = 0, recompute: bool = True):
+                           kernels=None, device_units: int = 0, recompute: bool = True, sync: Optional[str] = None,
+                           reshard: bool = True):
     """An FSDP2 contender as the trainer's canonical schedule (``apply_schedule`` shards by it): gradient
     accumulation over ``num_sub`` micro-batches, every block recomputed (none without ``recompute``), one FSDP
     unit per block;
     ``fsdp2-offload`` reduce-scatters after the last micro-batch only, ``fsdp2-offload-rs`` and ``ondevice``
-    after every one; units 1 .. ``device_units`` of the offloading ones keep their states on the GPU."""
+    after every one (``sync``: this instead); ``reshard=False`` keeps each unit gathered from the step's first
+    forward to its last backward; units 1 .. ``device_units`` of the offloading ones keep their states on the GPU."""
     from fsdp_speedloader.app.config import DataConfig, KernelsConfig, OffloadConfig, ScheduleConfig, TrainConfig
 
     schedule = ScheduleConfig(name="canonical", sub_batch_size=sub_batch, num_sub_batches=num_sub,
                               activation_checkpointing=recompute, forward_prefetch=args.prefetch,
                               compile_blocks=compiled,
-                              gradient_sync="last" if name == "fsdp2-offload" else "every")
+                              gradient_sync=sync or ("last" if name == "fsdp2-offload" else "every"),
+                              reshard_after_forward=reshard)
     return TrainConfig(model=model_config(args), data=DataConfig(seq_len=args.seq_len), schedule=schedule,
                        offload=OffloadConfig(params=name != "ondevice", device_units=device_units),
                        kernels=kernels or KernelsConfig(),
@@ -387,7 +400,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     offload = name != "ondevice"
     layer_major = name.startswith("speedloader")
     mesh = build_mesh(args.device)
-    gradient_sync, scope = None, None
+    gradient_sync, reshard, scope = None, True, None
     if layer_major:
         options = SpeedLoaderOptions(
             num_sub_batches=num_sub, activation_store=args.activation_store, offload_params=True,
@@ -401,9 +414,9 @@ def run_worker(args: argparse.Namespace) -> dict:
         kernels = KernelsConfig(sdpa_backend=contender.sdpa, liger_kernels=contender.liger,
                                 float8_training=contender.fp8)
         train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled, kernels, contender.dev,
-                                           contender.recompute)
+                                           contender.recompute, contender.sync, contender.reshard)
         scope = apply_schedule(model, train_cfg, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        gradient_sync = train_cfg.schedule.gradient_sync
+        gradient_sync, reshard = train_cfg.schedule.gradient_sync, train_cfg.schedule.reshard_after_forward
     # FSDP units besides the root: each holds whole blocks (a mixture of experts' block with all its experts).
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
     blocks_per_fsdp_unit = sorted({sum(b in set(u.modules()) for b in adapter.blocks) for u in units})
@@ -440,7 +453,8 @@ def run_worker(args: argparse.Namespace) -> dict:
             loss.backward()
             return loss.detach()
         return canonical_forward_backward(model, input_ids, input_ids, sub_batch_size=sub_batch,
-                                          num_tokens=num_tokens, gradient_sync=gradient_sync, scope=scope)
+                                          num_tokens=num_tokens, gradient_sync=gradient_sync,
+                                          reshard_after_forward=reshard, scope=scope)
 
     overlap_stats: list = []  # speedloader-overlap: each step's optimizer_busy_s / optimizer_wait_s
 
@@ -472,9 +486,11 @@ def run_worker(args: argparse.Namespace) -> dict:
                        flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops,
                        attention_flops_per_token=adapter.attention_flops_per_token(args.seq_len),
                        recomputed=recomputed),
-        "recompute": layer_major or checkpointed,
+        "recompute": layer_major or checkpointed, "gradient_sync": gradient_sync, "reshard_after_forward": reshard,
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+        # cudaMalloc failures the caching allocator answered by freeing its cache and retrying: a step near its cap
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
     }
     if profile is not None:
         result["profile"] = profile

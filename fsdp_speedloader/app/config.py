@@ -132,6 +132,11 @@ class ScheduleConfig:
     gradient_sync: str = "every"
     """Canonical schedule: reduce-scatter gradients after 'every' micro-batch (they accumulate sharded, on the
     host when offloaded) or only the 'last' (unsharded gradients accumulate on the device: faster, more memory)."""
+    reshard_after_forward: bool = True
+    """Canonical schedule: free each unit's all-gathered parameters after its forward (ZeRO-3: gathered again for
+    backward), or keep them unsharded from the step's first forward to its last backward (false: one all-gather per
+    unit per step, not two per micro-batch; the whole model's unsharded parameters stay on the device, ZeRO-2's
+    memory)."""
     forward_prefetch: int = 1
     """FSDP units whose all-gather is issued ahead in forward (0 = FSDP's default only)."""
     loss_chunk_tokens: int = 4096
@@ -163,6 +168,10 @@ class ScheduleConfig:
         check(self.gradient_sync == "every" or self.name == "canonical", "schedule.gradient_sync",
               f"{self.gradient_sync!r} applies to schedule.name='canonical' only (layer-major reduce-scatters "
               f"once per step anyway); got schedule.name={self.name!r}: set schedule.gradient_sync=every")
+        check(self.reshard_after_forward or self.name == "canonical", "schedule.reshard_after_forward",
+              f"false applies to schedule.name='canonical' only (layer-major unshards each unit once per forward "
+              f"and once per backward anyway); got schedule.name={self.name!r}: set "
+              "schedule.reshard_after_forward=true")
         check_positive(self.forward_prefetch, "schedule.forward_prefetch", allow_zero=True)
         check_positive(self.loss_chunk_tokens, "schedule.loss_chunk_tokens")
         check_positive(self.keep_activations, "schedule.keep_activations", allow_zero=True)

@@ -107,7 +107,8 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
     units = [blocks[i : i + sched.blocks_per_unit] for i in range(0, len(blocks), sched.blocks_per_unit)]
     unit_modules = parallel.apply_fsdp(model, mesh, units=units, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                                        offload_params=cfg.offload.params, pin_memory=cfg.offload.pin_memory,
-                                       offload_root=cfg.offload.root, device_units=cfg.offload.device_units)
+                                       offload_root=cfg.offload.root, device_units=cfg.offload.device_units,
+                                       reshard_after_forward=sched.reshard_after_forward)
     parallel.set_forward_prefetch(model, unit_modules, sched.forward_prefetch)
     return scope
 
@@ -142,16 +143,22 @@ def num_label_tokens(labels: torch.Tensor) -> int:
 
 def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
                                sub_batch_size: int, num_tokens: int, gradient_sync: str = "every",
+                               reshard_after_forward: bool = True,
                                scope: KernelScope = contextlib.nullcontext) -> torch.Tensor:
     """The canonical schedule's step (FSDP2 gradient accumulation): one forward and backward per micro-batch of
     ``sub_batch_size``; returns the effective-batch mean loss, detached. ``gradient_sync='last'`` reduce-scatters
-    only after the last micro-batch (unsharded gradients accumulate on the device meanwhile). ``scope``
+    only after the last micro-batch (unsharded gradients accumulate on the device meanwhile).
+    ``reshard_after_forward=False`` (the model sharded so, ``schedule.reshard_after_forward``) also keeps the
+    parameters unsharded between micro-batches: each unit is all-gathered once per step. ``scope``
     (``apply_schedule``'s) covers the backward too: activation checkpointing recomputes the blocks there."""
     total = torch.zeros((), device=input_ids.device)
     micro_batches = list(zip(input_ids.split(sub_batch_size), labels.split(sub_batch_size)))
     for k, (ids, lab) in enumerate(micro_batches):
+        last = k == len(micro_batches) - 1
         if gradient_sync == "last":  # no reduce-scatter until the last micro-batch's backward
-            model.set_requires_gradient_sync(k == len(micro_batches) - 1)
+            model.set_requires_gradient_sync(last)
+        if not reshard_after_forward:  # the next micro-batch's forward finds its parameters gathered
+            model.set_reshard_after_backward(last)
         # Token sum / T of the whole batch: the micro-batch losses add up to the batch mean.
         with scope():
             loss = model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False).loss
@@ -301,7 +308,7 @@ class Trainer:
             return loss.detach()
         return canonical_forward_backward(self.model, input_ids, labels, sub_batch_size=sched.sub_batch_size,
                                           num_tokens=num_tokens, gradient_sync=sched.gradient_sync,
-                                          scope=self.kernel_scope)
+                                          reshard_after_forward=sched.reshard_after_forward, scope=self.kernel_scope)
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics (the loss averaged over ranks)."""
