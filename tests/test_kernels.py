@@ -250,15 +250,15 @@ def test_bench_kernels_script_runs_well_formed_commands(tmp_path):
 def test_bench_recompute_script_runs_well_formed_commands(tmp_path):
     """tools/bench_recompute.sh (dry run): the 8-layer table under the 40 GiB cap with the ceiling with and without
     recompute and layer-major keeping pairs, the cuDNN attention rows, the ceiling with its units gathered once per
-    step, the Liger rows, then the full 7B keeping what the card holds; every contender parses, no count of kept pairs exceeds the pairs the shape has, and each command
+    step, layer-major with unit 1's states on the GPU, the Liger rows, then the full 7B keeping what the card holds; every contender parses, no count of kept pairs exceeds the pairs the shape has, and each command
     writes its own record."""
     env = {"PATH": "/usr/bin:/bin", "FSL_BENCH_DRY_RUN": "1", "FSL_COMMIT": "abc123"}
     done = subprocess.run(["bash", str(TOOLS / "bench_recompute.sh"), str(tmp_path), "ceiling", "cudnn", "gathered",
-                           "liger", "full"],
+                           "tail", "liger", "full"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     commands = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("python3 tools/")]
-    assert len(commands) == 7
+    assert len(commands) == 8
     names = [argv[argv.index("--name") + 1] for argv in commands]
     assert len(set(names)) == len(names)  # bench_train writes a record per --name: none overwrites another
     recompute_off = gathered = 0
@@ -275,7 +275,7 @@ def test_bench_recompute_script_runs_well_formed_commands(tmp_path):
             gathered += (c.sync, c.reshard) == ("last", False)
             if layers == 32:
                 assert not c.root_on_device and c.name == "speedloader-overlap"  # every model state on the host
-    assert (recompute_off, gathered) == (10, 2)
+    assert (recompute_off, gathered) == (11, 3)
 
 
 @pytest.mark.parametrize("version", ["0.8.1", "0.8.5", None])

@@ -13,6 +13,10 @@
 #       (schedule.reshard_after_forward=false) and one reduce-scatter per step (gradient_sync=last), at 1 x 8 and
 #       2 x 4 (2 x 4 without them peaks at 39.8 of 40 GiB: the 3.2 GB of gathered bf16 weights may not fit), beside
 #       both without them and layer-major 1 x 8 keeping 56 of 64 pairs; every row with one traced step (--profile).
+#   tail (~4 min): layer-major 1 x 8's optimizer tail (61 ms a step in recompute_gathered_llama7b_L8_b8_cap40.json: the
+#       last unit's CPU AdamW step, 58 ms, runs after the backward) moved to the GPU by keeping unit 1's states there
+#       (offload.device_units=1, ~3 GiB), paid for with 6 or 8 fewer kept pairs (0.53 GiB each), beside keeping 56
+#       with every unit offloaded and the gathered ceiling at 1 x 8, all in one invocation.
 #   liger (~3 min): the same table's best rows with Liger's RMSNorm, SwiGLU and RoPE (+3.8% on layer-major in
 #       kernels_llama7b_L8_b8_cap40.json): the ceiling without recompute at 2 x 4 and 1 x 8, layer-major 1 x 8
 #       keeping 56 of 64 pairs.
@@ -24,14 +28,14 @@
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_recompute.sh OUT_DIR [PART...]      (default: ceiling)
 # Records: OUT_DIR/recompute_llama7b_L8_b8_cap40.json, OUT_DIR/recompute_cudnn_llama7b_L8_b8_cap40.json,
-# OUT_DIR/recompute_gathered_llama7b_L8_b8_cap40.json and OUT_DIR/recompute_llama2_7b_full_1gpu.json (their optional
+# OUT_DIR/recompute_gathered_llama7b_L8_b8_cap40.json, OUT_DIR/recompute_tail_llama7b_L8_b8_cap40.json and OUT_DIR/recompute_llama2_7b_full_1gpu.json (their optional
 # rows: ..._2x4.json and ..._keep0.json; tools/harness.py's header; rows written after every contender), logs
 # OUT_DIR/<part>.log, wall times OUT_DIR/bench_recompute_times.txt.
 # Carry .wheels (tools/device_wheels.sh liger-kernel torchao). An optional step is skipped when this call's elapsed
 # time plus its estimate exceeds FSL_BENCH_BUDGET_S (default 570). FSL_BENCH_DRY_RUN=1 prints the commands instead.
 set -uo pipefail
 source "$(dirname "$0")/bench_lib.sh"
-bench_start "bench_recompute.sh OUT_DIR [ceiling] [cudnn] [gathered] [liger] [full]" "ceiling" bench_recompute_times.txt "$@"
+bench_start "bench_recompute.sh OUT_DIR [ceiling] [cudnn] [gathered] [tail] [liger] [full]" "ceiling" bench_recompute_times.txt "$@"
 bench_install kernels
 card_gib=80  # a dry run's card
 [ "$dry" = 1 ] \
@@ -56,6 +60,11 @@ bench_run gathered gathered/table 330 1 python3 tools/bench_train.py "${layers8[
   --name recompute_gathered_llama7b_L8_b8_cap40 --contender ondevice:1x8:recompute=off \
   --contender ondevice:1x8:recompute=off:sync=last:reshard=off --contender ondevice:2x4:recompute=off \
   --contender ondevice:2x4:recompute=off:sync=last:reshard=off --contender speedloader-overlap:1x8:root=device:keep=56
+
+bench_run tail tail/table 240 1 python3 tools/bench_train.py "${layers8[@]}" \
+  --name recompute_tail_llama7b_L8_b8_cap40 --contender ondevice:1x8:recompute=off:sync=last:reshard=off \
+  --contender speedloader-overlap:1x8:root=device:keep=56 --contender speedloader-overlap:1x8:root=device:dev=1:keep=50 \
+  --contender speedloader-overlap:1x8:root=device:dev=1:keep=48
 
 bench_run liger liger/table 160 0 python3 tools/bench_train.py "${layers8[@]}" \
   --name recompute_liger_llama7b_L8_b8_cap40 --contender ondevice:2x4:recompute=off:liger \
