@@ -199,6 +199,33 @@ def test_the_link_carries_the_packed_bytes_once_per_unit_and_step(name):
     assert stats.io["weights_h2d_bytes"] == 0 and stats.io["weights_offloaded"] is False
 
 
+@pytest.mark.parametrize("kv_cache", ["device", "host"])
+def test_a_one_group_decoding_step_dequantizes_each_linear_when_it_runs(kv_cache):
+    """The prefill runs N groups per unit: the weight stream dequantizes the unit's weights once, ahead, for all
+    of them. A decoding step with the whole cache on the device runs the batch as one group: each linear gets its
+    view of the packed copy and dequantizes it when it runs (one linear's weight in the compute dtype at a time);
+    with a host cache the decoding step runs N groups, dequantized ahead. Tokens: the tests above."""
+    model = _quantized(_tiny("llama"), weight_format("int4", 32), offload=True)
+    seen = []  # (positions in the call, dequantized ahead, packed view handed over)
+
+    def record(module, args):
+        seen.append((args[0].shape[1], module.weight_on_device is not None, module.packed_on_device is not None))
+
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for m in linears:
+        m.register_forward_pre_hook(record)
+    generate(model, _prompts(), max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache)
+    prefill = [s[1:] for s in seen if s[0] == PROMPT_LEN]
+    decode = [s[1:] for s in seen if s[0] == 1]
+    assert len(prefill) == 2 * len(linears)  # two sub-batches
+    assert set(prefill) == {(True, False)}
+    if kv_cache == "device":
+        assert len(decode) == (NEW - 1) * len(linears) and set(decode) == {(False, True)}
+    else:
+        assert len(decode) == (NEW - 1) * 2 * len(linears) and set(decode) == {(True, False)}
+    assert all(m.weight_on_device is None and m.packed_on_device is None for m in linears)  # dropped after
+
+
 def test_quantized_while_loading_from_a_checkpoint_and_from_the_seed(tmp_path):
     """From a safetensors directory (one tensor at a time) and from the seeded initialisation: the same packed
     bytes as quantizing the model in memory."""

@@ -5,7 +5,8 @@ The quantized weight is not a parameter or a buffer: FSDP2 neither shards nor mo
 ``state_dict`` do not see it. It lives in its block's buffer of packed bytes (``weights.py``: host memory when
 offloaded, else the GPU), and reaches the compute device one unit at a time through generation's weight stream
 (``generation/weight_stream.py``), which dequantizes each weight once per unit call and hands it to the module
-(``weight_on_device``). Called any other way (a plain forward, a perplexity evaluation), the module dequantizes
+(``weight_on_device``), or hands it the packed bytes already on the device to dequantize when it runs
+(``packed_on_device``: a call that runs the module once). Called any other way (a plain forward, a perplexity evaluation), the module dequantizes
 its weight on the fly, onto the input's device: correct, not fast. The bias stays a parameter (FSDP2's).
 """
 
@@ -35,10 +36,13 @@ class QuantizedLinear(nn.Module):
         self.source: Optional[torch.Tensor] = None if linear.weight.is_meta else linear.weight.detach()
         self.packed: Optional[PackedWeight] = None  # its bytes where they live (weights.py)
         self.weight_on_device: Optional[torch.Tensor] = None  # (out, in), set by the weight stream for one unit call
+        self.packed_on_device: Optional[PackedWeight] = None  # or its packed bytes on the device, for one unit call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight_on_device
-        if weight is None:
+        if weight is None and self.packed_on_device is not None:
+            weight = self.packed_on_device.dequantize(self.dtype)
+        elif weight is None:
             if self.packed is None:
                 raise RuntimeError("QuantizedLinear has no weight yet: call fsdp_speedloader.quant."
                                    "materialize_quantized_weights(model, ...) after apply_speedloader")
