@@ -8,15 +8,14 @@ per block (``quant/weights.py``). In each step, inside each unit's call (``step.
                     dequantize each linear of u ONCE into the compute dtype on the compute stream, for all of
                     them; with one group (a decoding step with the whole cache on the device) each linear
                     dequantizes its view of the packed copy when it runs: the same work, and one linear's
-                    weight in the compute dtype at a time instead of the unit's (1.2 GB for an OPT-30B block)
+                    weight in the compute dtype at a time instead of the whole unit's
     ...             the groups run through the unit's blocks
     end_unit(u):    drop the dequantized weights and the views of the packed copy (its ring buffer is free)
 
 So a decoding step moves 2x (int8) or about 3.5x (int4 g64) fewer weight bytes than bf16 over the link, and
 the GPU memory of a unit is its packed copy (two in flight) plus its dequantized weights (the unit's, or one
-linear's). The copies run
-on a ``TensorExchange``'s own stream, ordered by events; no host wait. With the weights resident on the GPU
-(not offloaded) nothing is copied: each unit is dequantized from where it lies.
+linear's). The copies run on a ``TensorExchange``'s own stream, ordered by events; no host wait. With the
+weights resident on the GPU (not offloaded) nothing is copied: each unit is dequantized from where it lies.
 
 The other parameters of the blocks (norms, biases) and the root stay FSDP2's, unsharded as before.
 """
