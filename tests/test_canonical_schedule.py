@@ -10,11 +10,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from dist_utils import run_distributed, tiny_config
 from engine_cases import (assert_grads_close, batch, count_collectives, cpu_mesh, reference_grads,
                           tiny_model)
 from fsdp_speedloader import parallel
+from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 from fsdp_speedloader.app.trainer import Trainer, canonical_forward_backward, num_label_tokens
 
 NUM_MICRO_BATCHES = 3
@@ -27,24 +29,26 @@ def _step(model, ids, labels, sync: str, reshard: bool) -> None:
                                num_tokens=num_label_tokens(labels), gradient_sync=sync, reshard_after_forward=reshard)
 
 
-def _parity_and_counts(rank: int, world_size: int) -> dict:
+def _parity_and_counts(rank: int, world_size: int, device: str = "cpu", rtol: float = 1e-5) -> dict:
     """Per case: the gradients of one step equal the unmodified model's (the mean over ranks of each rank's batch
     mean), then the collectives of a second step."""
+    mesh = cpu_mesh() if device == "cpu" else build_mesh(device)
     counts = {}
     for sync, reshard in CASES:
-        model = tiny_model("llama", layers=LAYERS)
-        _, ref_grads = reference_grads(model, [batch(NUM_MICRO_BATCHES, seed=r) for r in range(world_size)])
-        parallel.apply_fsdp(model, cpu_mesh(), units=[[b] for b in model.model.layers], reshard_after_forward=reshard)
-        ids, labels = batch(NUM_MICRO_BATCHES, seed=rank)
+        model = tiny_model("llama", layers=LAYERS).to(device)
+        batches = [tuple(t.to(device) for t in batch(NUM_MICRO_BATCHES, seed=r)) for r in range(world_size)]
+        _, ref_grads = reference_grads(model, batches)
+        parallel.apply_fsdp(model, mesh, units=[[b] for b in model.model.layers], reshard_after_forward=reshard)
+        ids, labels = batches[rank]
         _step(model, ids, labels, sync, reshard)
-        assert_grads_close(model, ref_grads)
+        assert_grads_close(model, ref_grads, rtol=rtol)
         model.zero_grad(set_to_none=True)
         counted, undo = count_collectives()
         try:
             _step(model, ids, labels, sync, reshard)
         finally:
             undo()
-        assert_grads_close(model, ref_grads)  # the second step (nothing stepped the weights) gives them again
+        assert_grads_close(model, ref_grads, rtol=rtol)  # the second step (nothing stepped the weights) again
         counts[f"{sync},{reshard}"] = dict(counted)
     return counts
 
@@ -67,6 +71,15 @@ def test_every_option_gives_the_reference_gradients_world_size_1():
 def test_every_option_gives_the_reference_gradients_world_size_2():
     counts = run_distributed(_parity_and_counts, 2, timeout_s=600)
     assert counts == [{f"{s},{r}": _expected(s, r, 2) for s, r in CASES}] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_option_gives_the_reference_gradients_on_the_gpu():
+    """The same on one GPU (NCCL, CUDA streams), fp32: FSDP2 sums in another order than the reference."""
+    maybe_init_process_group("cuda")
+    counts = _parity_and_counts(0, 1, device="cuda", rtol=1e-4)
+    assert counts == {f"{s},{r}": _expected(s, r, 1) for s, r in CASES}
 
 
 def test_trainer_keeps_units_gathered_for_the_step(tmp_path):
