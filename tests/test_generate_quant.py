@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,30 @@ def test_formats_round_trip_within_their_step_and_requantize_exactly(name, bound
     assert torch.allclose(again.dequantize(torch.float32), deq, rtol=0, atol=1e-6 * float(w.abs().max()))
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")),
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_the_fused_dequantization_equals_the_eager_kernels():
+    """A GPU dequantizes through ``torch.compile`` (one generated kernel); the same compiled function, run here by
+    the CPU backend, gives the eager kernels' weights to the last bit of the dtype (a fused multiply-add may round
+    once where eager rounds twice), for both formats, both dtypes and shapes that change between calls (dynamic
+    after the second), and does not fall back to eager."""
+    from fsdp_speedloader.quant import formats
+
+    for name in ("int8", "int4"):
+        fmt = weight_format(name, 32)
+        for (out_features, in_features), dtype in (((48, 256), torch.bfloat16), ((96, 128), torch.bfloat16),
+                                                   ((40, 64), torch.float32), ((48, 256), torch.float32)):
+            packed = _packed(fmt, out_features, in_features, dtype)
+            quantize_into(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1)), packed)
+            args = (packed.codes, packed.scales, packed.minima, fmt.bits, fmt.group_size, dtype)
+            fused = formats._fused_dequantize(*args)
+            assert formats._compiled_dequantize is not formats._dequantize_codes, "compiling fell back to eager"
+            eager = formats._dequantize_codes(*args)
+            ulp = torch.finfo(dtype).eps
+            assert fused.dtype == dtype and fused.shape == (out_features, in_features)
+            torch.testing.assert_close(fused, eager, rtol=ulp, atol=ulp * float(eager.abs().max()))
+
+
 @pytest.mark.parametrize("name", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_8bit_kv_quantizer_in_chunks_equals_the_whole_tensor_formula(name, dtype, monkeypatch):
@@ -200,11 +225,13 @@ def test_the_link_carries_the_packed_bytes_once_per_unit_and_step(name):
 
 
 @pytest.mark.parametrize("kv_cache", ["device", "host"])
-def test_a_one_group_decoding_step_dequantizes_each_linear_when_it_runs(kv_cache):
-    """The prefill runs N groups per unit: the weight stream dequantizes the unit's weights once, ahead, for all
-    of them. A decoding step with the whole cache on the device runs the batch as one group: each linear gets its
-    view of the packed copy and dequantizes it when it runs (one linear's weight in the compute dtype at a time);
-    with a host cache the decoding step runs N groups, dequantized ahead. Tokens: the tests above."""
+@pytest.mark.parametrize("mode", ["auto", "unit", "linear"])
+def test_a_one_group_decoding_step_dequantizes_each_linear_when_it_runs(kv_cache, mode):
+    """The prefill runs N groups per unit: with weight_dequantize 'unit' (and 'auto' where memory allows: always
+    on the CPU) the weight stream dequantizes the unit's weights once, ahead, for all of them; with 'linear' each
+    linear gets its view of the packed copy and dequantizes it when it runs, once per group. A decoding step with
+    the whole cache on the device runs the batch as one group: always per linear. With a host cache the decoding
+    step runs N groups, as the prefill. The tokens are the same whichever way (exact in fp32)."""
     model = _quantized(_tiny("llama"), weight_format("int4", 32), offload=True)
     seen = []  # (positions in the call, dequantized ahead, packed view handed over)
 
@@ -214,16 +241,24 @@ def test_a_one_group_decoding_step_dequantizes_each_linear_when_it_runs(kv_cache
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     for m in linears:
         m.register_forward_pre_hook(record)
-    generate(model, _prompts(), max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache)
+    out, stats = generate(model, _prompts(), max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache,
+                          weight_dequantize=mode, return_stats=True)
+    several = {"auto": (True, False), "unit": (True, False), "linear": (False, True)}[mode]
+    assert stats.io["weights_dequantize"] == {"auto": "unit"}.get(mode, mode)
     prefill = [s[1:] for s in seen if s[0] == PROMPT_LEN]
     decode = [s[1:] for s in seen if s[0] == 1]
     assert len(prefill) == 2 * len(linears)  # two sub-batches
-    assert set(prefill) == {(True, False)}
+    assert set(prefill) == {several}
     if kv_cache == "device":
         assert len(decode) == (NEW - 1) * len(linears) and set(decode) == {(False, True)}
     else:
-        assert len(decode) == (NEW - 1) * 2 * len(linears) and set(decode) == {(True, False)}
+        assert len(decode) == (NEW - 1) * 2 * len(linears) and set(decode) == {several}
     assert all(m.weight_on_device is None and m.packed_on_device is None for m in linears)  # dropped after
+    for m in linears:
+        m._forward_pre_hooks.clear()
+    other = "linear" if mode != "linear" else "unit"
+    assert torch.equal(out, generate(model, _prompts(), max_new_tokens=NEW, num_sub_batches=2, kv_cache=kv_cache,
+                                     weight_dequantize=other))
 
 
 def test_quantized_while_loading_from_a_checkpoint_and_from_the_seed(tmp_path):
@@ -288,6 +323,11 @@ def test_refused_combinations_name_what_to_change(monkeypatch):
         generate(model, _prompts(), max_new_tokens=2, num_sub_batches=2, kv_cache="off", kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype='int4'"):
         generate(model, _prompts(), max_new_tokens=2, num_sub_batches=2, kv_cache="host", kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="weight_dequantize='linear' applies to quantized weights"):
+        generate(model, _prompts(), max_new_tokens=2, num_sub_batches=2, weight_dequantize="linear")
+    quantized = _quantized(_tiny("llama"), fmt, offload=True)
+    with pytest.raises(ValueError, match="weight_dequantize='layer'; choose one of 'auto', 'unit', 'linear'"):
+        generate(quantized, _prompts(), max_new_tokens=2, num_sub_batches=2, weight_dequantize="layer")
 
 
 def test_generate_config_refuses_bad_combinations():
@@ -300,6 +340,11 @@ def test_generate_config_refuses_bad_combinations():
         GenerateConfig.from_dict({"weight_quant": "int4", "checkpoint_path": "/x"})
     with pytest.raises(ValueError, match="weight_quant_group_size: applies to weight_quant only"):
         GenerateConfig.from_dict({"weight_quant_group_size": 64})
+    with pytest.raises(ValueError, match="weight_dequantize: applies to weight_quant only"):
+        GenerateConfig.from_dict({"weight_dequantize": "linear"})
+    with pytest.raises(ValueError, match="weight_dequantize"):
+        GenerateConfig.from_dict({"weight_quant": "int4", "weight_dequantize": "layer"})
+    assert GenerateConfig.from_dict({"weight_quant": "int4", "weight_dequantize": "linear"}).weight_dequantize == "linear"
     with pytest.raises(ValueError, match="even integer"):
         GenerateConfig.from_dict({"weight_quant": "int4", "weight_quant_group_size": 3})
     with pytest.raises(ValueError, match="experts"):
@@ -419,12 +464,12 @@ def test_int8_greedy_tokens_match_bf16_on_most_positions_of_a_trained_model():
 
 
 def test_bench_infer_runs_quantized_contenders_on_the_cpu(tmp_path):
-    """tools/bench_infer.py's speedloader spec with w= and kvq= (a check of the code path; no figure means
+    """tools/bench_infer.py's speedloader spec with w=, kvq= and deq= (a check of the code path; no figure means
     anything on a CPU)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench_infer.py"), "--device", "cpu", "--model", "opt_tiny",
                            "--layers", "2", "--prompt-len", "8", "--gen-len", "3", "--offload", "yes",
-                           "--contender", "speedloader:4x2:split=1:cpu=1:w=int4:kvq=int8", "--name", "quant",
+                           "--contender", "speedloader:4x2:split=1:cpu=1:w=int4:kvq=int8:deq=linear", "--name", "quant",
                            "--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
@@ -435,6 +480,7 @@ def test_bench_infer_runs_quantized_contenders_on_the_cpu(tmp_path):
     assert row["device"] == record["device"]  # each row names its machine: --append merges rows of several
     assert (row["weight_quant"], row["kv_cache_dtype"], row["weights"]["weights_source"]) == ("int4", "int8", "dummy")
     assert row["weights"]["weights_h2d_bytes"] == 3 * row["weights"]["weights_packed_bytes"]  # 3 steps
+    assert row["weights"]["weights_dequantize"] == "linear" and row["alloc_retries"] == 0
 
 
 def test_bench_quant_script_runs_well_formed_commands(tmp_path):

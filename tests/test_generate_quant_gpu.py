@@ -87,15 +87,18 @@ def test_streamed_quantized_weights_equal_hugging_face_on_the_gpu(family, name):
         ref = quantize_linears_(copy.deepcopy(_model(family)), fmt).to(device)
         materialize_quantized_weights(ref, device=torch.device("cpu") if offload else device, offload=False)
         want[offload] = _reference(ref, ids.to(device))
-    for offload, kv_cache, cpu in ((True, "device", 0), (True, "host", 0), (True, "split", 1), (False, "host", 2)):
+    for offload, kv_cache, cpu, mode in ((True, "device", 0, "unit"), (True, "device", 0, "linear"),
+                                         (True, "host", 0, "linear"), (True, "split", 1, "auto"),
+                                         (False, "host", 2, "auto")):
         model = quantize_linears_(copy.deepcopy(_model(family)), fmt)
         apply_speedloader(model, num_sub_batches=4, offload_params=offload)
         materialize_quantized_weights(model, device=device, offload=offload)
-        generate(model, ids, max_new_tokens=2, num_sub_batches=4, kv_cache=kv_cache, cpu_attention_sub_batches=cpu)
+        kwargs = dict(num_sub_batches=4, kv_cache=kv_cache, cpu_attention_sub_batches=cpu, weight_dequantize=mode)
+        generate(model, ids, max_new_tokens=2, **kwargs)
         _lag(model)  # the exchanges exist after the first call
-        out, stats = generate(model, ids, max_new_tokens=NEW, num_sub_batches=4, kv_cache=kv_cache,
-                              cpu_attention_sub_batches=cpu, return_stats=True)
-        assert torch.equal(out.cpu(), want[offload]), (offload, kv_cache, cpu)
+        out, stats = generate(model, ids, max_new_tokens=NEW, return_stats=True, **kwargs)
+        assert torch.equal(out.cpu(), want[offload]), (offload, kv_cache, cpu, mode)
+        assert stats.io["weights_dequantize"] == ("unit" if mode == "auto" else mode)  # this card has room
         assert stats.io["weights_h2d_bytes"] == (NEW * stats.io["weights_packed_bytes"] if offload else 0)
 
 
@@ -116,3 +119,53 @@ def test_8bit_kv_cache_equals_round_tripped_hugging_face_on_the_gpu(family, name
         out = generate(model, ids, max_new_tokens=NEW, num_sub_batches=4, kv_cache=kv_cache, kv_device_sub_batches=split,
                        cpu_attention_sub_batches=cpu, kv_cache_dtype=name)
         assert torch.equal(out.cpu(), want), (offload, kv_cache, cpu)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_the_fused_dequantization_equals_the_eager_kernels_on_the_gpu(name):
+    """The GPU's dequantization is one ``torch.compile``d kernel: the eager kernels' weights to the last bit of
+    the dtype, at a 7B linear's shapes (square, then wide: dynamic shapes), without falling back to eager."""
+    from fsdp_speedloader.quant import PackedWeight, formats
+
+    fmt, device = weight_format(name), torch.device("cuda")
+    for out_features, in_features in ((4096, 4096), (11008, 4096), (4096, 11008)):
+        for dtype in (torch.bfloat16, torch.float32):
+            packed = PackedWeight(fmt, (out_features, in_features),
+                                  torch.empty(fmt.code_shape(out_features, in_features), dtype=fmt.code_dtype(),
+                                              device=device),
+                                  torch.empty(fmt.scale_shape(out_features, in_features), dtype=dtype, device=device),
+                                  torch.empty(fmt.scale_shape(out_features, in_features), dtype=dtype, device=device)
+                                  if fmt.has_minimum else None)
+            formats.quantize_into(torch.randn(out_features, in_features, device=device) * 0.02, packed)
+            fused = packed.dequantize(dtype)
+            assert formats._compiled_dequantize is not formats._dequantize_codes, "compiling fell back to eager"
+            eager = formats._dequantize_codes(packed.codes, packed.scales, packed.minima, fmt.bits, fmt.group_size,
+                                              dtype)
+            ulp = torch.finfo(dtype).eps
+            torch.testing.assert_close(fused, eager, rtol=ulp, atol=ulp * float(eager.abs().max()))
+
+
+def test_auto_dequantization_takes_per_linear_when_the_gpu_memory_left_is_short():
+    """'auto': a unit dequantized whole when it takes at most half of the GPU memory left, else per linear; the
+    memory left read under a per-process cap (what bench_infer's --gpu-memory-gib sets)."""
+    from fsdp_speedloader.engine.speedloader import speedloader_engine
+    from fsdp_speedloader.generation.weight_stream import WeightStream
+    from fsdp_speedloader.quant import quantized_weights
+
+    device = torch.device("cuda")
+    model = quantize_linears_(copy.deepcopy(_model("llama")), weight_format("int4"))
+    apply_speedloader(model, num_sub_batches=4, offload_params=True)
+    materialize_quantized_weights(model, device=device, offload=True)
+    stream = WeightStream(quantized_weights(model), speedloader_engine(model).units, device)
+    assert stream._resolve() == "unit"
+    need = 2 * stream.dequantized_unit_bytes()
+    total = torch.cuda.get_device_properties(device).total_memory
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    old = get_fraction(device) if get_fraction is not None else 1.0
+    try:
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated(device) + need // 2) / total, device)
+        assert stream._resolve() == "linear"
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated(device) + 2 * need) / total, device)
+        assert stream._resolve() == "unit"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(old, device)

@@ -6,13 +6,14 @@ set to the same ``--gpu-memory-gib``), on the same model shape (``conf/model/<mo
 weights: nothing is downloaded), prompt length and generation length, and generates EVERY token
 (no projected timings, no EOS stop). A contender that fails or times out is recorded as such.
 
-  speedloader:BxN[:kv][:cpu=C][:w=Q][:kvq=K]
+  speedloader:BxN[:kv][:cpu=C][:w=Q][:kvq=K][:deq=D]
                          this project: B prompts in N sub-batches; weights offloaded to the host when they
                          take more than half the budget (--offload to force), KV cache 'auto' (default),
                          'host', 'device', 'split', 'split=D' (the last D sub-batches on the GPU) or 'off';
                          cpu=C: the first C host sub-batches attend on the CPU (cpu_attention_sub_batches);
                          w=int8|int4: block linears group-wise quantized (dummy codes, nothing computed), streamed
-                         packed and dequantized on the GPU per unit; kvq=int8|fp8: the KV cache in 8 bits (GPU and host)
+                         packed and dequantized on the GPU per unit; kvq=int8|fp8: the KV cache in 8 bits (GPU and host);
+                         deq=auto|unit|linear: generate's weight_dequantize (default auto)
   accelerate:B           Hugging Face generate on a model dispatched by accelerate (device_map from
                          infer_auto_device_map with max_memory: the budget minus B's KV cache and a margin
                          on the GPU, the rest of the layers on the host)
@@ -111,6 +112,7 @@ def _reset_peak(device) -> None:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()  # alloc_retries counts the timed run only
 
 
 def _peak_hbm_gib(device, reserved: bool = False) -> float:
@@ -255,8 +257,8 @@ def run_speedloader(args, spec: str) -> dict:
     shape, *options = spec.split(":")
     batch, num_sub = (int(v) for v in shape.split("x"))
     on_cpu = sum(int(o.partition("=")[2]) for o in options if o.startswith("cpu="))
-    quant = {k: v for k, _, v in (o.partition("=") for o in options) if k in ("w", "kvq")}  # issue 21
-    options = [o for o in options if o.partition("=")[0] not in ("w", "kvq")]
+    quant = {k: v for k, _, v in (o.partition("=") for o in options) if k in ("w", "kvq", "deq")}  # issue 21
+    options = [o for o in options if o.partition("=")[0] not in ("w", "kvq", "deq")]
     kv_cache, _, on_device = (([o for o in options if not o.startswith("cpu=")] or ["auto"])[0]).partition("=")
     maybe_init_process_group(args.device)
     device = _cap_gpu(args)
@@ -284,7 +286,7 @@ def run_speedloader(args, spec: str) -> dict:
     ids = _prompts(args, batch, cfg.vocab_size)
     kwargs = dict(num_sub_batches=num_sub, kv_cache=kv_cache, eos_token_id=None,
                   kv_device_sub_batches=int(on_device) if on_device else None, cpu_attention_sub_batches=on_cpu,
-                  kv_cache_dtype=quant.get("kvq"))
+                  kv_cache_dtype=quant.get("kvq"), weight_dequantize=quant.get("deq", "auto"))
     # Warm-up: lazy init, arenas (the longest geometry first, so the timed run re-plans nothing).
     warm = torch.cat([ids, ids[:, : args.gen_len - 1]], dim=1) if args.gen_len > 1 else ids
     generate(model, warm, max_new_tokens=1, **kwargs)
@@ -329,7 +331,9 @@ def run_speedloader(args, spec: str) -> dict:
             "generated_tokens_per_s": stats.generated_tokens_per_s, "prefill_tokens_per_s": stats.prefill_tokens_per_s,
             "decode_tokens_per_s": stats.decode_tokens_per_s, "io": io, "kv_cache_bytes": stats.io.get("kv_cache_bytes", 0),
             "peak_hbm_gib": _peak_hbm_gib(device),
-            "peak_hbm_reserved_gib": _peak_hbm_gib(device, reserved=True), "host_peak_rss_gib": harness.host_peak_rss_gib()}
+            "peak_hbm_reserved_gib": _peak_hbm_gib(device, reserved=True), "host_peak_rss_gib": harness.host_peak_rss_gib(),
+            # The timed run's cudaMalloc retries (the caching allocator freed its cache to fit): > 0 near the cap.
+            "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0}
 
 
 def run_accelerate(args, spec: str) -> dict:

@@ -15,13 +15,13 @@
 #               on one H100; its largest batch under 24 GiB)
 #   more (~9 min): OPT-30B speedloader bf16 weights (over 270 s on one H200: cut there before printing, d4a8997),
 #               then int8 weights if the budget allows, in the int4 row's shape, appended to the OPT-30B record
-#   ratio (~4 min): int4 vs bf16 weights on OPT-30B in ONE invocation: bf16 in its shape above (133 s on one H200,
+#   ratio (~5 min): int4 vs bf16 weights on OPT-30B in ONE invocation: bf16 in its shape above (133 s on one H200,
 #               62.5 tokens/s, c748422), then int4 weights with the whole int8 cache on the GPU at 56 sequences in 8
-#               sub-batches and at 48 in 4 (19.5 and 16.7 GiB of cache; no cache crosses the link, only the 16.6 GB
-#               of packed weights a step). A decoding step with the whole cache on the GPU runs the batch as one
-#               group, so the sub-batches only split the prefill's activations (56 x 4 ran out of memory in a
-#               prefill MLP at 4f07a85). At c748422 56 x 8 fit but decoded at 0.68 s a step (48 x 4: 0.35 s), its
-#               peak 23.6 of 24 GiB; a one-group step now dequantizes one linear at a time, not the whole unit.
+#               sub-batches, 60 in 10 and 48 in 4 (19.5, 20.9 and 16.7 GiB of cache; no cache crosses the link, only
+#               the 16.6 GB of packed weights a step). A decoding step with the whole cache on the GPU runs the batch
+#               as one group, each linear dequantized when it runs (one fused kernel each since session 21), so the
+#               sub-batches only split the prefill's activations; at 60 the prefill dequantizes per linear too
+#               (weight_dequantize='auto': a whole unit would not fit beside that cache).
 #   accelerate (~6 min, optional): OPT-30B accelerate:16 appended (its last row: 2.5 tokens/s, 358 s)
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [PART...]       (default: core)
@@ -84,10 +84,10 @@ bench_run more more/opt30b_int8 170 0 python3 tools/bench_infer.py --model opt_3
 # ratio: int4 / bf16 at each one's best shape, one invocation. bf16 at 128 x 4 streams 59.2 GB of weights and 35.4 GB
 # of int8 cache a decoding step (1.88 s); int4 with the cache on the GPU streams 16.6 GB (0.36 s), so fewer sequences
 # (what fits 24 GiB beside the cache) decode faster than 128 whose cache crosses the link.
-bench_run ratio ratio/opt30b 400 1 python3 tools/bench_infer.py --model opt_30b \
+bench_run ratio ratio/opt30b 450 1 python3 tools/bench_infer.py --model opt_30b \
   "${common[@]}" --name infer_opt30b_int4_vs_bf16_p512_g32_24g \
   --timeout 300 --contender speedloader:128x4:split=1:kvq=int8 --contender speedloader:56x8:device:w=int4:kvq=int8 \
-  --contender speedloader:48x4:device:w=int4:kvq=int8
+  --contender speedloader:60x10:device:w=int4:kvq=int8 --contender speedloader:48x4:device:w=int4:kvq=int8
 
 bench_run accelerate accelerate/opt30b 380 1 python3 tools/bench_infer.py --model opt_30b \
   "${common[@]}" --name "$opt" --append \

@@ -46,6 +46,7 @@ from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_d
 from fsdp_speedloader.engine.speedloader import apply_speedloader
 from fsdp_speedloader.generation.generate import generate
 from fsdp_speedloader.generation.kv_cache import KV_CACHE_MODES
+from fsdp_speedloader.generation.weight_stream import DEQUANTIZE_MODES
 from fsdp_speedloader.models import ModelConfig, build_hf_config, build_model, materialize_model
 from fsdp_speedloader.models.config import MOE_FAMILIES
 from fsdp_speedloader.options import SpeedLoaderOptions
@@ -139,6 +140,9 @@ class GenerateConfig:
     memory with offload=params, else the GPU), quantized while loading, dequantized on the GPU unit by unit."""
     weight_quant_group_size: Optional[int] = None
     """Elements per scale of weight_quant; null: 128 for int8, 64 for int4."""
+    weight_dequantize: str = "auto"
+    """With weight_quant, how a unit dequantizes for the prefill's sub-batches: 'unit' (once for all), 'linear'
+    (each linear when it runs: less GPU memory, N times the work) or 'auto' (unit when it fits)."""
     activation_store: str = "auto"
     """Block-boundary activations between units: 'auto', 'device' or 'host'."""
     forward_prefetch: int = 1
@@ -194,6 +198,8 @@ class GenerateConfig:
                   f"covers dense models; {self.model.family}'s experts are stacked parameters, not linears")
         else:
             check(self.weight_quant_group_size is None, "weight_quant_group_size", "applies to weight_quant only")
+            check(self.weight_dequantize == "auto", "weight_dequantize", "applies to weight_quant only")
+        check_choice(self.weight_dequantize, "weight_dequantize", DEQUANTIZE_MODES)
         check_choice(self.activation_store, "activation_store", ("auto", "device", "host"))
         check_choice(self.device, "device", ("auto", "cuda", "cpu"))
         check_choice(self.param_dtype, "param_dtype", ("auto", *DTYPES))
@@ -348,7 +354,8 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, num_sub_batches=cfg.num_sub_batches, kv_cache=cfg.kv_cache,
                   kv_device_sub_batches=cfg.kv_device_sub_batches,
                   cpu_attention_sub_batches=cfg.cpu_attention_sub_batches, kv_cache_dtype=cfg.kv_cache_dtype,
-                  do_sample=cfg.sampling.do_sample, temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
+                  weight_dequantize=cfg.weight_dequantize, do_sample=cfg.sampling.do_sample,
+                  temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
                   top_p=cfg.sampling.top_p, eos_token_id=eos, pad_token_id=pad_id, seed=cfg.seed + rank,
                   host_memory_limit_bytes=host_limit)
     if rank == 0:

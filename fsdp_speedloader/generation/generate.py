@@ -35,7 +35,7 @@ from fsdp_speedloader.generation.kv_cache import KV_CACHE_MODES
 from fsdp_speedloader.generation.sampling import select_tokens
 from fsdp_speedloader.generation.step import ROOT_METHOD, GenerationRun, GenerationStepState, prompt_positions, \
     register_generation_methods, root_step
-from fsdp_speedloader.generation.weight_stream import WeightStream
+from fsdp_speedloader.generation.weight_stream import DEQUANTIZE_MODES, WeightStream
 from fsdp_speedloader.quant import KV_CACHE_DTYPES, kv_codec, quantized_linears, quantized_weights
 
 
@@ -83,12 +83,19 @@ class GenerationStats:
 
 
 def _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batches, do_sample, temperature,
-                  top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches, kv_cache_dtype=None) -> None:
+                  top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches, kv_cache_dtype=None,
+                  weight_dequantize="auto") -> None:
     """ValueError, naming what to change, before anything is allocated."""
     speedloader_engine(model)  # ValueError unless prepared with apply_speedloader
     if quantized_linears(model) and quantized_weights(model) is None:
         raise ValueError("the model's linears are quantized but hold no weights yet: call fsdp_speedloader.quant."
                          "materialize_quantized_weights(model, ...) after apply_speedloader")
+    if weight_dequantize not in DEQUANTIZE_MODES:
+        raise ValueError(f"weight_dequantize={weight_dequantize!r}; choose one of "
+                         f"{', '.join(map(repr, DEQUANTIZE_MODES))}")
+    if weight_dequantize != "auto" and quantized_weights(model) is None:
+        raise ValueError(f"weight_dequantize={weight_dequantize!r} applies to quantized weights; this model's are in "
+                         "its compute dtype: leave it 'auto', or quantize the linears (weight_quant)")
     if kv_cache_dtype is not None:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; choose one of "
@@ -185,6 +192,7 @@ def generate(
     kv_device_sub_batches: Optional[int] = None,
     cpu_attention_sub_batches: int = 0,
     kv_cache_dtype: Optional[str] = None,
+    weight_dequantize: str = "auto",
     seed: Optional[int] = None,
     host_memory_limit_bytes: Optional[int] = None,
     return_stats: bool = False,
@@ -220,9 +228,13 @@ def generate(
             whose cache fits on the GPU), and half the bytes over the link and read by host attention
             (``quant/kv.py``). Not with kv_cache='off'.
 
-    A model whose block linears were quantized (``quant.quantize_linears_`` and
-    ``quant.materialize_quantized_weights``) streams their packed int8 / int4 bytes unit by unit and dequantizes
-    them on the compute device (``weight_stream.py``); nothing to pass here.
+        weight_dequantize: for a model whose block linears were quantized (``quant.quantize_linears_`` and
+            ``quant.materialize_quantized_weights``: their packed int8 / int4 bytes are streamed unit by unit and
+            dequantized on the compute device, ``weight_stream.py``), how a unit that runs several groups (the
+            prefill's sub-batches) dequantizes: 'unit' (each weight once, for all groups: the whole unit in
+            the compute dtype at once), 'linear' (each linear when it runs, once per group: one weight at a
+            time) or 'auto' ('unit' when the largest unit's weights take at most half of the GPU memory left
+            at its first such unit, else 'linear'). A one-group step always dequantizes per linear.
         seed: seeds sampling (a private generator: the global RNG is untouched); None: global RNG.
         host_memory_limit_bytes: host budget of the KV arena (default: detected, see ``arena.py``).
         return_stats: also return a ``GenerationStats``.
@@ -232,14 +244,16 @@ def generate(
         (B, prompt_len + new tokens) LongTensor on ``input_ids``' device, as Hugging Face ``generate``.
     """
     _check_inputs(model, input_ids, attention_mask, max_new_tokens, num_sub_batches, do_sample, temperature,
-                  top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches, kv_cache_dtype)
+                  top_k, top_p, kv_cache, kv_device_sub_batches, cpu_attention_sub_batches, kv_cache_dtype,
+                  weight_dequantize)
     eos = _eos_list(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
     run, prompts = _prepare_generation(model, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                                        num_sub_batches=num_sub_batches, kv_cache=kv_cache,
                                        kv_device_sub_batches=kv_device_sub_batches,
                                        cpu_attention_sub_batches=cpu_attention_sub_batches,
-                                       host_memory_limit_bytes=host_memory_limit_bytes, kv_cache_dtype=kv_cache_dtype)
+                                       host_memory_limit_bytes=host_memory_limit_bytes, kv_cache_dtype=kv_cache_dtype,
+                                       weight_dequantize=weight_dequantize)
     generator = torch.Generator(device=run.device).manual_seed(seed) if do_sample and seed is not None else None
     select = functools.partial(select_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                generator=generator)
@@ -279,8 +293,8 @@ class _Timing:
 def _prepare_generation(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], *,
                         max_new_tokens: int, num_sub_batches: int, kv_cache: str,
                         kv_device_sub_batches: Optional[int], cpu_attention_sub_batches: int,
-                        host_memory_limit_bytes: Optional[int], kv_cache_dtype: Optional[str] = None
-                        ) -> tuple[GenerationRun, _Prompts]:
+                        host_memory_limit_bytes: Optional[int], kv_cache_dtype: Optional[str] = None,
+                        weight_dequantize: str = "auto") -> tuple[GenerationRun, _Prompts]:
     """What stays fixed for the call: the prompts' mask and positions (on the host, where the masks are
     built), each unit's layer indices, and the generation methods on the model (registered once per model).
     The KV cache comes with the first step, inside the root's call, where the compute dtype is known."""
@@ -308,7 +322,8 @@ def _prepare_generation(model: nn.Module, input_ids: torch.Tensor, attention_mas
                kv_codec=kv_codec(kv_cache_dtype))
     weights = quantized_weights(model)
     if weights is not None:
-        run.weights = WeightStream(weights, engine.units, engine.device, exchange=resources.weight_exchange)
+        run.weights = WeightStream(weights, engine.units, engine.device, exchange=resources.weight_exchange,
+                                   dequantize=weight_dequantize)
         resources.weight_exchange = run.weights.exchange
     return run, _Prompts(ids=input_ids.to(engine.device), mask=mask, positions=positions)
 

@@ -70,6 +70,7 @@ import torch
 from fsdp_speedloader.generation.kv_layout import KVLayout, gather_runs, kv_layout_for  # noqa: F401
 from fsdp_speedloader.memory.arena import DEFAULT_MARGIN, ArenaPlan, HostMemoryBudget, PinnedArena
 from fsdp_speedloader.memory.exchange import FetchHandle, TensorExchange
+from fsdp_speedloader.memory.gpu_memory import gpu_bytes_available
 from fsdp_speedloader.quant.kv import KVCodec, attach_scales
 
 KV_CACHE_MODES = ("auto", "device", "split", "host", "off")
@@ -495,13 +496,8 @@ def device_sub_batches_that_fit(layout: KVLayout, device: torch.device, *, devic
     may still use (the units in flight, the host part's fetched blocks and the activations need the rest)."""
     if device.type != "cuda":
         return layout.num_sub_batches
-    free, total = torch.cuda.mem_get_info(device)
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    fraction = get_fraction(device) if get_fraction is not None else 1.0
-    allowed = fraction * total - torch.cuda.memory_reserved(device)
-    available = min(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), allowed)
     per_sub_batch = stored_nbytes(layout, codec) // layout.num_sub_batches
-    return min(layout.num_sub_batches, int(device_fraction * max(0, available)) // per_sub_batch)
+    return min(layout.num_sub_batches, int(device_fraction * gpu_bytes_available(device)) // per_sub_batch)
 
 
 def choose_kv_mode(mode: str, layout: KVLayout, device: torch.device, *, device_sub_batches: Optional[int] = None,

@@ -152,8 +152,8 @@ def unit_step(unit: Unit, state: GenerationStepState) -> None:
     if run.weights is None:
         for_each_sub_batch(store, src, n_sub, run_sub_batch, also=kv_prefetch)
         return
-    # quantized weights: unit u's dequantized once for every group (or by each linear, for one), u + 1's copy queued
-    run.weights.begin_unit(unit.index, dequantize_ahead=n_sub > 1)
+    # quantized weights: unit u's dequantized once for every group or by each linear, u + 1's copy queued
+    run.weights.begin_unit(unit.index, groups=n_sub)
     try:
         for_each_sub_batch(store, src, n_sub, run_sub_batch, also=kv_prefetch)
     finally:

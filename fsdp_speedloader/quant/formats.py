@@ -15,9 +15,9 @@ each. Bits per weight: int8 g=128 with bf16 scales 8.125, int4 g=64 with bf16 sc
 These are the formats of torchao's ``Int4WeightOnlyConfig`` (asymmetric, float minimum, groups along the input
 dimension) and of DeepSpeed ZeRO-Inference's ``quantized_initialization`` without their kernels' tile packing:
 the bytes are plain row-major, so they can sit in host memory, cross the link as one copy per unit, and be
-dequantized on any device by a few elementwise kernels (``dequantize``), after which the matrix product is the
-ordinary bf16 one (cuBLAS), the right kernel for the hundreds to thousands of rows a layer-major step multiplies
-at once (docs/generation.md says why no int4 matmul kernel).
+dequantized on any device by elementwise kernels (``dequantize``; one fused kernel on a GPU), after which the
+matrix product is the ordinary bf16 one (cuBLAS), the right kernel for the hundreds to thousands of rows a
+layer-major step multiplies at once (docs/generation.md says why no int4 matmul kernel).
 
 Quantization runs on whatever device holds the weight (the CPU while loading), one row block at a time
 (``quantize_into``), so a weight is never held in fp32 whole.
@@ -26,6 +26,7 @@ Quantization runs on whatever device holds the weight (the CPU while loading), o
 from __future__ import annotations
 
 from dataclasses import dataclass
+import warnings
 from typing import Optional
 
 import torch
@@ -108,17 +109,51 @@ class PackedWeight:
 
 
 def dequantize(packed: PackedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``W'`` (out, in) from ``packed``: elementwise kernels on the codes' device (int8 2, int4 5)."""
-    fmt, (out_features, in_features) = packed.format, packed.shape
+    """``W'`` (out, in) from ``packed`` in ``dtype`` (default: the scales' dtype), on the codes' device: on a
+    GPU one fused kernel (``torch.compile``: reads the codes, writes the weight, no temporaries), elsewhere a
+    few elementwise kernels (int8 2, int4 5)."""
+    fmt = packed.format
     dtype = dtype or packed.scales.dtype
-    groups, g = in_features // fmt.group_size, fmt.group_size
-    scales = packed.scales.to(dtype).unsqueeze(-1)  # (out, G, 1)
-    if fmt.bits == 8:
-        return (packed.codes.to(dtype).view(out_features, groups, g) * scales).view(out_features, in_features)
-    codes = packed.codes  # (out, in / 2) uint8: element 2k low nibble, 2k + 1 high nibble
-    q = torch.stack((codes & 0xF, codes >> 4), dim=-1).view(out_features, groups, g)
-    minima = packed.minima.to(dtype).unsqueeze(-1)
-    return torch.addcmul(minima, q.to(dtype), scales).view(out_features, in_features)
+    args = (packed.codes, packed.scales, packed.minima, fmt.bits, fmt.group_size, dtype)
+    if packed.codes.is_cuda:
+        return _fused_dequantize(*args)
+    return _dequantize_codes(*args)
+
+
+def _dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, minima: Optional[torch.Tensor], bits: int,
+                      group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    out_features, groups = scales.shape
+    in_features = groups * group_size
+    scales = scales.to(dtype).unsqueeze(-1)  # (out, G, 1)
+    if bits == 8:
+        return (codes.to(dtype).view(out_features, groups, group_size) * scales).view(out_features, in_features)
+    # (out, in / 2) uint8: element 2k low nibble, 2k + 1 high nibble
+    q = torch.stack((codes & 0xF, codes >> 4), dim=-1).view(out_features, groups, group_size)
+    return torch.addcmul(minima.to(dtype).unsqueeze(-1), q.to(dtype), scales).view(out_features, in_features)
+
+
+_compiled_dequantize = None  # torch.compile(_dequantize_codes), made at the first GPU call
+
+
+def _fused_dequantize(*args) -> torch.Tensor:
+    """``_dequantize_codes`` as one generated kernel. Eager, the int4 path launches 5 kernels and writes ~3.5
+    bytes of temporaries per weight, and a decoding step dequantizes every linear of every layer: those launches
+    bound the step's host time (docs/generation.md). Compiled once per process; shapes become dynamic after the
+    second one (torch.compile's automatic dynamic shapes), so a model's few linear shapes share it. Where
+    compiling fails (no Triton) it warns once and stays eager; ``TORCHDYNAMO_DISABLE=1`` turns it off."""
+    global _compiled_dequantize
+    if _compiled_dequantize is None:
+        _compiled_dequantize = torch.compile(_dequantize_codes, fullgraph=True)
+    if _compiled_dequantize is _dequantize_codes:
+        return _dequantize_codes(*args)
+    try:
+        return _compiled_dequantize(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # a compiler that cannot run here: correct results, eager speed
+        warnings.warn(f"fused dequantization unavailable ({type(error).__name__}: {error}); dequantizing eagerly")
+        _compiled_dequantize = _dequantize_codes
+        return _dequantize_codes(*args)
 
 
 @torch.no_grad()
