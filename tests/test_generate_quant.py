@@ -122,7 +122,8 @@ def test_the_fused_dequantization_equals_the_eager_kernels():
     for name in ("int8", "int4"):
         fmt = weight_format(name, 32)
         for (out_features, in_features), dtype in (((48, 256), torch.bfloat16), ((96, 128), torch.bfloat16),
-                                                   ((40, 64), torch.float32), ((48, 256), torch.float32)):
+                                                   ((40, 64), torch.float32), ((48, 256), torch.float32),
+                                                   ((72, 192), torch.float32), ((24, 96), torch.bfloat16)):
             packed = _packed(fmt, out_features, in_features, dtype)
             quantize_into(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1)), packed)
             args = (packed.codes, packed.scales, packed.minima, fmt.bits, fmt.group_size, dtype)

@@ -17,11 +17,13 @@
 #               then int8 weights if the budget allows, in the int4 row's shape, appended to the OPT-30B record
 #   ratio (~5 min): int4 vs bf16 weights on OPT-30B in ONE invocation: bf16 in its shape above (133 s on one H200,
 #               62.5 tokens/s, c748422), then int4 weights with the whole int8 cache on the GPU at 56 sequences in 8
-#               sub-batches, 60 in 10 and 48 in 4 (19.5, 20.9 and 16.7 GiB of cache; no cache crosses the link, only
-#               the 16.6 GB of packed weights a step). A decoding step with the whole cache on the GPU runs the batch
-#               as one group, each linear dequantized when it runs (one fused kernel each since session 21), so the
-#               sub-batches only split the prefill's activations; at 60 the prefill dequantizes per linear too
-#               (weight_dequantize='auto': a whole unit would not fit beside that cache).
+#               sub-batches and 48 in 4 (19.5 and 16.7 GiB of cache; no cache crosses the link, only the 16.6 GB of
+#               packed weights a step), and 56 x 8 again with the prefill dequantizing per linear
+#               (weight_dequantize='linear': what 'auto' picks when a whole unit would not fit). A decoding step with
+#               the whole cache on the GPU runs the batch as one group, each linear dequantized when it runs (one
+#               fused kernel each since session 21), so the sub-batches only split the prefill's activations. 60 x 10
+#               ran out of memory in a decoding step's attention (e051158: one layer's int8 keys and values widened
+#               to bf16 for 60 sequences, 842 MiB, beside 20.9 GiB of cache).
 #   accelerate (~6 min, optional): OPT-30B accelerate:16 appended (its last row: 2.5 tokens/s, 358 s)
 #
 #   usage: FSL_COMMIT=<commit> bash tools/bench_quant.sh OUT_DIR [PART...]       (default: core)
@@ -87,7 +89,7 @@ bench_run more more/opt30b_int8 170 0 python3 tools/bench_infer.py --model opt_3
 bench_run ratio ratio/opt30b 450 1 python3 tools/bench_infer.py --model opt_30b \
   "${common[@]}" --name infer_opt30b_int4_vs_bf16_p512_g32_24g \
   --timeout 300 --contender speedloader:128x4:split=1:kvq=int8 --contender speedloader:56x8:device:w=int4:kvq=int8 \
-  --contender speedloader:60x10:device:w=int4:kvq=int8 --contender speedloader:48x4:device:w=int4:kvq=int8
+  --contender speedloader:48x4:device:w=int4:kvq=int8 --contender speedloader:56x8:device:w=int4:kvq=int8:deq=linear
 
 bench_run accelerate accelerate/opt30b 380 1 python3 tools/bench_infer.py --model opt_30b \
   "${common[@]}" --name "$opt" --append \

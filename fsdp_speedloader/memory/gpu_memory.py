@@ -14,6 +14,8 @@ def gpu_bytes_available(device: torch.device) -> int:
     """Bytes this process can still allocate on ``device``: the card's free memory plus the caching allocator's
     reserved-but-unused blocks, within ``torch.cuda.set_per_process_memory_fraction``'s cap (which bounds
     reserved memory; blocks reserved by an earlier call and now unused count as available)."""
+    if device.index is None:  # 'cuda': the current device (the cap's getter wants an index)
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = get_fraction(device) if get_fraction is not None else 1.0

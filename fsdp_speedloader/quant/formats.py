@@ -138,12 +138,12 @@ _compiled_dequantize = None  # torch.compile(_dequantize_codes), made at the fir
 def _fused_dequantize(*args) -> torch.Tensor:
     """``_dequantize_codes`` as one generated kernel. Eager, the int4 path launches 5 kernels and writes ~3.5
     bytes of temporaries per weight, and a decoding step dequantizes every linear of every layer: those launches
-    bound the step's host time (docs/generation.md). Compiled once per process; shapes become dynamic after the
-    second one (torch.compile's automatic dynamic shapes), so a model's few linear shapes share it. Where
+    bound the step's host time (docs/generation.md). Compiled with dynamic shapes, once per process and
+    (dtype, format): every linear shape shares the kernel, far from torch.compile's recompile limit. Where
     compiling fails (no Triton) it warns once and stays eager; ``TORCHDYNAMO_DISABLE=1`` turns it off."""
     global _compiled_dequantize
     if _compiled_dequantize is None:
-        _compiled_dequantize = torch.compile(_dequantize_codes, fullgraph=True)
+        _compiled_dequantize = torch.compile(_dequantize_codes, fullgraph=True, dynamic=True)
     if _compiled_dequantize is _dequantize_codes:
         return _dequantize_codes(*args)
     try:
