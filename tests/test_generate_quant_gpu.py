@@ -152,7 +152,7 @@ def test_auto_dequantization_takes_per_linear_when_the_gpu_memory_left_is_short(
     from fsdp_speedloader.generation.weight_stream import WeightStream
     from fsdp_speedloader.quant import quantized_weights
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the memory-fraction getter wants an index
     model = quantize_linears_(copy.deepcopy(_model("llama")), weight_format("int4"))
     apply_speedloader(model, num_sub_batches=4, offload_params=True)
     materialize_quantized_weights(model, device=device, offload=True)

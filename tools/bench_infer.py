@@ -187,14 +187,25 @@ def _spans(events: list, name: str) -> list:
 
 
 def summarize_decode_trace(path: str) -> dict:
-    """The decoding steps of one traced generation with attention on the host: does the link copy while the
+    """The decoding steps of one traced generation. With attention on the host: does the link copy while the
     CPU attends? From the first host attention to the last, the host-to-device copies' bytes inside and
     outside the CPU's attention windows (``speedloader::host_attention``; a copy that straddles a window's
-    edge counts pro rata) and their rates, and the host's time waiting for the GPU's queries."""
+    edge counts pro rata) and their rates, and the host's time waiting for the GPU's queries. Without: from
+    the first decoding step (``speedloader::decode_step``) to the GPU's last work, the link's bytes and rate,
+    the host's time issuing the steps, and where the time goes."""
     events = json.loads(Path(path).read_text())["traceEvents"]
     attend = _spans(events, "speedloader::host_attention")  # one thread: the windows do not overlap
-    if not attend:
-        return {"error": "no host attention in the trace (cpu_attention_sub_batches=0?)"}
+    if not attend:  # the cache on the device: the decoding steps' host spans, to the end of the GPU's work
+        steps = _spans(events, "speedloader::decode_step")
+        if not steps:
+            return {"error": "no decoding step in the trace"}
+        lo = steps[0][0]
+        hi = max(e["ts"] + e["dur"] for e in events if e.get("ph") == "X" and e["ts"] >= lo)
+        h2d = sum(e.get("args", {}).get("bytes", 0) for e in events if e.get("ph") == "X"
+                  and e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "") and lo <= e["ts"] < hi)
+        return {"span_s": (hi - lo) / 1e6, "decode_steps": len(steps),
+                "host_issue_s": sum(y - x for x, y in steps) / 1e6,  # the host's time inside the steps' calls
+                "h2d_gb": h2d / 1e9, "h2d_GBps": h2d / 1e3 / (hi - lo), **where_time_goes(events, lo, hi)}
     lo, hi = attend[0][0], attend[-1][1]
     copies = [(e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("bytes", 0)) for e in events
               if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")

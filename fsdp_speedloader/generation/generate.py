@@ -353,7 +353,8 @@ def _decode(model: nn.Module, run: GenerationRun, prompts: _Prompts, *, max_new_
             state = _step_state(run, prompts, new_tokens, step)
             if run.weights is not None:  # no copy of the first unit's weights after the last step
                 run.weights.another_step = step + 1 < max_new_tokens
-            step_call(state)  # one layer-major step
+            with torch.profiler.record_function("speedloader::decode_step" if step else "speedloader::prefill"):
+                step_call(state)  # one layer-major step (the markers name it in traces: tools/bench_infer.py)
             next_tokens = select(state.logits)
             if eos_t is not None:
                 next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
