@@ -182,8 +182,10 @@ def _dummy_init(params) -> None:
     run_on_host_threads(tasks)
 
 
-def _spans(events: list, name: str) -> list:
-    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("name") == name)
+def _spans(events: list, name: str, cat: str | None = None) -> list:
+    """Host spans of a ``record_function`` (``cat='user_annotation'``: not its copy on the GPU's timeline)."""
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("name") == name
+                  and (cat is None or e.get("cat") == cat))
 
 
 def summarize_decode_trace(path: str) -> dict:
@@ -196,7 +198,7 @@ def summarize_decode_trace(path: str) -> dict:
     events = json.loads(Path(path).read_text())["traceEvents"]
     attend = _spans(events, "speedloader::host_attention")  # one thread: the windows do not overlap
     if not attend:  # the cache on the device: the decoding steps' host spans, to the end of the GPU's work
-        steps = _spans(events, "speedloader::decode_step")
+        steps = _spans(events, "speedloader::decode_step", "user_annotation")
         if not steps:
             return {"error": "no decoding step in the trace"}
         lo = steps[0][0]
