@@ -130,12 +130,12 @@ def test_the_fused_dequantization_equals_the_eager_kernels_on_the_gpu(name):
     fmt, device = weight_format(name), torch.device("cuda")
     for out_features, in_features in ((4096, 4096), (11008, 4096), (4096, 11008)):
         for dtype in (torch.bfloat16, torch.float32):
+            scale_shape = fmt.scale_shape(out_features, in_features)
             packed = PackedWeight(fmt, (out_features, in_features),
                                   torch.empty(fmt.code_shape(out_features, in_features), dtype=fmt.code_dtype(),
                                               device=device),
-                                  torch.empty(fmt.scale_shape(out_features, in_features), dtype=dtype, device=device),
-                                  torch.empty(fmt.scale_shape(out_features, in_features), dtype=dtype, device=device)
-                                  if fmt.has_minimum else None)
+                                  torch.empty(scale_shape, dtype=dtype, device=device),
+                                  torch.empty(scale_shape, dtype=dtype, device=device) if fmt.has_minimum else None)
             formats.quantize_into(torch.randn(out_features, in_features, device=device) * 0.02, packed)
             fused = packed.dequantize(dtype)
             assert formats._compiled_dequantize is not formats._dequantize_codes, "compiling fell back to eager"

@@ -6,9 +6,9 @@ The quantized weight is not a parameter or a buffer: FSDP2 neither shards nor mo
 offloaded, else the GPU), and reaches the compute device one unit at a time through generation's weight stream
 (``generation/weight_stream.py``), which dequantizes each weight once per unit call and hands it to the module
 (``weight_on_device``), or hands it the packed bytes already on the device to dequantize each time it runs
-(``packed_on_device``: a one-group call, or a prefill short of GPU memory). Called any other way (a plain forward, a perplexity
-evaluation), the module dequantizes its weight on the fly, onto the input's device: correct, not fast. The bias
-stays a parameter (FSDP2's).
+(``packed_on_device``: a one-group call, or a prefill short of GPU memory). Called any other way (a plain
+forward, a perplexity evaluation), the module dequantizes its weight on the fly, onto the input's device:
+correct, not fast. The bias stays a parameter (FSDP2's).
 """
 
 from __future__ import annotations
