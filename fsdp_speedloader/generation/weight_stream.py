@@ -116,7 +116,7 @@ class WeightStream:
 
     def stats(self) -> dict:
         out = {**self.weights.stats, "weights_h2d_bytes": self.h2d_bytes, "weights_num_fetches": self.num_fetches,
-               "weights_dequantize": self.dequantize}  # several groups' ('auto': not yet met)
+               "weights_dequantize": self.dequantize}  # what several-group units ran ('auto': none ran)
         if self.exchange is not None:
             # The compute stream's wait for the weights in the last step: > 0 where the link bounds the step.
             out["weights_wait_s_last_step"] = self.exchange.step_stats().get("exchange_wait_s", 0.0)

@@ -25,8 +25,8 @@ Quantization runs on whatever device holds the weight (the CPU while loading), o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
