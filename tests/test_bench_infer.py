@@ -40,9 +40,26 @@ def test_summarize_decode_trace_splits_copies_by_cpu_attention_windows(tmp_path)
 
 
 def test_summarize_decode_trace_without_host_attention(tmp_path):
+    """The cache on the device: from the first decoding step's host marker to the GPU's last work, the link's
+    bytes and rate and the host's time issuing the steps (the markers' GPU-timeline copies not counted)."""
+    step, copy = "speedloader::decode_step", "Memcpy HtoD (Pinned -> Device)"
+    events = [
+        _event("speedloader::prefill", 0, 500, cat="user_annotation"),
+        _event(copy, 400, 100, cat="gpu_memcpy", args={"bytes": 10**9}),  # the prefill's: before the window
+        _event(step, 1000, 200, cat="user_annotation"),
+        _event(step, 1300, 200, cat="user_annotation"),
+        _event(step, 1100, 900, cat="gpu_user_annotation"),  # the same steps on the GPU's timeline
+        _event(copy, 1100, 400, cat="gpu_memcpy", args={"bytes": 2 * 10**9}),
+        _event("gemm", 1500, 1500, cat="kernel"),  # the GPU's last work ends at 3000
+    ]
     path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = bench_infer.summarize_decode_trace(str(path))
+    assert got["decode_steps"] == 2 and got["host_issue_s"] == pytest.approx(400e-6)
+    assert got["span_s"] == pytest.approx(2e-3) and got["h2d_gb"] == pytest.approx(2.0)
+    assert got["h2d_GBps"] == pytest.approx(2.0 / 2e-3) and got["gpu_busy_fraction"] == pytest.approx(1900 / 2000)
     path.write_text(json.dumps({"traceEvents": [_event("aten::mm", 0, 10, cat="cpu_op")]}))
-    assert "no host attention" in bench_infer.summarize_decode_trace(str(path))["error"]
+    assert "no decoding step" in bench_infer.summarize_decode_trace(str(path))["error"]
 
 
 def test_where_time_goes_merges_the_gpu_intervals_and_ranks_kernels_and_host_ops():
