@@ -71,8 +71,8 @@ class WeightStream:
 
     def dequantized_unit_bytes(self) -> int:
         """The largest unit's quantized linears in their compute dtype (what "unit" holds at once)."""
-        return max(sum(m.out_features * m.in_features * torch.empty((), dtype=m.dtype).element_size()
-                       for block in unit for m in block.modules) for unit in self.by_unit)
+        return max(sum(m.out_features * m.in_features * m.dtype.itemsize for block in unit for m in block.modules)
+                   for unit in self.by_unit)
 
     def _resolve(self) -> str:
         if self.device.type != "cuda":
