@@ -212,6 +212,7 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
 
     import bench_train as bt
     import harness
+    import protocol
     from launch_two_nodes import free_port
 
     from fsdp_speedloader.models import build_hf_config, build_model, get_adapter
@@ -318,8 +319,9 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
     result = {
         "contender": "deepspeed-offload", "sub_batch_size": sub_batch, "num_sub_batches": num_sub,
         "experts_implementation": experts,
-        **bt.step_figures(fb_times, opt_times, losses, tokens=ids.numel(), flops_per_token=flops_per_token,
-                          peak_tflops=args.peak_tflops, attention_flops_per_token=attention_flops_per_token),
+        **protocol.step_figures(fb_times, opt_times, losses, tokens=ids.numel(), flops_per_token=flops_per_token,
+                                peak_tflops=args.peak_tflops, attention_flops_per_token=attention_flops_per_token,
+                                recomputed=1.0, host_peak_rss_gib=harness.host_peak_rss_gib()),
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / GIB if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else 0.0,
         "deepspeed": {"version": deepspeed.__version__, "zero_optimization": ds_config["zero_optimization"],

@@ -17,8 +17,10 @@ weights: nothing is downloaded), prompt length and generation length, and genera
   accelerate:B           Hugging Face generate on a model dispatched by accelerate (device_map from
                          infer_auto_device_map with max_memory: the budget minus B's KV cache and a margin
                          on the GPU, the rest of the layers on the host)
-  flexgen[:GBSxNGBS]     FlexGen 0.1.8 (OPT only), dummy weights, its published policy for the model
-                         (FLEXGEN_POLICIES; --flexgen-percent / --flexgen-cpu-cache-compute override)
+  flexgen[:GBSxNGBS][:c4]
+                         FlexGen 0.1.8 (OPT only), dummy weights, its published policy for the model
+                         (FLEXGEN_POLICIES; --flexgen-percent / --flexgen-cpu-cache-compute override); c4: its
+                         4-bit group-wise compression of the weights and the KV cache (fp16 without)
   zero-inference:B[:q4|:q8][:fp16|:bf16]
                          DeepSpeed ZeRO-Inference: ZeRO-3 with every parameter partitioned to page-locked host
                          memory and gathered to the GPU module by module for each forward, Hugging Face generate
@@ -427,8 +429,14 @@ def run_flexgen(args, spec: str) -> dict:
 
     _cap_gpu(args)
     pol = dict(FLEXGEN_POLICIES[args.model])
-    if spec:
-        pol["gpu_batch_size"], pol["num_gpu_batches"] = (int(v) for v in spec.split("x"))
+    shape, *options = spec.split(":") if spec else [""]
+    if shape:
+        pol["gpu_batch_size"], pol["num_gpu_batches"] = (int(v) for v in shape.split("x"))
+    unknown = [o for o in options if o not in ("c4", "fp16")]
+    if unknown:
+        raise ValueError(f"flexgen:{spec}: unknown option(s) {unknown}; ':c4' compresses weights and KV cache to 4 bits "
+                         "(FlexGen's group-wise quantization), ':fp16' (default) leaves both in fp16")
+    compress = "c4" in options  # FlexGen's own 4-bit weight and cache compression (group 64, asymmetric)
     if args.flexgen_percent:
         pol["percent"] = [int(v) for v in args.flexgen_percent.split()]
     if args.flexgen_cpu_cache_compute is not None:
@@ -438,7 +446,7 @@ def run_flexgen(args, spec: str) -> dict:
     env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
     comp = dict(num_bits=4, group_size=64, symmetric=False)
     policy = Policy(pol["gpu_batch_size"], pol["num_gpu_batches"], *pol["percent"], True, True, True,
-                    pol["cpu_cache_compute"], 1.0, False, CompressionConfig(group_dim=0, **comp), False,
+                    pol["cpu_cache_compute"], 1.0, compress, CompressionConfig(group_dim=0, **comp), compress,
                     CompressionConfig(group_dim=2, **comp))
     opt_config = get_opt_config(FLEXGEN_NAMES[args.model])
     if args.layers:
@@ -457,7 +465,8 @@ def run_flexgen(args, spec: str) -> dict:
         env.close_copy_threads()
     assert out.shape == (batch, args.prompt_len + args.gen_len)
     prefill, decode = costs[0], sum(costs[1:])
-    return {"batch_size": batch, "policy": pol, "prefill_s": prefill, "decode_s": decode, "wall_s_generate": wall,
+    return {"batch_size": batch, "policy": pol, "compression": "4-bit weights and cache" if compress else "fp16",
+            "prefill_s": prefill, "decode_s": decode, "wall_s_generate": wall,
             "generated_tokens_per_s": batch * args.gen_len / (prefill + decode),
             "prefill_tokens_per_s": batch * args.prompt_len / prefill,
             "decode_tokens_per_s": batch * (args.gen_len - 1) / max(decode, 1e-9),

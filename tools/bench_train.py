@@ -65,6 +65,7 @@ from typing import Callable, NamedTuple, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
 import harness  # noqa: E402
+import protocol  # noqa: E402
 
 REPO = harness.REPO
 # Shapes without a conf/model file: hidden, intermediate, heads, kv heads, vocab (depth is --layers). Every
@@ -209,25 +210,6 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
     return fb_times, opt_times, losses, profile
 
 
-def step_figures(fb_times: list, opt_times: list, losses: list, *, tokens: int, flops_per_token: float,
-                 peak_tflops: float, attention_flops_per_token: float = 0.0, recomputed: float = 1.0) -> dict:
-    """The figures every contender reports (the medians of the timed steps), DeepSpeed's included. MFU counts
-    ``flops_per_token`` (6 N + 12 L h s), ``mfu_no_attention`` leaves the attention term out (6 N), HFU adds the
-    recomputed forward (of the fraction ``recomputed`` of the blocks' work: 0 without recompute)."""
-    fb, opt = statistics.median(fb_times), statistics.median(opt_times)
-    recompute_per_token = recomputed * flops_per_token / 3  # a recomputed forward: + (2 N + 4 L h s)
-    peak = peak_tflops * 1e12
-    return {
-        "tokens_per_step": tokens, "fwd_bwd_s": fb, "optimizer_s": opt, "step_s": fb + opt,
-        "tokens_per_s_fwd_bwd": tokens / fb, "tokens_per_s": tokens / (fb + opt),
-        "mfu_fwd_bwd": tokens / fb * flops_per_token / peak, "mfu": tokens / (fb + opt) * flops_per_token / peak,
-        "mfu_no_attention": tokens / (fb + opt) * (flops_per_token - attention_flops_per_token) / peak,
-        "hfu_fwd_bwd": tokens / fb * (flops_per_token + recompute_per_token) / peak,
-        "host_peak_rss_gib": harness.host_peak_rss_gib(), "losses": losses, "flops_per_token": flops_per_token,
-        "step_times_s": [a + b for a, b in zip(fb_times, opt_times)],
-    }
-
-
 class Contender(NamedTuple):
     name: str
     shape: str  # 'nxN'
@@ -287,7 +269,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
         key, _, value = option.partition("=")
         if key in ("compile", "eager") and not value and name != "deepspeed-offload":
             compiled = key == "compile"
-        elif key == "root" and value in ("device", "host") and name.startswith("speedloader"):
+        elif key == "root" and value in ("device", "host") and (name.startswith("speedloader")
+                                                                 or name.startswith("fsdp2-offload")):
             root_on_device = value == "device"
         elif key == "transfer" and value in ("bf16", "fp32") and name.startswith("speedloader"):
             transfer = None if value == "fp32" else value
@@ -347,13 +330,14 @@ def gpu_cap_gib(contender: Contender, default: Optional[float]) -> Optional[floa
 
 def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, num_sub: int, compiled: bool,
                            kernels=None, device_units: int = 0, recompute: bool = True, sync: Optional[str] = None,
-                           reshard: bool = True):
+                           reshard: bool = True, root_on_device: bool = False):
     """An FSDP2 contender as the trainer's canonical schedule (``apply_schedule`` shards by it): gradient
     accumulation over ``num_sub`` micro-batches, every block recomputed (none without ``recompute``), one FSDP
     unit per block;
     ``fsdp2-offload`` reduce-scatters after the last micro-batch only, ``fsdp2-offload-rs`` and ``ondevice``
     after every one (``sync``: this instead); ``reshard=False`` keeps each unit gathered from the step's first
-    forward to its last backward; units 1 .. ``device_units`` of the offloading ones keep their states on the GPU."""
+    forward to its last backward; units 1 .. ``device_units`` of the offloading ones keep their states on the GPU,
+    and with ``root_on_device`` the root's (embeddings, final norm, LM head): the allowances layer-major takes."""
     from fsdp_speedloader.app.config import DataConfig, KernelsConfig, OffloadConfig, ScheduleConfig, TrainConfig
 
     schedule = ScheduleConfig(name="canonical", sub_batch_size=sub_batch, num_sub_batches=num_sub,
@@ -362,7 +346,8 @@ def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, 
                               gradient_sync=sync or ("last" if name == "fsdp2-offload" else "every"),
                               reshard_after_forward=reshard)
     return TrainConfig(model=model_config(args), data=DataConfig(seq_len=args.seq_len), schedule=schedule,
-                       offload=OffloadConfig(params=name != "ondevice", device_units=device_units),
+                       offload=OffloadConfig(params=name != "ondevice", device_units=device_units,
+                                             root=not root_on_device),
                        kernels=kernels or KernelsConfig(),
                        device=args.device, param_dtype="bfloat16")
 
@@ -414,7 +399,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         kernels = KernelsConfig(sdpa_backend=contender.sdpa, liger_kernels=contender.liger,
                                 float8_training=contender.fp8)
         train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled, kernels, contender.dev,
-                                           contender.recompute, contender.sync, contender.reshard)
+                                           contender.recompute, contender.sync, contender.reshard, root_on_device)
         scope = apply_schedule(model, train_cfg, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         gradient_sync, reshard = train_cfg.schedule.gradient_sync, train_cfg.schedule.reshard_after_forward
     # FSDP units besides the root: each holds whole blocks (a mixture of experts' block with all its experts).
@@ -482,10 +467,10 @@ def run_worker(args: argparse.Namespace) -> dict:
         "num_sub_batches": num_sub, "max_gpu_memory_gib": cap, "experts_implementation": experts,
         "sdpa_backend": contender.sdpa, "liger_kernels": contender.liger, "float8_training": contender.fp8,
         "num_fsdp_units": len(units), "blocks_per_fsdp_unit": blocks_per_fsdp_unit,
-        **step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
-                       flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops,
-                       attention_flops_per_token=adapter.attention_flops_per_token(args.seq_len),
-                       recomputed=recomputed),
+        **protocol.step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
+                                flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops,
+                                attention_flops_per_token=adapter.attention_flops_per_token(args.seq_len),
+                                recomputed=recomputed, host_peak_rss_gib=harness.host_peak_rss_gib()),
         "recompute": layer_major or checkpointed, "gradient_sync": gradient_sync, "reshard_after_forward": reshard,
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,

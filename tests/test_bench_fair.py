@@ -1,0 +1,157 @@
+"""tools/bench_fair.py: each family's sweep (ladders, the kept-pair estimate, the pruning of points known not to fit),
+the best-point choice, the summary's ratios, and one whole table run on the CPU through real worker processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_fair  # noqa: E402  (tools/ is not a package)
+from host_load import HostLoad  # noqa: E402
+
+T40 = bench_fair.TABLES["train_7b_L8_b8_cap40"]
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(steps=5, warmup=2, device="cpu", dry_run=False, host_busy=0, host_copy=0, timeout=60, invocations=3)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_kept_pairs_by_hand():
+    shape = bench_fair.Shape.of(T40)
+    assert (shape.params, shape.root_params, shape.unit_params) == (1881214976, 262148096, 202383360)
+    # 40 GiB - 16 B x (root + unit 1) - 2 gathered bf16 units - 4 GiB = 30,412,668,928 B over 34 x 4096 x 4096 B a
+    # sequence's pair: 53.3 -> 53 of 64 pairs; twice the sequences, half the pairs.
+    assert [bench_fair.kept_pairs(T40, shape, n) for n in (1, 2, 4)] == [53, 26, 13]
+    tight = bench_fair.TABLES["map_7b_L8_b8_cap24"]
+    assert bench_fair.kept_pairs(tight, shape, 1) == 23
+    assert bench_fair.ceiling_fits(T40, shape) and not bench_fair.ceiling_fits(tight, shape)
+
+
+def test_ladders_sweep_every_micro_batch_with_the_same_allowances():
+    shape = bench_fair.Shape.of(T40)
+    fsdp2 = bench_fair.train_ladders(T40, "fsdp2-offload", shape)
+    assert len(fsdp2) == 4  # n = 1, 2, 4, 8
+    assert fsdp2[0][0] == ["fsdp2-offload:1x8:root=device:dev=1:recompute=off:reshard=off"]
+    assert fsdp2[3][-1] == ["fsdp2-offload:8x1:root=device:dev=1"]
+    layer_major = bench_fair.train_ladders(T40, "layer-major", shape)
+    assert len(layer_major) == 3  # N = 1 is the canonical schedule, not layer-major
+    assert layer_major[0][0] == ["speedloader-overlap:1x8:root=device:dev=1:keep=53"]
+    assert [tier[0].rsplit("=", 1)[1] for tier in layer_major[0]] == ["53", "45", "37", "29"]
+    ceiling = bench_fair.train_ladders(bench_fair.TABLES["map_7b_L8_b8_cap24"], "ceiling", shape)
+    assert all(spec.endswith(":cap=none:recompute=off:reshard=off") for spec in ceiling[0][0])
+    assert bench_fair.train_ladders(T40, "deepspeed-offload", shape)[1] == [["deepspeed-offload:2x4"]]
+    with pytest.raises(ValueError, match="unknown training family"):
+        bench_fair.train_ladders(T40, "megatron", shape)
+
+
+def test_sweep_prunes_tiers_that_ran_out_of_memory_at_a_smaller_micro_batch(tmp_path, monkeypatch):
+    # Memory grows with n: a tier out of memory at n is out of memory at every larger n. The stand-in worker says
+    # 'oom' for every tier-0 point and for every point at n = 4 (what a GPU would; the CPU has no cap to hit).
+    launched = []
+
+    def fake_run_point(table, spec, args, **fields):
+        launched.append(spec)
+        oom = fields["tier"] == 0 or ":4x2" in spec or ":8x1" in spec
+        return {"spec": spec, "family": bench_fair.family_of(spec), **fields,
+                "status": "oom" if oom else "ok", "tokens_per_s": 1.0 + len(launched)}
+
+    monkeypatch.setattr(bench_fair, "run_point", fake_run_point)
+    record = {"sweep": [], "invocations": [], "device": "cpu", "commit": "x"}
+    bench_fair.sweep(T40, ["fsdp2-offload"], _args(), record, tmp_path / "r.json")
+    by_spec = {r["spec"]: r["status"] for r in record["sweep"]}
+    assert by_spec["fsdp2-offload:1x8:root=device:dev=1:recompute=off:reshard=off"] == "oom"
+    assert by_spec["fsdp2-offload:1x8:root=device:dev=1:recompute=off"] == "ok"  # tier 1 fits: the ladder stops
+    assert "fsdp2-offload:1x8:root=device:dev=1" not in by_spec
+    assert by_spec["fsdp2-offload:2x4:root=device:dev=1:recompute=off:reshard=off"] == "skipped"  # not launched
+    assert "fsdp2-offload:2x4:root=device:dev=1:recompute=off:reshard=off" not in launched
+    assert by_spec["fsdp2-offload:4x2:root=device:dev=1"] == "oom"  # n = 4: nothing fits
+    assert all(v == "skipped" for k, v in by_spec.items() if ":8x1" in k)  # so nothing at n = 8 is launched
+    assert not any(":8x1" in s for s in launched)
+    best = bench_fair.best_specs(record, T40, ["fsdp2-offload"])
+    assert best == {"fsdp2-offload": "fsdp2-offload:2x4:root=device:dev=1:reshard=off"}  # the fastest that ran
+
+
+def _row(spec, value, n=None, status="ok"):
+    row = {"spec": spec, "status": status, "tokens_per_s": value, "mfu": (value or 0) / 1e5, "peak_hbm_gib": 30.0}
+    if n:
+        row.update(sub_batch_size=n, num_sub_batches=8 // n)
+    return row
+
+
+def test_summary_ratios_medians_overlap_and_binding_caps():
+    lm, fs, ds = ("speedloader-overlap:1x8:root=device:dev=1:keep=53", "fsdp2-offload:4x2:root=device:dev=1",
+                  "deepspeed-offload:8x1")
+    invocations = [{"index": i, "rows": [_row(lm, a, 1), _row(fs, b, 4), _row(ds, c, 8)]}
+                   for i, (a, b, c) in enumerate([(300.0, 200.0, 100.0), (310.0, 150.0, 120.0), (290.0, 210.0, 90.0)])]
+    invocations.append({"index": 3, "rows": [_row(fs, None, 4, status="oom")]})
+    s = bench_fair.summarize({"invocations": invocations}, T40)
+    fam = s["families"]
+    assert (fam["layer-major"]["median"], fam["layer-major"]["min"], fam["layer-major"]["max"]) == (300.0, 290.0, 310.0)
+    assert fam["fsdp2-offload"]["n"] == 3 and fam["fsdp2-offload"]["not_ok"] == ["oom"]
+    r = s["ratios"]["layer-major/fsdp2-offload"]
+    assert r["ratio"] == pytest.approx(1.5) and not r["overlap"]
+    assert r["binds"] and not r["eighth_or_less"]  # its best n = 4 < 8, but not <= 1
+    assert s["ratios"]["layer-major/deepspeed-offload"]["ratio"] == pytest.approx(3.0)
+    assert not s["ratios"]["layer-major/deepspeed-offload"]["binds"]  # its best runs the whole batch at once
+    assert s["ratios"]["best_peer"] == "fsdp2-offload"
+
+
+def test_family_of_every_spec():
+    assert bench_fair.family_of("speedloader-overlap:1x8:keep=3") == "layer-major"
+    assert bench_fair.family_of("speedloader-overlap:1x8:keep=3:eager") == "layer-major-eager"
+    assert bench_fair.family_of("ondevice:1x8:sync=last") == "ceiling"
+    assert bench_fair.family_of("flexgen:32x2:c4") == "flexgen-c4" and bench_fair.family_of("flexgen:32x2") == "flexgen-fp16"
+    assert bench_fair.family_of("speedloader:56x8:device:w=int4:kvq=int8") == "speedloader-int4"
+
+
+def test_below_the_protocol_is_refused_unless_quick(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_fair.main(["cpu_check", "--out-dir", str(tmp_path), "--steps", "2", "--device", "cpu"])
+    assert e.value.code == 2 and "steps=2 (at least 5)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_fair.main(["nonsuch", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bench_fair.main(["cpu_check", "--family", "deepspeed-offload", "--out-dir", str(tmp_path)])
+
+
+def test_host_load_runs_and_stops():
+    import time
+
+    with HostLoad(busy=1, copy=1) as load:
+        time.sleep(3.0)  # the copy process imports numpy and fills its buffers first
+    s = load.summary()
+    assert s["busy_processes"] == 1 and s["copy_processes"] == 1 and s["seconds"] >= 3.0
+    assert s["busy_iterations"] > 0 and s["copy_bytes"] > 0
+    with pytest.raises(ValueError):
+        HostLoad(busy=-1)
+
+
+@pytest.mark.slow
+def test_a_whole_table_on_the_cpu(tmp_path):
+    """cpu_check through real worker processes (tools/bench_train.py --worker): the sweep, two repeat invocations in
+    alternating order, the record's summary; a second part appends to the same record."""
+    argv = ["cpu_check", "--out-dir", str(tmp_path), "--device", "cpu", "--quick", "--steps", "2", "--warmup", "1",
+            "--invocations", "2", "--timeout", "120"]
+    assert bench_fair.main([*argv, "--part", "sweep"]) == 0
+    path = tmp_path / "fair_cpu_check.json"
+    record = json.loads(path.read_text())
+    assert record["protocol"] is False and record["table"]["name"] == "cpu_check"
+    specs = [r["spec"] for r in record["sweep"]]
+    assert specs[0].startswith("speedloader-overlap:1x2") and any(s.startswith("fsdp2-offload:2x1") for s in specs)
+    assert all(r["status"] == "ok" for r in record["sweep"]), [r.get("error") for r in record["sweep"]]
+    assert bench_fair.main([*argv, "--part", "repeat"]) == 0
+    record = json.loads(path.read_text())
+    assert len(record["commands"]) == 2 and len(record["invocations"]) == 2
+    first, second = (inv["order"] for inv in record["invocations"])
+    assert second == list(reversed(first))
+    fam = record["summary"]["families"]
+    assert fam["layer-major"]["n"] == 2 and fam["fsdp2-offload"]["n"] == 2
+    assert "layer-major/fsdp2-offload" in record["summary"]["ratios"]
+    row = record["invocations"][0]["rows"][0]
+    assert len(row["step_times_s"]) == 2 and row["tokens_per_s"] > 0

@@ -1,0 +1,449 @@
+"""One command per table, under the benchmarking protocol (docs/benchmarking.md): every contender at its best,
+repeated, with its spread.
+
+    python tools/bench_fair.py --list                                  # the tables and their contenders
+    python tools/bench_fair.py TABLE --out-dir DIR [--part sweep|repeat|all] [--family F ...]
+    python tools/bench_fair.py TABLE --out-dir DIR --dry-run           # the worker commands, nothing launched
+
+A table fixes the work (model shape, depth, sequence length, effective batch, GPU-memory cap); each contender
+family has its own knobs, swept under the same cap (:func:`train_ladders`, :func:`infer_ladders`):
+
+  sweep    every knob setting of every family in one invocation. A family's settings form ladders: for each
+           micro-batch n that divides the batch, tiers tried in order from the fastest-if-it-fits setting down
+           (no recompute and units gathered once, then one of the two, then neither; layer-major: as many kept
+           (unit, sub-batch) pairs as the cap's memory holds, then fewer); a ladder stops at the first tier with a
+           point that fits. Every tried point, out-of-memory ones included, stays in the record.
+  repeat   each family's best sweep point (:func:`protocol.best_point`), in at least 3 invocations with the order
+           of contenders alternated (:func:`protocol.run_order`); with DeepSpeed in the table (eager: its engine
+           does not run our compiled blocks), layer-major's best point eager beside it.
+  all      sweep, then repeat.
+
+Each part appends to one record, DIR/fair_<table>[_busyK][_copyM].json, written after every worker, so parts can
+be separate device commands. The record's ``summary`` holds, per family, the median and min-max over the repeat
+invocations and ``ratios`` layer-major over every other family (median over median, ``overlap`` where the ranges
+meet, ``binds`` where the peer's best micro-batch is smaller than the batch). ``--host-busy K`` / ``--host-copy M``
+run K busy-loop and M memory-copy processes beside every worker (tools/host_load.py): the busy-host curve.
+
+Workers are tools/bench_train.py and tools/bench_infer.py (``--worker SPEC``), each in its own process with a fresh
+CUDA context, ``--steps`` timed steps after ``--warmup`` (training; at least 5 after 2). Below the protocol's
+minimums the command refuses unless ``--quick``, and its record says ``protocol: false``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+import harness  # noqa: E402
+import protocol  # noqa: E402
+from host_load import HostLoad  # noqa: E402
+
+REPO = harness.REPO
+GIB = 2**30
+LAYER_MAJOR = "layer-major"
+PEERS = ("fsdp2-offload", "deepspeed-offload")  # the canonical offloading peers the ratios are about
+# Bytes of activations one sequence of one block keeps for its backward in bf16 with fused attention, per token and
+# hidden unit (Korthikanti et al. 2022, 34 s h per layer without the s^2 term): the kept-pair estimate's basis.
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
+GPU_MARGIN_GIB = 4.0  # the allocator's workspace, the compiled blocks' buffers, two gathered units in flight
+KEEP_TIERS = 4  # layer-major: kept-pair counts tried per micro-batch, each an eighth of the pairs fewer
+
+
+@dataclass(frozen=True)
+class Table:
+    """The work every row of a table does, and the contender families that do it."""
+
+    name: str
+    kind: str  # 'train' (tools/bench_train.py) or 'infer' (tools/bench_infer.py)
+    model: str  # conf/model/<model>.yaml
+    layers: Optional[int]  # the model's first blocks (None: all)
+    seq_len: int  # training: tokens per sequence; generation: prompt length
+    batch: int  # sequences per optimizer step, or prompts generated at once
+    cap_gib: float  # every contender's GPU-memory cap (the ceiling's own: its states must fit, else uncapped)
+    families: tuple[str, ...]
+    headline: bool = False  # a README table: every row repeated; a map point repeats each family's best
+    gen_len: int = 32
+    compiled: bool = True  # training: every contender that can compiles its blocks (DeepSpeed runs eager)
+    # The GPU-resident modules every offloading contender may keep (layer-major and FSDP2 offload alike): the
+    # root (embeddings, final norm, LM head) and unit 1's states.
+    allowances: str = ":root=device:dev=1"
+    note: str = ""
+
+    @property
+    def figure(self) -> str:
+        return "tokens_per_s" if self.kind == "train" else "generated_tokens_per_s"
+
+
+def _train(name: str, model: str, layers: int, seq_len: int, batch: int, cap: float, *, headline: bool = False,
+           families: Sequence[str] = (LAYER_MAJOR, "fsdp2-offload", "deepspeed-offload", "ceiling"),
+           note: str = "") -> Table:
+    return Table(name, "train", model, layers, seq_len, batch, cap, tuple(families), headline=headline, note=note)
+
+
+def _tables() -> dict[str, Table]:
+    tables = [
+        _train("train_7b_L8_b8_cap40", "llama2_7b", 8, 4096, 8, 40, headline=True,
+               note="the README's 7B-width table: 8 x 4096 tokens under 40 GiB"),
+        _train("train_7b_L8_b32_cap40", "llama2_7b", 8, 4096, 32, 40, headline=True,
+               note="the same at 32 x 4096 tokens"),
+    ]
+    # The regime map: 7B width (8 layers) over the GPU-memory cap and the effective batch; 13B width with 32
+    # sequences at 24 and 40 GiB; 16k-token sequences at batch 8.
+    for cap in (24, 40, 80):
+        for batch in (8, 32, 128):
+            name = f"map_7b_L8_b{batch}_cap{cap}"
+            if not any(t.name == name.replace("map_", "train_") for t in tables):
+                tables.append(_train(name, "llama2_7b", 8, 4096, batch, cap))
+    for cap in (24, 40):
+        tables.append(_train(f"map_13b_L8_b32_cap{cap}", "llama2_13b", 8, 4096, 32, cap))
+    tables.append(_train("map_7b_L8_s16k_b8_cap40", "llama2_7b", 8, 16384, 8, 40))
+    # A check of the code path on a CPU (tests/test_bench_fair.py): the tiny LLaMA, no figure means anything.
+    tables.append(Table("cpu_check", "train", "llama_tiny", 2, 64, 2, 1000, (LAYER_MAJOR, "fsdp2-offload"),
+                        compiled=False, note="the code path on a CPU (tests): no figure means anything"))
+    tables.append(Table("infer_opt30b_24g", "infer", "opt_30b", None, 512, 0, 24,
+                        ("speedloader-int4", "speedloader-bf16", "flexgen-c4", "flexgen-fp16",
+                         "zero-inference-q4", "accelerate"), headline=True,
+                        note="OPT-30B generation under 24 GiB, prompt 512, generate 32"))
+    return {t.name: t for t in tables}
+
+
+TABLES = _tables()
+
+
+# --- the sweep of each family's knobs ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the layer-major kept-pair estimate needs of the model (from ``harness.model_summary``)."""
+
+    params: int
+    root_params: int  # embeddings, final norm, LM head
+    num_layers: int
+    hidden: int
+
+    @property
+    def unit_params(self) -> int:
+        return (self.params - self.root_params) // self.num_layers
+
+    @classmethod
+    def of(cls, table: Table) -> "Shape":
+        cfg = harness.model_config(table.model, layers=table.layers, min_positions=table.seq_len)
+        summary = harness.model_summary(cfg, table.seq_len)
+        tied = getattr(cfg, "tie_word_embeddings", False)
+        root = cfg.vocab_size * cfg.hidden_size * (1 if tied else 2) + cfg.hidden_size
+        return cls(summary["params"], root, cfg.num_layers, cfg.hidden_size)
+
+
+def kept_pairs(table: Table, shape: Shape, n: int) -> int:
+    """Layer-major's first guess of ``keep_activations`` at micro-batch ``n``: the (unit, sub-batch) pairs whose
+    activations the cap's memory holds after the allowances' fp32 states and AdamW moments (16 B a parameter: the
+    root and unit 1), two gathered bf16 units and a margin; at most every pair."""
+    resident = 16 * (shape.root_params + shape.unit_params) + 2 * 2 * shape.unit_params
+    free = table.cap_gib * GIB - resident - GPU_MARGIN_GIB * GIB
+    pair = n * table.seq_len * shape.hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN
+    pairs = shape.num_layers * (table.batch // n)
+    return max(0, min(pairs, int(free // pair)))
+
+
+def ceiling_fits(table: Table, shape: Shape) -> bool:
+    """Whether the on-device ceiling's states (fp32 weights, gradients, AdamW moments: 16 B a parameter) and a
+    margin fit the table's cap; otherwise the ceiling runs uncapped (and says so)."""
+    return 16 * shape.params + GPU_MARGIN_GIB * GIB <= table.cap_gib * GIB
+
+
+def train_ladders(table: Table, family: str, shape: Shape) -> list[list[list[str]]]:
+    """The family's sweep as ladders (one per micro-batch n), each a list of tiers, each a list of bench_train
+    contender specs. A ladder stops at the first tier where a point ran (the later tiers only trade speed for
+    memory at the same n)."""
+    ladders = []
+    for n in protocol.divisors(table.batch):
+        num = table.batch // n
+        shape_spec = f"{n}x{num}"
+        if family == LAYER_MAJOR:
+            if num < 2:  # one sub-batch is the canonical schedule, not layer-major
+                continue
+            pairs = shape.num_layers * num
+            first = kept_pairs(table, shape, n)
+            step = max(1, pairs // 8)
+            keeps = sorted({max(0, first - i * step) for i in range(KEEP_TIERS)}, reverse=True)
+            ladders.append([[f"speedloader-overlap:{shape_spec}{table.allowances}:keep={k}"] for k in keeps])
+        elif family == "fsdp2-offload":
+            base = f"fsdp2-offload:{shape_spec}{table.allowances}"
+            ladders.append([[f"{base}:recompute=off:reshard=off"],
+                            [f"{base}:recompute=off", f"{base}:reshard=off"], [base]])
+        elif family == "ceiling":
+            cap = "" if ceiling_fits(table, shape) else ":cap=none"
+            base = f"ondevice:{shape_spec}:sync=last{cap}"
+            ladders.append([[f"{base}:recompute=off:reshard=off"],
+                            [f"{base}:recompute=off", f"{base}:reshard=off"], [base]])
+        elif family == "deepspeed-offload":
+            ladders.append([[f"deepspeed-offload:{shape_spec}"]])
+        else:
+            raise ValueError(f"table {table.name}: unknown training family {family!r}")
+    return ladders
+
+
+# Generation: each family's batches and policies (FlexGen's gpu_batch_size x num_gpu_batches, ours prompts x
+# sub-batches), one tier each: no point is known to dominate another.
+INFER_POINTS = {
+    "speedloader-int4": ["speedloader:48x4:device:w=int4:kvq=int8", "speedloader:56x8:device:w=int4:kvq=int8",
+                         "speedloader:128x4:split=1:w=int4:kvq=int8"],
+    "speedloader-bf16": ["speedloader:128x4:split=1:kvq=int8", "speedloader:104x8:split=2:cpu=6"],
+    "flexgen-c4": ["flexgen:32x2:c4", "flexgen:48x3:c4", "flexgen:64x4:c4", "flexgen:96x4:c4"],
+    "flexgen-fp16": ["flexgen:32x2", "flexgen:48x3"],
+    "zero-inference-q4": ["zero-inference:16:q4", "zero-inference:32:q4", "zero-inference:64:q4"],
+    "accelerate": ["accelerate:16", "accelerate:32", "accelerate:64"],
+}
+
+
+def infer_ladders(table: Table, family: str) -> list[list[list[str]]]:
+    if family not in INFER_POINTS:
+        raise ValueError(f"table {table.name}: unknown generation family {family!r}")
+    return [[[spec]] for spec in INFER_POINTS[family]]
+
+
+def family_of(spec: str) -> str:
+    """The family a worker spec belongs to (the inverse of the ladders)."""
+    name = spec.split(":")[0]
+    if name.startswith("speedloader-overlap") or name == "speedloader-overlap":
+        return LAYER_MAJOR + ("-eager" if spec.endswith(":eager") else "")
+    if name == "ondevice":
+        return "ceiling"
+    if name == "speedloader":
+        return "speedloader-int4" if "w=int4" in spec else "speedloader-bf16"
+    if name == "flexgen":
+        return "flexgen-c4" if spec.endswith(":c4") else "flexgen-fp16"
+    if name == "zero-inference":
+        return "zero-inference-q4"
+    return name
+
+
+# --- running workers ----------------------------------------------------------------------------------
+
+
+def worker_command(table: Table, spec: str, args: argparse.Namespace) -> list[str]:
+    if table.kind == "train":
+        cmd = [sys.executable, str(REPO / "tools" / "bench_train.py"), "--worker", spec, "--model", table.model,
+               "--layers", str(table.layers), "--seq-len", str(table.seq_len), "--max-gpu-memory-gib",
+               f"{table.cap_gib:g}", "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--device", args.device]
+        return cmd + (["--compile"] if table.compiled else [])
+    cmd = [sys.executable, str(REPO / "tools" / "bench_infer.py"), "--worker", spec, "--model", table.model,
+           "--prompt-len", str(table.seq_len), "--gen-len", str(table.gen_len), "--gpu-memory-gib",
+           f"{table.cap_gib:g}", "--device", args.device]
+    return cmd + (["--layers", str(table.layers)] if table.layers else [])
+
+
+def run_point(table: Table, spec: str, args: argparse.Namespace, **fields) -> dict:
+    """One worker in its own process (beside the host load, if any): its record row."""
+    cmd = worker_command(table, spec, args)
+    if args.dry_run:
+        print(" ".join(cmd), flush=True)
+        return {"spec": spec, "family": family_of(spec), **fields, "status": "dry-run"}
+    with HostLoad(busy=args.host_busy, copy=args.host_copy) as load:
+        outcome = harness.launch_worker(cmd, timeout=args.timeout)
+    row = outcome.row(spec=spec, family=family_of(spec), **fields)
+    if args.host_busy or args.host_copy:
+        row["host_load"] = load.summary()
+    shown = {k: row.get(k) for k in ("family", "spec", "status", table.figure, "peak_hbm_gib", "wall_s")}
+    print(json.dumps(shown), flush=True)
+    return row
+
+
+# Families whose ladders repeat the same tiers at every micro-batch, memory growing with it: a tier out of memory at
+# one n is out of memory at every larger n, so the next ladder starts at the first tier that fitted.
+MONOTONE = ("fsdp2-offload", "ceiling", "deepspeed-offload")
+
+
+def sweep(table: Table, families: Sequence[str], args: argparse.Namespace, record: dict, path: Path) -> None:
+    shape = Shape.of(table) if table.kind == "train" else None
+    for family in families:
+        ladders = train_ladders(table, family, shape) if table.kind == "train" else infer_ladders(table, family)
+        start = 0  # MONOTONE: the first tier still worth trying
+        for ladder_index, ladder in enumerate(ladders):
+            fitted = None
+            for tier_index, tier in enumerate(ladder):
+                if tier_index < start:
+                    rows = [{"spec": spec, "family": family_of(spec), "ladder": ladder_index, "tier": tier_index,
+                             "status": "skipped", "reason": "out of memory at a smaller micro-batch"}
+                            for spec in tier]
+                else:
+                    rows = [run_point(table, spec, args, ladder=ladder_index, tier=tier_index) for spec in tier]
+                record["sweep"] = [r for r in record["sweep"] if r["spec"] not in tier] + rows
+                write(record, path, table, args)
+                if any(r["status"] == "ok" for r in rows):
+                    fitted = tier_index
+                    break
+            if family in MONOTONE and table.kind == "train" and not args.dry_run:
+                start = len(ladder) if fitted is None else fitted
+
+
+def best_specs(record: dict, table: Table, families: Sequence[str]) -> dict[str, str]:
+    """{family: its best sweep point's spec}; with DeepSpeed among them, layer-major's best eager too."""
+    best = {}
+    for family in families:
+        row = protocol.best_point([r for r in record["sweep"] if r["family"] == family], key=table.figure)
+        if row is not None:
+            best[family] = row["spec"]
+    if "deepspeed-offload" in best and LAYER_MAJOR in best:
+        best[LAYER_MAJOR + "-eager"] = best[LAYER_MAJOR] + ":eager"
+    return best
+
+
+def repeat(table: Table, families: Sequence[str], args: argparse.Namespace, record: dict, path: Path) -> None:
+    best = best_specs(record, table, families)
+    if not best:
+        raise SystemExit(f"{table.name}: no sweep point ran in {path}; run --part sweep first")
+    specs = list(best.values())
+    first = len(record["invocations"])
+    for i in range(first, first + args.invocations):
+        order = protocol.run_order(specs, i)
+        rows = [run_point(table, spec, args, invocation=i) for spec in order]
+        record["invocations"].append({"index": i, "order": order, "rows": rows})
+        write(record, path, table, args)
+
+
+# --- the record ---------------------------------------------------------------------------------------
+
+
+def summarize(record: dict, table: Table) -> dict:
+    """Per family: the spread of its best point over the repeat invocations; ratios of layer-major (and of the
+    int4 generation row) over every other family, median over median, with overlap and whether the cap binds
+    (the peer's best micro-batch smaller than the batch)."""
+    by_spec: dict[str, list] = {}
+    for inv in record["invocations"]:
+        for row in inv["rows"]:
+            by_spec.setdefault(row["spec"], []).append(row)
+    families = {}
+    for spec, rows in by_spec.items():
+        stats = protocol.summarize(rows, key=table.figure)
+        ok = [r for r in rows if r.get("status") == "ok"]
+        entry = {"spec": spec, **stats}
+        if ok and table.kind == "train":
+            entry.update(sub_batch_size=ok[0].get("sub_batch_size"), num_sub_batches=ok[0].get("num_sub_batches"),
+                         mfu_median=protocol.spread(r["mfu"] for r in ok)["median"],
+                         peak_hbm_gib_max=max(r.get("peak_hbm_gib", 0.0) for r in ok))
+        families[family_of(spec)] = entry
+    ours_name = LAYER_MAJOR if table.kind == "train" else "speedloader-int4"
+    ratios = {}
+    ours = families.get(ours_name)
+    if ours and ours["median"]:
+        for name, theirs in families.items():
+            if name == ours_name or not theirs["median"]:
+                continue
+            r = protocol.ratio(ours, theirs)
+            if table.kind == "train" and name in PEERS and theirs.get("sub_batch_size"):
+                r["binds"] = theirs["sub_batch_size"] < table.batch
+                r["eighth_or_less"] = theirs["sub_batch_size"] * 8 <= table.batch
+            ratios[f"{ours_name}/{name}"] = r
+        peers = [(families[p]["median"], p) for p in PEERS if families.get(p, {}).get("median")]
+        if peers:
+            ratios["best_peer"] = max(peers)[1]
+    return {"families": families, "ratios": ratios}
+
+
+def write(record: dict, path: Path, table: Table, args: argparse.Namespace) -> None:
+    record["summary"] = summarize(record, table)
+    if not args.dry_run:
+        harness.write_record(path, record)
+
+
+def markdown(record: dict, table: Table) -> str:
+    lines = [f"{table.name} ({record['device']}, commit {record['commit'][:10]}): {table.note}", "",
+             f"| family | best point | {table.figure} median | min-max | n | spread |", "|---|---|---|---|---|---|"]
+    for family, s in record["summary"]["families"].items():
+        if s["median"] is None:
+            lines.append(f"| {family} | {s['spec']} | - | - | 0 | {s['not_ok']} |")
+            continue
+        lines.append(f"| {family} | {s['spec']} | {s['median']:,.1f} | {s['min']:,.1f}-{s['max']:,.1f} | {s['n']} "
+                     f"| {s['spread']:.1%} |")
+    for name, r in record["summary"]["ratios"].items():
+        if isinstance(r, dict):
+            lines.append(f"- {name}: **{r['ratio']:.2f}x**" + (" (ranges overlap: no measurable difference)"
+                                                              if r["overlap"] else ""))
+    lines.append("")
+    lines.append(f"sweep: {sum(r['status'] == 'ok' for r in record['sweep'])} points ran, "
+                 f"{sum(r['status'] == 'oom' for r in record['sweep'])} out of memory, "
+                 f"{sum(r['status'] not in ('ok', 'oom') for r in record['sweep'])} other")
+    return "\n".join(lines)
+
+
+def record_path(table: Table, args: argparse.Namespace) -> Path:
+    load = (f"_busy{args.host_busy}" if args.host_busy else "") + (f"_copy{args.host_copy}" if args.host_copy else "")
+    return Path(args.out_dir, f"fair_{table.name}{load}.json")
+
+
+def load_record(table: Table, args: argparse.Namespace, path: Path) -> dict:
+    header = harness.record_header("fair", __file__, device=harness.cpu_name() if args.device == "cpu" else None)
+    if path.is_file():
+        record = json.loads(path.read_text())
+        if record["table"] != json.loads(json.dumps(dataclasses.asdict(table))):
+            raise SystemExit(f"{path} holds another definition of {table.name}: move it away or use another --out-dir")
+        record["commands"].append({k: header[k] for k in ("command", "commit", "device", "timestamp")})
+        return record
+    return {**header, "commands": [{k: header[k] for k in ("command", "commit", "device", "timestamp")}],
+            "table": dataclasses.asdict(table), "protocol": not args.quick,
+            "rules": {"invocations": args.invocations, "steps": args.steps, "warmup": args.warmup},
+            "host_load": {"busy": args.host_busy, "copy": args.host_copy}, "sweep": [], "invocations": []}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("table", nargs="?", help="a table name (--list shows them)")
+    parser.add_argument("--list", action="store_true", help="the tables, their work and contender families")
+    parser.add_argument("--part", choices=("sweep", "repeat", "all"), default="all")
+    parser.add_argument("--family", action="append", default=[], help="only these families (repeatable)")
+    parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--invocations", type=int, default=protocol.MIN_INVOCATIONS)
+    parser.add_argument("--steps", type=int, default=protocol.MIN_TIMED_STEPS)
+    parser.add_argument("--warmup", type=int, default=protocol.MIN_WARMUP_STEPS)
+    parser.add_argument("--quick", action="store_true", help="allow fewer than the protocol's minimums (marked)")
+    parser.add_argument("--host-busy", type=int, default=0, help="busy-loop processes beside every worker")
+    parser.add_argument("--host-copy", type=int, default=0, help="memory-copy processes beside every worker")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per worker")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a check of the code path (tests); no figure means anything")
+    parser.add_argument("--dry-run", action="store_true", help="print the worker commands, launch nothing")
+    args = parser.parse_args(argv)
+    if args.list or not args.table:
+        for t in TABLES.values():
+            print(f"{t.name:28s} {t.kind:5s} {t.model} L{t.layers or 'all'} s{t.seq_len} batch {t.batch} "
+                  f"cap {t.cap_gib:g} GiB {'headline' if t.headline else 'map'}: {', '.join(t.families)}")
+        return 0
+    if args.table not in TABLES:
+        parser.error(f"unknown table {args.table!r}; --list shows the {len(TABLES)} tables")
+    table = TABLES[args.table]
+    families = args.family or list(table.families)
+    unknown = sorted(set(families) - set(table.families))
+    if unknown:
+        parser.error(f"table {table.name} has no families {unknown}; it has {', '.join(table.families)}")
+    if not args.quick:
+        try:
+            protocol.check_protocol(invocations=args.invocations, steps=args.steps, warmup=args.warmup)
+        except ValueError as e:
+            parser.error(str(e))
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the trainer sets it
+    path = record_path(table, args)
+    record = load_record(table, args, path)
+    if args.quick:
+        record["protocol"] = False
+    if args.part in ("sweep", "all"):
+        sweep(table, families, args, record, path)
+    if args.part in ("repeat", "all") and not args.dry_run:
+        repeat(table, families, args, record, path)
+    write(record, path, table, args)
+    if not args.dry_run:
+        print(markdown(record, table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
