@@ -275,8 +275,10 @@ def sweep(table: Table, families: Sequence[str], args: argparse.Namespace, recor
                     rows = [{"spec": spec, "family": family_of(spec), "ladder": ladder_index, "tier": tier_index,
                              "status": "skipped", "reason": "out of memory at a smaller micro-batch"}
                             for spec in tier]
-                else:
-                    rows = [run_point(table, spec, args, ladder=ladder_index, tier=tier_index) for spec in tier]
+                else:  # a point an earlier part of this record already ran is not run again
+                    done = {r["spec"]: r for r in record["sweep"] if r["status"] in ("ok", "oom")}
+                    rows = [done.get(spec) or run_point(table, spec, args, ladder=ladder_index, tier=tier_index)
+                            for spec in tier]
                 record["sweep"] = [r for r in record["sweep"] if r["spec"] not in tier] + rows
                 write(record, path, table, args)
                 if any(r["status"] == "ok" for r in rows):
