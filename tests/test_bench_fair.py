@@ -155,3 +155,28 @@ def test_a_whole_table_on_the_cpu(tmp_path):
     assert "layer-major/fsdp2-offload" in record["summary"]["ratios"]
     row = record["invocations"][0]["rows"][0]
     assert len(row["step_times_s"]) == 2 and row["tokens_per_s"] > 0
+
+
+def test_every_tables_points_are_well_formed_worker_specs():
+    """Every point of every table parses as its worker's contender (tools/bench_train.py's parse_contender,
+    tools/bench_infer.py's contender names): a table cannot send a GPU machine a spec its worker refuses."""
+    import bench_infer
+    import bench_train
+
+    for table in bench_fair.TABLES.values():
+        shape = bench_fair.Shape.of(table) if table.kind == "train" else None
+        for family in table.families:
+            ladders = (bench_fair.train_ladders(table, family, shape) if table.kind == "train"
+                       else bench_fair.infer_ladders(table, family))
+            specs = [spec for ladder in ladders for tier in ladder for spec in tier]
+            assert specs, (table.name, family)
+            for spec in specs:
+                assert bench_fair.family_of(spec) == family, (table.name, spec)
+                if table.kind == "train":
+                    contender = bench_train.parse_contender(spec, None, table.compiled)
+                    n, num = (int(v) for v in contender.shape.split("x"))
+                    assert n * num == table.batch, spec
+                    if family in ("layer-major", "fsdp2-offload"):
+                        assert contender.root_on_device and contender.dev >= 1, spec  # the same allowances
+                else:
+                    assert spec.split(":")[0] in bench_infer.CONTENDERS, spec

@@ -2,7 +2,7 @@
 ``ModelConfig``, MFU counts a mixture of experts' active parameters, every contender of a mixture of experts runs
 the same Hugging Face experts kernel and builds the model from the ``ModelConfig``, the canonical FSDP2
 contenders shard an MoE block as one unit, DeepSpeed gets the MoE blocks as ZeRO-3 leaf modules, and a generation
-contender that cannot run a model is recorded as unsupported. The figures need a GPU (tools/bench_moe.sh); here
+contender that cannot run a model is recorded as unsupported. The figures need a GPU (tools/bench_fair.py); here
 the CPU checks the code paths (``--device cpu``) and tiny random MoE models stand in for the real shapes.
 """
 
@@ -283,47 +283,6 @@ def test_flexgen_refuses_what_it_cannot_run(tmp_path, monkeypatch):
     assert not launched and row["status"] == "unsupported" and "OPT only" in row["reason"]
     assert "speedup" not in record and record["model"]["num_experts"] == 8
     assert "unsupported: FlexGen" in bench_infer._row(row)
-
-
-# --- tools/bench_moe.sh: every command it runs parses ------------------------------------------------
-
-
-def _dry_run(tmp_path: Path, *parts: str, budget: str = "570") -> list[str]:
-    env = {**harness.child_env(), "FSL_BENCH_DRY_RUN": "1", "FSL_BENCH_BUDGET_S": budget, "FSL_COMMIT": "abc123"}
-    done = subprocess.run(["bash", str(TOOLS / "bench_moe.sh"), str(tmp_path), *parts], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=60)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.splitlines()
-
-
-def test_bench_moe_script_runs_well_formed_commands(tmp_path):
-    """tools/bench_moe.sh (dry run): every benchmark names a known model, 8 x 4096-token steps and well-formed
-    contenders, writes its record under OUT_DIR; parts run as asked; the optional LLaMA-2 pair obeys the budget."""
-    lines = _dry_run(tmp_path)
-    assert lines[0].startswith("commit abc123")
-    commands = [line.split()[1:] for line in lines if line.startswith("python3 tools/")]
-    assert [c[0] for c in commands] == ["tools/bench_train.py", "tools/bench_infer.py", "tools/bench_train.py",
-                                        "tools/bench_train.py"]
-    models = []
-    for argv in commands:
-        models.append(argv[argv.index("--model") + 1])
-        assert argv[argv.index("--out-dir") + 1] == str(tmp_path) and "--name" in argv and "--timeout" in argv
-        contenders = [argv[i + 1] for i, a in enumerate(argv) if a == "--contender"]
-        if argv[0].endswith("bench_train.py"):
-            parsed = [bench_train.parse_contender(c, None, "--compile" in argv) for c in contenders]
-            assert {p.shape for p in parsed} == {"2x4"} and argv[argv.index("--seq-len") + 1] == "4096"
-            assert argv[argv.index("--max-gpu-memory-gib") + 1] == "40"
-        else:
-            assert {c.partition(":")[0] for c in contenders} == {"speedloader", "accelerate"}
-            assert (argv[argv.index("--prompt-len") + 1], argv[argv.index("--gen-len") + 1]) == ("512", "32")
-    assert models == ["qwen3_30b_a3b", "mixtral_8x7b", "llama3_8b", "llama2_7b"]
-    assert all(m in harness.conf_model_names() for m in models)
-    moe = commands[0]
-    assert [bench_train.parse_contender(moe[i + 1], None).name for i, a in enumerate(moe) if a == "--contender"] == [
-        "speedloader-overlap", "ondevice", "fsdp2-offload", "deepspeed-offload"]
-    lines = _dry_run(tmp_path, "moe_infer", "llama2", budget="0")
-    assert [line.split()[1] for line in lines if line.startswith("python3 ")] == ["tools/bench_infer.py"]
-    assert any(line.startswith("llama2_7b_L8_s4096_b8_cap40: skipped") for line in lines)
 
 
 # --- the workers on the CPU (code paths; no figure means anything) ------------------------------------

@@ -8,7 +8,6 @@ The real kernels' gradient parity is in tests/test_gpu_kernels.py."""
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -222,60 +221,6 @@ def test_bench_train_kernel_suffixes():
                 "deepspeed-offload:2x4:liger"):
         with pytest.raises(ValueError, match=":liger"):
             bench_train.parse_contender(bad, None)
-
-
-def test_bench_kernels_script_runs_well_formed_commands(tmp_path):
-    """tools/bench_kernels.sh (dry run): the 7B-width 8-layer table at 8 x 4096 tokens and a 40 GiB cap, the ceiling,
-    the baseline and one lever per row, then the combination; every contender parses."""
-    env = {"PATH": "/usr/bin:/bin", "FSL_BENCH_DRY_RUN": "1", "FSL_COMMIT": "abc123"}
-    done = subprocess.run(["bash", str(TOOLS / "bench_kernels.sh"), str(tmp_path)], capture_output=True, text=True,
-                          env=env, timeout=60)
-    assert done.returncode == 0, done.stderr
-    commands = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("python3 tools/")]
-    assert len(commands) == 2
-    specs = []
-    for argv in commands:
-        assert argv[0] == "tools/bench_train.py" and "--compile" in argv
-        for flag, value in (("--model", "llama2_7b"), ("--layers", "8"), ("--seq-len", "4096"),
-                            ("--max-gpu-memory-gib", "40"), ("--out-dir", str(tmp_path))):
-            assert argv[argv.index(flag) + 1] == value
-        specs += [bench_train.parse_contender(argv[i + 1], None, True) for i, a in enumerate(argv) if a == "--contender"]
-    assert [(c.name, c.sdpa, c.liger, c.fp8) for c in specs] == [
-        ("ondevice", "auto", False, None), ("speedloader-overlap", "auto", False, None),
-        ("speedloader-overlap", "cudnn", False, None), ("speedloader-overlap", "auto", True, None),
-        ("speedloader-overlap", "auto", False, "tensorwise"), ("speedloader-overlap", "cudnn", True, "tensorwise"),
-        ("ondevice", "cudnn", True, "tensorwise")]
-
-
-def test_bench_recompute_script_runs_well_formed_commands(tmp_path):
-    """tools/bench_recompute.sh (dry run): the 8-layer table under the 40 GiB cap with the ceiling with and without
-    recompute and layer-major keeping pairs, the cuDNN attention rows, the ceiling with its units gathered once per
-    step, layer-major with unit 1's states on the GPU, the Liger rows, then the full 7B keeping what the card holds; every contender parses, no count of kept pairs exceeds the pairs the shape has, and each command
-    writes its own record."""
-    env = {"PATH": "/usr/bin:/bin", "FSL_BENCH_DRY_RUN": "1", "FSL_COMMIT": "abc123"}
-    done = subprocess.run(["bash", str(TOOLS / "bench_recompute.sh"), str(tmp_path), "ceiling", "cudnn", "gathered",
-                           "tail", "liger", "full"],
-                          capture_output=True, text=True, env=env, timeout=60)
-    assert done.returncode == 0, done.stderr
-    commands = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("python3 tools/")]
-    assert len(commands) == 8
-    names = [argv[argv.index("--name") + 1] for argv in commands]
-    assert len(set(names)) == len(names)  # bench_train writes a record per --name: none overwrites another
-    recompute_off = gathered = 0
-    for argv in commands:
-        assert argv[0] == "tools/bench_train.py" and "--compile" in argv
-        assert argv[argv.index("--out-dir") + 1] == str(tmp_path)
-        layers = int(argv[argv.index("--layers") + 1])
-        assert layers in (8, 32) and argv[argv.index("--model") + 1] == "llama2_7b"
-        for spec in (argv[i + 1] for i, a in enumerate(argv) if a == "--contender"):
-            c = bench_train.parse_contender(spec, None, True)
-            sub_batches = int(c.shape.split("x")[1])
-            assert c.keep <= layers * sub_batches, spec  # one block per unit
-            recompute_off += not c.recompute
-            gathered += (c.sync, c.reshard) == ("last", False)
-            if layers == 32:
-                assert not c.root_on_device and c.name == "speedloader-overlap"  # every model state on the host
-    assert (recompute_off, gathered) == (11, 3)
 
 
 @pytest.mark.parametrize("version", ["0.8.1", "0.8.5", None])

@@ -74,6 +74,9 @@ class Table:
     # The GPU-resident modules every offloading contender may keep (layer-major and FSDP2 offload alike): the
     # root (embeddings, final norm, LM head) and unit 1's states.
     allowances: str = ":root=device:dev=1"
+    # Opt-in kernel levers (tools/bench_train.py's :liger, :fp8, :sdpa=B) given to every contender that takes them
+    # (all but DeepSpeed): a table of levers compares like with like.
+    levers: str = ""
     note: str = ""
 
     @property
@@ -81,10 +84,16 @@ class Table:
         return "tokens_per_s" if self.kind == "train" else "generated_tokens_per_s"
 
 
-def _train(name: str, model: str, layers: int, seq_len: int, batch: int, cap: float, *, headline: bool = False,
-           families: Sequence[str] = (LAYER_MAJOR, "fsdp2-offload", "deepspeed-offload", "ceiling"),
-           note: str = "") -> Table:
-    return Table(name, "train", model, layers, seq_len, batch, cap, tuple(families), headline=headline, note=note)
+TRAIN_FAMILIES = (LAYER_MAJOR, "fsdp2-offload", "deepspeed-offload", "ceiling")
+
+
+def _train(name: str, model: str, layers: Optional[int], seq_len: int, batch: int, cap: float, *,
+           headline: bool = False, families: Sequence[str] = TRAIN_FAMILIES, **fields) -> Table:
+    return Table(name, "train", model, layers, seq_len, batch, cap, tuple(families), headline=headline, **fields)
+
+
+def _infer(name: str, model: str, families: Sequence[str], note: str) -> Table:
+    return Table(name, "infer", model, None, 512, 0, 24, tuple(families), headline=True, note=note)
 
 
 def _tables() -> dict[str, Table]:
@@ -104,13 +113,31 @@ def _tables() -> dict[str, Table]:
     for cap in (24, 40):
         tables.append(_train(f"map_13b_L8_b32_cap{cap}", "llama2_13b", 8, 4096, 32, cap))
     tables.append(_train("map_7b_L8_s16k_b8_cap40", "llama2_7b", 8, 16384, 8, 40))
+    # The families of today (the former tools/bench_moe.sh): a mixture of experts whose states exceed the cap (its
+    # ceiling runs uncapped; units 1-2 on the GPU, as measured before) and Llama-3's wider vocabulary.
+    tables.append(_train("train_qwen3moe_L4_b8_cap40", "qwen3_30b_a3b", 4, 4096, 8, 40, headline=True,
+                         allowances=":root=device:dev=2", note="Qwen3-30B-A3B shape, 4 layers, 8 x 4096 tokens"))
+    tables.append(_train("train_llama3_8b_L8_b8_cap40", "llama3_8b", 8, 4096, 8, 40, headline=True,
+                         note="Llama-3-8B shape, 8 layers, 8 x 4096 tokens"))
+    # The opt-in kernel levers (the former tools/bench_kernels.sh), every contender with the same ones.
+    tables.append(_train("levers_7b_L8_b8_cap40", "llama2_7b", 8, 4096, 8, 40,
+                         families=(LAYER_MAJOR, "fsdp2-offload", "ceiling"), levers=":liger:fp8",
+                         note="Liger's kernels and torchao float8 linears in every contender"))
+    # Full LLaMA-2-7B, every model state on the host (the former tools/bench_recompute.sh full): its ceiling holds
+    # 108 GB of states, uncapped (fits an H200, not an H100: recorded out of memory there).
+    tables.append(_train("full_llama2_7b_b8_cap40", "llama2_7b", None, 4096, 8, 40, headline=True,
+                         note="full LLaMA-2-7B (32 layers), 8 x 4096 tokens under 40 GiB"))
     # A check of the code path on a CPU (tests/test_bench_fair.py): the tiny LLaMA, no figure means anything.
     tables.append(Table("cpu_check", "train", "llama_tiny", 2, 64, 2, 1000, (LAYER_MAJOR, "fsdp2-offload"),
                         compiled=False, note="the code path on a CPU (tests): no figure means anything"))
-    tables.append(Table("infer_opt30b_24g", "infer", "opt_30b", None, 512, 0, 24,
-                        ("speedloader-int4", "speedloader-bf16", "flexgen-c4", "flexgen-fp16",
-                         "zero-inference-q4", "accelerate"), headline=True,
-                        note="OPT-30B generation under 24 GiB, prompt 512, generate 32"))
+    # Generation under 24 GiB, prompt 512, generate 32 (the former tools/bench_quant.sh and bench_moe.sh parts).
+    tables.append(_infer("infer_opt30b_24g", "opt_30b", ("speedloader-int4", "speedloader-bf16", "flexgen-c4",
+                                                         "flexgen-fp16", "zero-inference-q4", "accelerate"),
+                         "OPT-30B generation under 24 GiB"))
+    tables.append(_infer("infer_llama2_70b_24g", "llama2_70b", ("speedloader-int4", "zero-inference-q4"),
+                         "LLaMA-2-70B shape (more than the host in bf16): int4 weights streamed"))
+    tables.append(_infer("infer_mixtral_24g", "mixtral_8x7b", ("speedloader-bf16", "zero-inference-bf16",
+                                                               "accelerate"), "Mixtral-8x7B generation under 24 GiB"))
     return {t.name: t for t in tables}
 
 
@@ -145,12 +172,17 @@ class Shape:
 def kept_pairs(table: Table, shape: Shape, n: int) -> int:
     """Layer-major's first guess of ``keep_activations`` at micro-batch ``n``: the (unit, sub-batch) pairs whose
     activations the cap's memory holds after the allowances' fp32 states and AdamW moments (16 B a parameter: the
-    root and unit 1), two gathered bf16 units and a margin; at most every pair."""
-    resident = 16 * (shape.root_params + shape.unit_params) + 2 * 2 * shape.unit_params
+    root and the device units), two gathered bf16 units and a margin; at most every pair."""
+    resident = 16 * (shape.root_params + device_units(table) * shape.unit_params) + 2 * 2 * shape.unit_params
     free = table.cap_gib * GIB - resident - GPU_MARGIN_GIB * GIB
     pair = n * table.seq_len * shape.hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN
     pairs = shape.num_layers * (table.batch // n)
     return max(0, min(pairs, int(free // pair)))
+
+
+def device_units(table: Table) -> int:
+    """The units whose states the allowances keep on the GPU (``:dev=K``)."""
+    return next((int(o[4:]) for o in table.allowances.split(":") if o.startswith("dev=")), 0)
 
 
 def ceiling_fits(table: Table, shape: Shape) -> bool:
@@ -174,14 +206,15 @@ def train_ladders(table: Table, family: str, shape: Shape) -> list[list[list[str
             first = kept_pairs(table, shape, n)
             step = max(1, pairs // 8)
             keeps = sorted({max(0, first - i * step) for i in range(KEEP_TIERS)}, reverse=True)
-            ladders.append([[f"speedloader-overlap:{shape_spec}{table.allowances}:keep={k}"] for k in keeps])
+            ladders.append([[f"speedloader-overlap:{shape_spec}{table.allowances}{table.levers}:keep={k}"]
+                            for k in keeps])
         elif family == "fsdp2-offload":
-            base = f"fsdp2-offload:{shape_spec}{table.allowances}"
+            base = f"fsdp2-offload:{shape_spec}{table.allowances}{table.levers}"
             ladders.append([[f"{base}:recompute=off:reshard=off"],
                             [f"{base}:recompute=off", f"{base}:reshard=off"], [base]])
         elif family == "ceiling":
             cap = "" if ceiling_fits(table, shape) else ":cap=none"
-            base = f"ondevice:{shape_spec}:sync=last{cap}"
+            base = f"ondevice:{shape_spec}{table.levers}:sync=last{cap}"
             ladders.append([[f"{base}:recompute=off:reshard=off"],
                             [f"{base}:recompute=off", f"{base}:reshard=off"], [base]])
         elif family == "deepspeed-offload":
@@ -194,20 +227,32 @@ def train_ladders(table: Table, family: str, shape: Shape) -> list[list[list[str
 # Generation: each family's batches and policies (FlexGen's gpu_batch_size x num_gpu_batches, ours prompts x
 # sub-batches), one tier each: no point is known to dominate another.
 INFER_POINTS = {
-    "speedloader-int4": ["speedloader:48x4:device:w=int4:kvq=int8", "speedloader:56x8:device:w=int4:kvq=int8",
-                         "speedloader:128x4:split=1:w=int4:kvq=int8"],
-    "speedloader-bf16": ["speedloader:128x4:split=1:kvq=int8", "speedloader:104x8:split=2:cpu=6"],
-    "flexgen-c4": ["flexgen:32x2:c4", "flexgen:48x3:c4", "flexgen:64x4:c4", "flexgen:96x4:c4"],
-    "flexgen-fp16": ["flexgen:32x2", "flexgen:48x3"],
-    "zero-inference-q4": ["zero-inference:16:q4", "zero-inference:32:q4", "zero-inference:64:q4"],
-    "accelerate": ["accelerate:16", "accelerate:32", "accelerate:64"],
+    "infer_opt30b_24g": {
+        "speedloader-int4": ["speedloader:48x4:device:w=int4:kvq=int8", "speedloader:56x8:device:w=int4:kvq=int8",
+                             "speedloader:128x4:split=1:w=int4:kvq=int8"],
+        "speedloader-bf16": ["speedloader:128x4:split=1:kvq=int8", "speedloader:104x8:split=2:cpu=6"],
+        "flexgen-c4": ["flexgen:32x2:c4", "flexgen:48x3:c4", "flexgen:64x4:c4", "flexgen:96x4:c4"],
+        "flexgen-fp16": ["flexgen:32x2", "flexgen:48x3"],
+        "zero-inference-q4": ["zero-inference:16:q4", "zero-inference:32:q4", "zero-inference:64:q4"],
+        "accelerate": ["accelerate:16", "accelerate:32", "accelerate:64"],
+    },
+    "infer_llama2_70b_24g": {
+        "speedloader-int4": ["speedloader:128x8:device:w=int4:kvq=int8", "speedloader:192x16:device:w=int4:kvq=int8"],
+        "zero-inference-q4": ["zero-inference:32:q4", "zero-inference:64:q4", "zero-inference:96:q4"],
+    },
+    "infer_mixtral_24g": {
+        "speedloader-bf16": ["speedloader:128x8", "speedloader:256x8", "speedloader:512x16"],
+        "zero-inference-bf16": ["zero-inference:32:bf16", "zero-inference:64:bf16", "zero-inference:96:bf16"],
+        "accelerate": ["accelerate:16", "accelerate:32", "accelerate:64"],
+    },
 }
 
 
 def infer_ladders(table: Table, family: str) -> list[list[list[str]]]:
-    if family not in INFER_POINTS:
+    points = INFER_POINTS.get(table.name, {})
+    if family not in points:
         raise ValueError(f"table {table.name}: unknown generation family {family!r}")
-    return [[[spec]] for spec in INFER_POINTS[family]]
+    return [[[spec]] for spec in points[family]]
 
 
 def family_of(spec: str) -> str:
@@ -222,7 +267,7 @@ def family_of(spec: str) -> str:
     if name == "flexgen":
         return "flexgen-c4" if spec.endswith(":c4") else "flexgen-fp16"
     if name == "zero-inference":
-        return "zero-inference-q4"
+        return "zero-inference-q4" if ":q4" in spec else "zero-inference-bf16"
     return name
 
 
@@ -231,8 +276,9 @@ def family_of(spec: str) -> str:
 
 def worker_command(table: Table, spec: str, args: argparse.Namespace) -> list[str]:
     if table.kind == "train":
+        layers = table.layers or harness.model_config(table.model).num_layers
         cmd = [sys.executable, str(REPO / "tools" / "bench_train.py"), "--worker", spec, "--model", table.model,
-               "--layers", str(table.layers), "--seq-len", str(table.seq_len), "--max-gpu-memory-gib",
+               "--layers", str(layers), "--seq-len", str(table.seq_len), "--max-gpu-memory-gib",
                f"{table.cap_gib:g}", "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--device", args.device]
         return cmd + (["--compile"] if table.compiled else [])

@@ -42,7 +42,7 @@ norm and LM head of a speedloader contender on the GPU):
 Kernel levers (``fsdp_speedloader.kernels``, every contender but DeepSpeed, recorded per row): ``:sdpa=cudnn`` (or
 flash, efficient, math) pins the blocks' attention backend, ``:liger`` binds Liger's RMSNorm, SwiGLU and RoPE,
 ``:fp8`` (or ``:fp8=rowwise``) makes the blocks' linears torchao float8 (MFU stays against the bf16 peak);
-tools/bench_kernels.sh runs the table of issue 22 with them.
+tools/bench_fair.py's levers table gives them to every contender.
 The speedloader contenders are built from one ``SpeedLoaderOptions``; the FSDP2 contenders are the trainer's
 canonical schedule (``fsdp_speedloader.app.trainer.apply_schedule``), and their step is the trainer's own
 (``fsdp_speedloader.app.trainer.canonical_forward_backward``).

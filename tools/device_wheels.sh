@@ -14,11 +14,11 @@ pip wheel -q --no-deps -w "$out" antlr4-python3-runtime==4.9.3
 pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any \
   --find-links "$out" -d "$out" "hydra-core==1.3.*" "omegaconf>=2.3" wandb "$@"
-# The kernels extra (liger-kernel, torchao: tools/bench_kernels.sh), without dependencies: theirs are torch and
+# The kernels extra (liger-kernel, torchao: bench_fair.py's levers table), without dependencies: theirs are torch and
 # triton, which the GPU image has (downloading them would replace its CUDA build).
 pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 \
   --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform any -d "$out" \
   "liger-kernel>=0.8,<0.9" "torchao>=0.18,<0.19"
-# Liger 0.8.1 too: tools/bench_kernels.sh's liger_ab part measures it against the newest 0.8 under torch.compile.
+# Liger 0.8.1 too: an A/B of releases under torch.compile (docs/results.md, kernel levers).
 pip download -q --no-deps --only-binary=:all: --platform any -d "$out" "liger-kernel==0.8.1"
 du -sh "$out"
