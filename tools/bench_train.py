@@ -399,7 +399,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     adapter = get_adapter(model)
     offload = name != "ondevice"
     layer_major = name.startswith("speedloader")
-    mesh = build_mesh(args.device)
+    mesh = build_mesh(args.device, args.dp_replicate)  # dp_replicate > 1: HSDP, one replica per node
     gradient_sync, reshard, scope = None, True, None
     if layer_major:
         options = SpeedLoaderOptions(
@@ -482,6 +482,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         "num_sub_batches": num_sub, "max_gpu_memory_gib": cap, "experts_implementation": experts,
         "sdpa_backend": contender.sdpa, "liger_kernels": contender.liger, "float8_training": contender.fp8,
         "num_fsdp_units": len(units), "blocks_per_fsdp_unit": blocks_per_fsdp_unit,
+        "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
         **step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
                        flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops,
                        attention_flops_per_token=adapter.attention_flops_per_token(args.seq_len),
@@ -538,6 +539,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: a check of the workers' code path (tests); no figure means anything")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--dp-replicate", type=int, default=1,
+                        help="under torchrun: HSDP replicas (the number of nodes; DeepSpeed's ZeRO-3 ignores it)")
     parser.add_argument("--profile", action="store_true", help="trace one extra step and summarize it")
     parser.add_argument("--name", default=None)
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
