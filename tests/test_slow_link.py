@@ -7,6 +7,8 @@
 - Where this machine lets root make network namespaces (``slow``, skipped otherwise with the reason): gloo's
   all-reduce over a 0.5 Gbit/s veth link measures just under the rate, with every byte counted on the link; the
   tiny HSDP training runs over it; cleanup removes what a killed run left; nothing is left behind.
+- GPU (marked ``gpu``; 2 GPUs as 2 nodes x 1): NCCL's all-reduce over a 10 Gbit/s link, through its socket
+  transport only (its own log), at no more than the rate, every byte counted on the link.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from launch_utils import TINY_OVERRIDES, TOOLS, clean_env, read_metrics, tail
 
@@ -186,3 +189,25 @@ def test_cleanup_removes_what_a_killed_run_left(netns_link):
     assert {f"netns fsl{dead.pid}n0", f"netns fsl{dead.pid}n1"} <= set(removed)
     assert not [x for x in slow_link.leftovers() if f"fsl{dead.pid}" in x]
     slow_link.close_link(link)  # idempotent: nothing left to remove
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (2 nodes x 1)")
+def test_nccl_all_reduce_over_a_10_gbit_link(tmp_path, netns_link):
+    """On the GPU machine: NCCL between the two nodes goes through its socket transport over the shaped veth (its
+    own log says so), at no more than the link's rate, with every byte counted on the link."""
+    env = clean_env(tmp_path, NCCL_DEBUG="INFO")
+    env.pop("CUDA_VISIBLE_DEVICES")  # clean_env hides GPUs: this test wants them
+    cmd = [sys.executable, str(TOOLS / "allreduce_bw.py"), "--device", "cuda", "--link-gbit", "10", "--sizes-mb",
+           "16,64", "--min-time-s", "1", "--out-dir", str(tmp_path), "--name", "bw", "--timeout", "200"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=260)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, tail(out, 8000)
+    channels = [line for line in out.splitlines() if re.search(r"Channel \d+.* via ", line)]
+    assert channels and all("via NET/Socket" in line for line in channels), channels[:5]
+    record = json.loads((tmp_path / "bw.json").read_text())
+    assert record["backend"] == "nccl" and record["link"]["mode"] == "netns"
+    largest = record["rows"][-1]
+    assert largest["busbw_gbit_s"] <= 10.5, largest
+    assert all(0.99 <= sent / largest["expected_bytes_per_direction"] < 1.25 for sent in largest["link_bytes_per_node"])
+    assert set(slow_link.leftovers()) <= netns_link

@@ -32,6 +32,8 @@ own GPU cap (the on-device ceiling of a model whose states exceed the others' ca
       --contender speedloader-overlap:2x4:root=device --contender fsdp2-offload:2x4 \
       --contender deepspeed-offload:2x4 --contender ondevice:2x4:cap=none --steps 3 --warmup 1
 ``--device cpu`` runs a worker on the CPU: a check of the code path (tests), no figure means anything.
+A worker under torchrun (tools/bench_scale.py) shards over every rank; ``--dp-replicate R`` gives it an HSDP mesh
+instead (R replicas, one per node; recorded as ``mesh``), except DeepSpeed's, which stays ZeRO-3 over all ranks.
 ``--param-transfer-dtype bf16`` makes the speedloader contenders transfer a bf16 copy of each offloaded
 fp32 shard (half the host-to-device parameter bytes); a ``:transfer=bf16`` or ``:transfer=fp32``
 suffix sets it per contender, so one invocation compares both (``--compile`` and ``:compile`` / ``:eager``
