@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,14 +182,26 @@ def test_tiny_hsdp_training_over_the_link(tmp_path, netns_link):
 
 
 def test_cleanup_removes_what_a_killed_run_left(netns_link):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()  # its pid names the link, as a run killed with SIGKILL would leave it
-    link = slow_link.build_link(1.0, tag=str(dead.pid))
-    assert {f"netns fsl{dead.pid}n0", f"netns fsl{dead.pid}n1"} <= set(slow_link.leftovers())
-    removed = slow_link.cleanup_leftovers()
-    assert {f"netns fsl{dead.pid}n0", f"netns fsl{dead.pid}n1"} <= set(removed)
-    assert not [x for x in slow_link.leftovers() if f"fsl{dead.pid}" in x]
-    slow_link.close_link(link)  # idempotent: nothing left to remove
+    """A run killed with SIGKILL leaves its link, named by its pid; cleanup removes it once that process is gone:
+    reaped, or a zombie that its parent has not reaped yet (what a killed launcher is to the shell that started
+    it)."""
+    import time
+
+    reaped = subprocess.Popen([sys.executable, "-c", "pass"])
+    reaped.wait()
+    zombie = subprocess.Popen(["true"])
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+        time.sleep(0.01)  # exited, not reaped: no wait() until cleanup has run
+    try:
+        links = [slow_link.build_link(1.0, tag=str(p.pid)) for p in (reaped, zombie)]
+        names = {f"netns fsl{p.pid}n{i}" for p in (reaped, zombie) for i in (0, 1)}
+        assert names <= set(slow_link.leftovers())
+        assert names <= set(slow_link.cleanup_leftovers())
+        assert not names & set(slow_link.leftovers())
+        for link in links:
+            slow_link.close_link(link)  # idempotent: nothing left to remove
+    finally:
+        zombie.wait()
 
 
 @pytest.mark.gpu
