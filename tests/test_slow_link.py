@@ -192,15 +192,16 @@ def test_cleanup_removes_what_a_killed_run_left(netns_link):
     zombie = subprocess.Popen(["true"])
     while Path(f"/proc/{zombie.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
         time.sleep(0.01)  # exited, not reaped: no wait() until cleanup has run
+    links = []
     try:
         links = [slow_link.build_link(1.0, tag=str(p.pid)) for p in (reaped, zombie)]
         names = {f"netns fsl{p.pid}n{i}" for p in (reaped, zombie) for i in (0, 1)}
         assert names <= set(slow_link.leftovers())
         assert names <= set(slow_link.cleanup_leftovers())
         assert not names & set(slow_link.leftovers())
-        for link in links:
-            slow_link.close_link(link)  # idempotent: nothing left to remove
     finally:
+        for link in links:
+            slow_link.close_link(link)  # idempotent: nothing left to remove when cleanup did its work
         zombie.wait()
 
 
