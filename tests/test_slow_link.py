@@ -205,6 +205,23 @@ def test_cleanup_removes_what_a_killed_run_left(netns_link):
         zombie.wait()
 
 
+def test_loopback_fallback_leaves_lo_as_found():
+    """lo mode shapes this namespace's loopback (here far above what the machine's processes send, so that others
+    on it are not slowed), refuses a lo that already has a root qdisc, and restores lo's default on close."""
+    try:
+        link = slow_link.build_link(100.0, modes=("lo",))
+    except slow_link.LinkUnavailable as err:
+        pytest.skip(f"this machine cannot shape lo: {err}")
+    try:
+        assert link.mode == "lo" and link.rendezvous_host == "127.0.0.1" and link.command(1, ["x"]) == ["x"]
+        assert slow_link._lo_root_kind() == "tbf" and isinstance(link.bytes_sent()[0], int)
+        with pytest.raises(slow_link.LinkUnavailable, match=r"lo: lo already has a root qdisc \(tbf\): not touching"):
+            slow_link.build_link(100.0, modes=("lo",), tag="second")
+    finally:
+        slow_link.close_link(link)
+    assert slow_link._lo_root_kind() in (None, "noqueue") and not slow_link.LO_MARKER_DIR.exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (2 nodes x 1)")
 def test_nccl_all_reduce_over_a_10_gbit_link(tmp_path, netns_link):

@@ -270,6 +270,7 @@ def _teardown_lo(tag: str) -> None:
     _run(["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
     with contextlib.suppress(OSError):
         (LO_MARKER_DIR / f"lo.{tag}").unlink()
+        LO_MARKER_DIR.rmdir()  # when no other link's marker is in it
 
 
 def close_link(link: Link) -> None:
