@@ -58,7 +58,7 @@ def parse_sizes(text: str) -> list[float]:
 
 def _link_bytes() -> Optional[int]:
     dev = os.environ.get("NCCL_SOCKET_IFNAME", "")
-    return slow_link._root_qdisc_bytes(dev, None) if dev else None
+    return slow_link.root_qdisc_bytes(dev) if dev else None
 
 
 def run_worker(args: argparse.Namespace) -> Optional[dict]:

@@ -29,9 +29,8 @@ build the link is refused (exit 2, one line per mode saying why). The link is re
     python tools/launch_two_nodes.py --device cuda --nproc-per-node 1 --link-gbit 10 -- \\
         -m fsdp_speedloader.app.train experiment=llama2_7b_offload dp_replicate=2 steps=20
 
-Each agent's
-output is printed with a ``[node0]``/``[node1]`` prefix. Exit status: 0 when both agents exit
-0, else the first nonzero one (when one agent fails, the other is given ``--grace`` seconds to
+Each agent's output is printed with a ``[node0]``/``[node1]`` prefix. Exit status: 0 when both
+agents exit 0, else the first nonzero one (when one agent fails, the other is given ``--grace`` seconds to
 notice through the rendezvous, then terminated).
 """
 

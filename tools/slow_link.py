@@ -109,9 +109,9 @@ class Link:
         """Bytes each node has sent into the link so far (its egress qdisc's counter); lo mode: one counter for
         both directions and every other loopback user, given as node 0's; sockets mode: none."""
         if self.mode == "netns":
-            return [_root_qdisc_bytes(self.interfaces[i], self.namespaces[i]) for i in range(2)]
+            return [root_qdisc_bytes(self.interfaces[i], self.namespaces[i]) for i in range(2)]
         if self.mode == "lo":
-            return [_root_qdisc_bytes("lo", None), None]
+            return [root_qdisc_bytes("lo", None), None]
         return [None, None]
 
     def describe(self) -> dict:
@@ -143,7 +143,8 @@ class _CommandFailed(RuntimeError):
     pass
 
 
-def _root_qdisc_bytes(dev: str, namespace: Optional[str]) -> Optional[int]:
+def root_qdisc_bytes(dev: str, namespace: Optional[str] = None) -> Optional[int]:
+    """Bytes that ``dev``'s root qdisc has sent (in ``namespace``, else this process's); None without a counter."""
     ns = ["-n", namespace] if namespace else []
     proc = _run(["tc", *ns, "-s", "-j", "qdisc", "show", "dev", dev], check=False)
     try:
