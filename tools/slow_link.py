@@ -214,6 +214,9 @@ def _build_netns(tag: str, gbit: float, delay_ms: float) -> Link:
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])  # each agent's own loopback (its workers' store)
             for args in shaping_commands(veth, gbit, delay_ms):
                 _run(["tc", "-n", ns, *args])
+            # The agents start through `ip netns exec`, which needs a mount namespace of its own (it remounts
+            # /sys): a container may allow the namespaces but not that.
+            _run(["ip", "netns", "exec", ns, sys.executable, "-c", ""])
     except _CommandFailed:
         _teardown_netns(namespaces, veths[0])
         raise
