@@ -345,7 +345,7 @@ def plot(record: dict, path: Path) -> Optional[Path]:
         link = record.get("link")
         over = (f"a {link['gbit']:g} Gbit/s link ({link['mode']})" if link and link.get("gbit")
                 else f"a link ({link['mode']})" if link else "TCP sockets")
-        mesh = "HSDP, " if cfg_of(record).get("dp_replicate", 1) > 1 else ""
+        mesh = "HSDP, " if record["config"].get("dp_replicate", 1) > 1 else ""
         right.set_title(f"{eth[0]['nodes']} nodes x {eth[0]['gpus_per_node']} GPUs, {mesh}NCCL over {over}"
                         if "nodes" in eth[0] else "emulated Ethernet")
     cfg = record["config"]
@@ -353,10 +353,6 @@ def plot(record: dict, path: Path) -> Optional[Path]:
     fig.suptitle(f"{cfg['model']} x {cfg['layers']} layers, seq {cfg['seq_len']}, n x N = {cfg['shape']} per GPU "
                  f"unless named,\n{record['device']}{cap}", fontsize=10)
     return harness.save_figure(fig, path)
-
-
-def cfg_of(record: dict) -> dict:
-    return record.get("config") or {}
 
 
 def _gpu_ids(device: str, given: Optional[str]) -> list[str]:
