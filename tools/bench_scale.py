@@ -16,6 +16,13 @@ accumulation steps; tools/bench_deepspeed.py), the last only when deepspeed is i
 ``speedloader-overlap`` (each unit's CPU AdamW step overlapped with the backward). A contender
 may carry bench_train's options after its name (``speedloader:compile:root=device``,
 ``fsdp2-offload:compile``); the targets compare each contender's fastest variant.
+Over a link of known bandwidth (issue 43): ``--link-gbit G`` runs the two-node case with each node in its own
+network namespace, joined by a veth pair shaped to G Gbit/s each way (tools/slow_link.py; ``--link-delay-ms``,
+``--link-modes`` as in tools/launch_two_nodes.py); NCCL uses its socket transport between the nodes and
+NVLink within one. The link is built once for the whole invocation; the record says which
+(``link``) and each run how many bytes crossed it (``link_bytes_sent``, per direction). ``--dp-replicate 2``
+gives the two-node case an HSDP mesh (one replica per node: only gradients cross the link; DeepSpeed's ZeRO-3
+has no such mesh and shards over both nodes); the one-node cases stay 1-D.
 Every rank gets the same number of CPU threads (``--threads-per-rank``, default cores / largest
 case), also in the 1-GPU case, so that the offloaded optimizer step is not what scales.
 
@@ -33,6 +40,7 @@ end, bench/results/<name>.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import importlib.util
 import json
@@ -52,6 +60,7 @@ TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))  # tools/ is not a package: its modules import by name
 import harness  # noqa: E402
 import launch_two_nodes  # noqa: E402
+import slow_link  # noqa: E402
 from bench_train import parse_contender  # noqa: E402
 
 REPO = harness.REPO
@@ -130,33 +139,35 @@ def run_order(contenders: Sequence[str], cases: Sequence[Case]) -> list[tuple[st
     return [(c, case) for c in contenders for case in sorted(cases, key=case_rank)]
 
 
-def worker_args(args: argparse.Namespace, contender: str) -> list[str]:
-    """One rank's command line: tools/bench_train.py's ``--worker`` CLI."""
+def worker_args(args: argparse.Namespace, contender: str, case: Optional[Case] = None) -> list[str]:
+    """One rank's command line: tools/bench_train.py's ``--worker`` CLI (HSDP for a two-node case with
+    ``--dp-replicate``)."""
+    hsdp = case is not None and case.nodes > 1 and args.dp_replicate > 1
     return [str(args.worker_script or BENCH_TRAIN), "--worker", worker_spec(contender, args.shape), "--model", args.model,
             "--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops), "--prefetch", str(args.prefetch),
             "--activation-store", args.activation_store, "--device", args.device,
-            *(["--max-gpu-memory-gib", str(args.max_gpu_memory_gib)] if args.max_gpu_memory_gib else [])]
+            *(["--max-gpu-memory-gib", str(args.max_gpu_memory_gib)] if args.max_gpu_memory_gib else []),
+            *(["--dp-replicate", str(args.dp_replicate)] if hsdp else [])]
 
 
 def case_launch(case: Case, script: Sequence[str], *, device: str, gpu_ids: Sequence[str], base_env: dict,
-                threads_per_rank: int, log_dir: Path, python: str = sys.executable) -> tuple[list, list]:
-    """(commands, environments) of the torchrun agent(s) of one run; each rank's stdout in log_dir/node<i>."""
+                threads_per_rank: int, log_dir: Path, python: str = sys.executable,
+                link: Optional[slow_link.Link] = None) -> tuple[list, list]:
+    """(commands, environments) of the torchrun agent(s) of one run; each rank's stdout in log_dir/node<i>. A
+    two-node case goes over ``link`` where given (NVLink within a node, the link between them), else over
+    loopback with NCCL restricted to TCP sockets."""
     env = dict(base_env, OMP_NUM_THREADS=str(threads_per_rank))
     if case.nodes == 1:
         cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(case.gpus_per_node),
                "--log-dir", str(log_dir / "node0"), "--redirects", "1", *script]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids[: case.gpus_per_node]) if device == "cuda" else ""
         return [cmd], [env]
-    port, rdzv_id = launch_two_nodes.free_port(), f"bench-scale-{uuid.uuid4().hex[:8]}"
-    commands = [launch_two_nodes.agent_command(script, node_rank=node, nproc_per_node=case.gpus_per_node, port=port,
-                                               rdzv_id=rdzv_id, num_nodes=case.nodes, python=python,
-                                               extra_args=["--log-dir", str(log_dir / f"node{node}"), "--redirects", "1"])
-                for node in range(case.nodes)]
-    envs = launch_two_nodes.agent_envs(env, device=device, nproc_per_node=case.gpus_per_node,
-                                       emulate_ethernet=case.emulate_ethernet, num_nodes=case.nodes,
-                                       gpus=list(gpu_ids) if device == "cuda" else None)
-    return commands, envs
+    return launch_two_nodes.two_node_launch(
+        script, device=device, nproc_per_node=case.gpus_per_node, base_env=env,
+        emulate_ethernet=case.emulate_ethernet and link is None, link=link,
+        gpus=list(gpu_ids) if device == "cuda" else None, rdzv_id=f"bench-scale-{uuid.uuid4().hex[:8]}", python=python,
+        extra_args=[["--log-dir", str(log_dir / f"node{node}"), "--redirects", "1"] for node in range(case.nodes)])
 
 
 def collect_rank_results(log_dir: Path) -> list[dict]:
@@ -193,26 +204,32 @@ def run_dir_name(contender: str, case: Case) -> str:
     return re.sub(r"[^\w.-]", "_", f"{contender}_{case.name}")  # options' ':' and '=' out of paths
 
 
-def run_case(contender: str, case: Case, args: argparse.Namespace, work_dir: Path, timeout_s: float) -> dict:
+def run_case(contender: str, case: Case, args: argparse.Namespace, work_dir: Path, timeout_s: float,
+             link: Optional[slow_link.Link] = None) -> dict:
     """Launches one run and returns its record (status, every rank's figures, the aggregate)."""
     log_dir = work_dir / run_dir_name(contender, case)
-    script = worker_args(args, contender)
+    script = worker_args(args, contender, case)
+    link = link if case.nodes > 1 else None
     commands, envs = case_launch(case, script, device=args.device, gpu_ids=args.gpu_ids, base_env=dict(os.environ),
-                                 threads_per_rank=args.threads_per_rank, log_dir=log_dir)
+                                 threads_per_rank=args.threads_per_rank, log_dir=log_dir, link=link)
     record = {"contender": contender, "case": case.name, "nodes": case.nodes, "gpus_per_node": case.gpus_per_node,
               "world_size": case.world_size, "emulated_ethernet": case.emulate_ethernet,
               "commands": [shlex.join(c) for c in commands],
               "nccl_env": {k: v for k, v in envs[0].items() if k.startswith("NCCL_")},
-              "omp_num_threads": args.threads_per_rank}
+              "omp_num_threads": args.threads_per_rank, "over_link": link is not None}
     log_dir.mkdir(parents=True, exist_ok=True)
     console = log_dir / "console.log"
     start = time.monotonic()
+    sent_before = link.bytes_sent() if link else None
     with open(console, "w") as sink:
         # Once every rank has printed its RESULT, a hang at exit (NCCL teardown) costs 60 s at most.
         codes = launch_two_nodes.run_agents(
             commands, envs, timeout_s=timeout_s, grace_s=60.0, sink=sink,
             done=lambda: len(collect_rank_results(log_dir)) == case.world_size)
     record["wall_s"] = time.monotonic() - start
+    if link:  # the whole run's traffic, setup included: that the bytes crossed the link, and how many
+        record["link_bytes_sent"] = [None if a is None or b is None else b - a
+                                     for a, b in zip(sent_before, link.bytes_sent())]
     ranks = collect_rank_results(log_dir)
     record["returncodes"] = codes
     if len(ranks) == case.world_size:  # every rank measured: the figures stand, whatever the exit
@@ -325,7 +342,11 @@ def plot(record: dict, path: Path) -> Optional[Path]:
             right.annotate(text, (value, y), va="center", fontsize=7)
         right.set_xlim(0, 1.45 * max(values + [1.0]))
         right.set_xlabel("tokens/s per GPU")
-        right.set_title(f"{eth[0]['nodes']} nodes x {eth[0]['gpus_per_node']} GPUs, NCCL over TCP sockets"
+        link = record.get("link")
+        over = (f"a {link['gbit']:g} Gbit/s link ({link['mode']})" if link and link.get("gbit")
+                else f"a link ({link['mode']})" if link else "TCP sockets")
+        mesh = "HSDP, " if record["config"].get("dp_replicate", 1) > 1 else ""
+        right.set_title(f"{eth[0]['nodes']} nodes x {eth[0]['gpus_per_node']} GPUs, {mesh}NCCL over {over}"
                         if "nodes" in eth[0] else "emulated Ethernet")
     cfg = record["config"]
     cap = f", GPU memory capped at {cfg['max_gpu_memory_gib']:g} GiB" if cfg.get("max_gpu_memory_gib") else ""
@@ -355,6 +376,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="comma-separated; NAME[:option...] with bench_train's options, e.g. speedloader:compile:root=device")
     parser.add_argument("--gpus", default="1,2,4", help="weak-scaling cases: GPUs of one node")
     parser.add_argument("--ethernet", default="2x2", help="NODESxGPUS over emulated Ethernet ('' to leave out)")
+    parser.add_argument("--dp-replicate", type=int, default=1,
+                        help="the two-node case's mesh: 2 = HSDP, one replica per node (one-node cases stay 1-D)")
+    parser.add_argument("--link-gbit", type=float, default=None,
+                        help="the two-node case over a link of this rate, Gbit/s each way (tools/slow_link.py)")
+    parser.add_argument("--link-delay-ms", type=float, default=0.0)
+    parser.add_argument("--link-modes", default="netns", help=f"slow_link modes to try, in order ({slow_link.MODES})")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prefetch", type=int, default=1)
@@ -403,6 +430,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ValueError as err:
             parser.error(str(err))
     cases = build_cases([int(g) for g in args.gpus.split(",") if g], args.ethernet or None)
+    modes = [m for m in args.link_modes.split(",") if m]
+    if args.link_gbit is not None and (args.link_gbit <= 0 or args.link_delay_ms < 0 or not modes
+                                       or set(modes) - set(slow_link.MODES) or not args.ethernet):
+        parser.error(f"--link-gbit {args.link_gbit} --link-delay-ms {args.link_delay_ms} --link-modes "
+                     f"{args.link_modes} --ethernet {args.ethernet!r}: give a positive rate, a delay >= 0, modes of "
+                     f"{','.join(slow_link.MODES)} and a two-node case (--ethernet 2xG)")
+    if args.dp_replicate not in (1, 2) or (args.dp_replicate == 2 and not args.ethernet):
+        parser.error(f"--dp-replicate {args.dp_replicate}: 1 (FSDP over all ranks) or 2 (HSDP, one replica per "
+                     "node of the two-node case, --ethernet 2xG)")
     args.gpu_ids = _gpu_ids(args.device, args.gpu_ids)
     largest = max(c.world_size for c in cases)
     if args.device == "cuda" and not args.dry_run and len(args.gpu_ids) < largest:
@@ -414,11 +450,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if args.dry_run:
         with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
+            link = (slow_link.plan_link(modes[0], args.link_gbit, args.link_delay_ms)
+                    if args.link_gbit is not None else None)
             for contender, case in run_order(contenders, cases):
-                commands, envs = case_launch(case, worker_args(args, contender), device=args.device,
+                commands, envs = case_launch(case, worker_args(args, contender, case), device=args.device,
                                              gpu_ids=args.gpu_ids, base_env=dict(os.environ),
                                              threads_per_rank=args.threads_per_rank,
-                                             log_dir=Path(tmp) / run_dir_name(contender, case))
+                                             log_dir=Path(tmp) / run_dir_name(contender, case),
+                                             link=link if case.nodes > 1 else None)
                 for node, (cmd, env) in enumerate(zip(commands, envs)):
                     changed = " ".join(f"{k}={v}" for k, v in sorted(env.items()) if os.environ.get(k) != v)
                     print(f"[{contender} {case.name} node{node}] {changed} {shlex.join(cmd)}")
@@ -431,25 +470,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "config": {k: v for k, v in vars(args).items() if k not in ("worker_script", "plot_only")},
               "results": []}
     out_dir = Path(args.out_dir)
-    start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
-        for contender, case in run_order(contenders, cases):
-            left = args.budget_s - (time.monotonic() - start)
-            if split_contender(contender)[0] == "deepspeed-offload" and not has_deepspeed and args.worker_script is None:
-                result = {"contender": contender, "case": case.name, "world_size": case.world_size,
-                          "status": "skipped", "error": "deepspeed is not installed"}
-            elif left < MIN_RUN_S:
-                result = {"contender": contender, "case": case.name, "world_size": case.world_size,
-                          "status": "skipped", "error": f"budget: {left:.0f} s of --budget-s {args.budget_s:.0f} left"}
-            else:
-                print(f"bench_scale: {contender} {case.name} ...", end=" ", flush=True)
-                result = run_case(contender, case, args, Path(tmp), timeout_s=min(args.timeout, left))
-                print(result["status"] + (f", {result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
-                                          f"({result['wall_s']:.0f} s)" if result["status"] == "ok" else
-                                          f": {result.get('error', '')[:300]}"), flush=True)
-            record["results"].append(result)
-            record["targets"] = targets(record["results"])
-            harness.write_record(out_dir / f"{name}.json", record)  # after every run
+    with contextlib.ExitStack() as stack:  # the link, when asked for: built once, removed after the last run
+        link = None
+        if args.link_gbit is not None:
+            try:
+                link = stack.enter_context(slow_link.open_link(args.link_gbit, args.link_delay_ms, modes))
+            except slow_link.LinkUnavailable as err:
+                print(f"bench_scale: {err}\n  (--link-modes netns,lo,sockets allows the fallbacks; tools/slow_link.py "
+                      "says what each means)", file=sys.stderr)
+                return 2
+            record["link"] = link.describe()
+            print(f"bench_scale: link {record['link']['mode']}: {record['link']['meaning']}", flush=True)
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
+            for contender, case in run_order(contenders, cases):
+                left = args.budget_s - (time.monotonic() - start)
+                no_deepspeed = not has_deepspeed and args.worker_script is None
+                if split_contender(contender)[0] == "deepspeed-offload" and no_deepspeed:
+                    result = {"contender": contender, "case": case.name, "world_size": case.world_size,
+                              "status": "skipped", "error": "deepspeed is not installed"}
+                elif left < MIN_RUN_S:
+                    result = {"contender": contender, "case": case.name, "world_size": case.world_size,
+                              "status": "skipped",
+                              "error": f"budget: {left:.0f} s of --budget-s {args.budget_s:.0f} left"}
+                else:
+                    print(f"bench_scale: {contender} {case.name} ...", end=" ", flush=True)
+                    result = run_case(contender, case, args, Path(tmp), timeout_s=min(args.timeout, left),
+                                      link=link)
+                    print(result["status"] + (f", {result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+                                              f"({result['wall_s']:.0f} s)" if result["status"] == "ok" else
+                                              f": {result.get('error', '')[:300]}"), flush=True)
+                record["results"].append(result)
+                record["targets"] = targets(record["results"])
+                harness.write_record(out_dir / f"{name}.json", record)  # after every run
     print("\n" + markdown(record["results"]))
     print(json.dumps(record["targets"], indent=2))
     png = plot(record, out_dir / f"{name}.png")

@@ -32,6 +32,8 @@ own GPU cap (the on-device ceiling of a model whose states exceed the others' ca
       --contender speedloader-overlap:2x4:root=device --contender fsdp2-offload:2x4 \
       --contender deepspeed-offload:2x4 --contender ondevice:2x4:cap=none --steps 3 --warmup 1
 ``--device cpu`` runs a worker on the CPU: a check of the code path (tests), no figure means anything.
+A worker under torchrun (tools/bench_scale.py) shards over every rank; ``--dp-replicate R`` gives it an HSDP mesh
+instead (R replicas, one per node; recorded as ``mesh``), except DeepSpeed's, which stays ZeRO-3 over all ranks.
 ``--param-transfer-dtype bf16`` makes the speedloader contenders transfer a bf16 copy of each offloaded
 fp32 shard (half the host-to-device parameter bytes); a ``:transfer=bf16`` or ``:transfer=fp32``
 suffix sets it per contender, so one invocation compares both (``--compile`` and ``:compile`` / ``:eager``
@@ -384,7 +386,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     adapter = get_adapter(model)
     offload = name != "ondevice"
     layer_major = name.startswith("speedloader")
-    mesh = build_mesh(args.device)
+    mesh = build_mesh(args.device, args.dp_replicate)  # dp_replicate > 1: HSDP, one replica per node
     gradient_sync, reshard, scope = None, True, None
     if layer_major:
         options = SpeedLoaderOptions(
@@ -467,6 +469,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         "num_sub_batches": num_sub, "max_gpu_memory_gib": cap, "experts_implementation": experts,
         "sdpa_backend": contender.sdpa, "liger_kernels": contender.liger, "float8_training": contender.fp8,
         "num_fsdp_units": len(units), "blocks_per_fsdp_unit": blocks_per_fsdp_unit,
+        "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
         **protocol.step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
                                 flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops,
                                 attention_flops_per_token=adapter.attention_flops_per_token(args.seq_len),
@@ -523,6 +526,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: a check of the workers' code path (tests); no figure means anything")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--dp-replicate", type=int, default=1,
+                        help="under torchrun: HSDP replicas (the number of nodes; DeepSpeed's ZeRO-3 ignores it)")
     parser.add_argument("--profile", action="store_true", help="trace one extra step and summarize it")
     parser.add_argument("--name", default=None)
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))

@@ -17,15 +17,27 @@ copies, no shared memory, no InfiniBand: TCP sockets, as over Ethernet between m
 
 ``--emulate-ethernet`` sets NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1 and NCCL_IB_DISABLE=1 in both
 agents; every other variable (NCCL_NVLS_ENABLE=0 included) is passed on unchanged, except
-FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB, which is halved: each node has half of this host. Each agent's
-output is printed with a ``[node0]``/``[node1]`` prefix. Exit status: 0 when both agents exit
-0, else the first nonzero one (when one agent fails, the other is given ``--grace`` seconds to
+FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB, which is halved: each node has half of this host.
+
+``--link-gbit G [--link-delay-ms D]`` puts the nodes on a link of known bandwidth (tools/slow_link.py: each
+agent in its own network namespace, the two joined by a veth pair shaped with tc to G Gbit/s each way; the
+rendezvous, gloo and NCCL's sockets all cross it; each node its own NCCL_HOSTID, so NCCL uses its network
+transport between the nodes and NVLink only within one). ``--link-modes netns,lo,sockets`` allows
+slow_link's fallbacks, in that order, where namespaces cannot be made; without one a machine that cannot
+build the link is refused (exit 2, one line per mode saying why). The link is removed when the agents end:
+
+    python tools/launch_two_nodes.py --device cuda --nproc-per-node 1 --link-gbit 10 -- \\
+        -m fsdp_speedloader.app.train experiment=llama2_7b_offload dp_replicate=2 steps=20
+
+Each agent's output is printed with a ``[node0]``/``[node1]`` prefix. Exit status: 0 when both
+agents exit 0, else the first nonzero one (when one agent fails, the other is given ``--grace`` seconds to
 notice through the rendezvous, then terminated).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -36,6 +48,7 @@ from typing import Callable, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
 import harness  # noqa: E402
+import slow_link  # noqa: E402
 
 NUM_NODES = 2
 ETHERNET_NCCL_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
@@ -90,6 +103,30 @@ def agent_envs(base_env: dict, *, device: str, nproc_per_node: int, emulate_ethe
             env[HOST_MEMORY_ENV] = f"{float(base_env[HOST_MEMORY_ENV]) / num_nodes:g}"
         envs.append(env)
     return envs
+
+
+def two_node_launch(target: Sequence[str], *, device: str, nproc_per_node: int, base_env: dict,
+                    emulate_ethernet: bool = False, link: Optional[slow_link.Link] = None,
+                    gpus: Optional[list[str]] = None, port: Optional[int] = None, rdzv_id: Optional[str] = None,
+                    max_restarts: int = 0, python: str = sys.executable,
+                    extra_args: Sequence[Sequence[str]] = ((), ())) -> tuple[list[list[str]], list[dict]]:
+    """(commands, environments) of the two agents; over ``link`` when given (each inside its namespace, the
+    rendezvous at node 0's address on the link, the link's NCCL/gloo variables). ``extra_args``: more torchrun
+    options per node."""
+    port = port or free_port()
+    rdzv_id = rdzv_id or f"two-nodes-{uuid.uuid4().hex[:8]}"
+    host = link.rendezvous_host if link else "127.0.0.1"
+    commands = [agent_command(target, node_rank=node, nproc_per_node=nproc_per_node, port=port, rdzv_id=rdzv_id,
+                              max_restarts=max_restarts, host=host, python=python,
+                              extra_args=[*(link.agent_args(node) if link else []), *extra_args[node]])
+                for node in range(NUM_NODES)]
+    envs = agent_envs(base_env, device=device, nproc_per_node=nproc_per_node, emulate_ethernet=emulate_ethernet,
+                      gpus=gpus)
+    if link:
+        commands = [link.command(node, cmd) for node, cmd in enumerate(commands)]
+        for node, env in enumerate(envs):
+            env.update(link.env(node))
+    return commands, envs
 
 
 def run_agents(commands: Sequence[Sequence[str]], envs: Sequence[dict], *, cwd: Optional[str] = None,
@@ -150,6 +187,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument("--emulate-ethernet", action="store_true",
                         help="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 in both agents")
+    parser.add_argument("--link-gbit", type=float, default=None,
+                        help="put the nodes on a link of this rate, Gbit/s each way (tools/slow_link.py)")
+    parser.add_argument("--link-delay-ms", type=float, default=0.0, help="the link's one-way delay (tc netem)")
+    parser.add_argument("--link-modes", default="netns",
+                        help=f"slow_link modes to try, in order (of {','.join(slow_link.MODES)}); default netns only")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before both agents are stopped")
     parser.add_argument("--grace", type=float, default=30.0)
     parser.add_argument("--dry-run", action="store_true", help="print the two commands and environments; run nothing")
@@ -157,20 +199,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     target = argv[split + 1 :]
     if not target:
         parser.error("nothing to run after --")
+    modes = [m for m in args.link_modes.split(",") if m]
+    if args.link_gbit is None and args.link_delay_ms:
+        parser.error("--link-delay-ms needs --link-gbit")
+    if args.link_gbit is not None and (args.link_gbit <= 0 or args.link_delay_ms < 0
+                                       or not modes or set(modes) - set(slow_link.MODES)):
+        parser.error(f"--link-gbit {args.link_gbit} --link-delay-ms {args.link_delay_ms} --link-modes "
+                     f"{args.link_modes}: give a positive rate, a delay >= 0 and modes of {','.join(slow_link.MODES)}")
 
-    port = args.port or free_port()
-    rdzv_id = args.rdzv_id or f"two-nodes-{uuid.uuid4().hex[:8]}"
-    commands = [agent_command(target, node_rank=node, nproc_per_node=args.nproc_per_node, port=port,
-                              rdzv_id=rdzv_id, max_restarts=args.max_restarts) for node in range(NUM_NODES)]
-    envs = agent_envs(dict(os.environ), device=args.device, nproc_per_node=args.nproc_per_node,
-                      emulate_ethernet=args.emulate_ethernet)
-    for node, (cmd, env) in enumerate(zip(commands, envs)):
-        changed = {k: env[k] for k in sorted(env) if os.environ.get(k) != env[k]}
-        print(f"[node{node}] {' '.join(changed_var + '=' + v for changed_var, v in changed.items())} "
-              f"{' '.join(cmd)}", flush=True)
+    def launch(link: Optional[slow_link.Link]) -> int:
+        commands, envs = two_node_launch(target, device=args.device, nproc_per_node=args.nproc_per_node,
+                                         base_env=dict(os.environ), emulate_ethernet=args.emulate_ethernet, link=link,
+                                         port=args.port, rdzv_id=args.rdzv_id, max_restarts=args.max_restarts)
+        for node, (cmd, env) in enumerate(zip(commands, envs)):
+            changed = {k: env[k] for k in sorted(env) if os.environ.get(k) != env[k]}
+            print(f"[node{node}] {' '.join(changed_var + '=' + v for changed_var, v in changed.items())} "
+                  f"{' '.join(cmd)}", flush=True)
+        if args.dry_run:
+            return 0
+        return exit_status(run_agents(commands, envs, timeout_s=args.timeout, grace_s=args.grace))
+
+    if args.link_gbit is None:
+        return launch(None)
     if args.dry_run:
-        return 0
-    return exit_status(run_agents(commands, envs, timeout_s=args.timeout, grace_s=args.grace))
+        return launch(slow_link.plan_link(modes[0], args.link_gbit, args.link_delay_ms))
+    try:
+        with slow_link.open_link(args.link_gbit, args.link_delay_ms, modes) as link:
+            print(f"launch_two_nodes: link {json.dumps(link.describe())}", flush=True)
+            return launch(link)
+    except slow_link.LinkUnavailable as err:
+        print(f"launch_two_nodes: {err}\n  (--link-modes netns,lo,sockets allows the fallbacks; "
+              "tools/slow_link.py says what each means)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

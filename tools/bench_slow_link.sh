@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 43, item 1: two nodes over a slow link, on ONE machine with 2 GPUs (2 emulated nodes x 1 GPU). Each node's
+# torchrun agent runs in its own network namespace; the two are joined by a veth pair shaped with tc to G Gbit/s
+# each way (tools/slow_link.py), so every byte between the nodes crosses a link of known rate. Parts:
+#   bw (~2.5 min): the link measured: NCCL all-reduce bus bandwidth, 1-256 MiB (tools/allreduce_bw.py), at 10 and
+#       25 Gbit/s with NCCL's socket defaults, at 25 with 4 threads x 4 sockets per connection (what NCCL advises
+#       for fast Ethernet), and at 1000 Gbit/s (the tbf far above what veth and NCCL's sockets carry: the path's
+#       own ceiling on this machine). The link bytes each node sent are in every row: the traffic did cross it.
+#   hsdp (~9 min): training at 10 Gbit/s, HSDP (dp_replicate=2: one replica per node; only gradients cross the
+#       link), LLaMA-2-7B width, 4 layers, sequence 4096, 64 sequences per GPU per step (tools/bench_scale.py,
+#       --ethernet 2x1): layer-major vs FSDP2 CPU offload vs DeepSpeed ZeRO-3 offload (DeepSpeed has no HSDP
+#       with offloaded parameters: its ZeRO-3 shards over both nodes), each at several micro-batches of the same
+#       effective batch, most important first (a run that no longer fits the budget is recorded as skipped).
+#   fsdp (~9 min, not in the default): the same at 10 Gbit/s with the 1-D FSDP mesh (dp_replicate=1): the
+#       parameters sharded over both nodes, every all-gather and reduce-scatter crossing the link (the paper's
+#       setting: 3P per step for layer-major, 3NP for canonical accumulation over N micro-batches).
+#   hsdp25 (~9 min, not in the default): hsdp at 25 Gbit/s.
+#
+#   usage: FSL_COMMIT=<commit> bash tools/bench_slow_link.sh OUT_DIR [PART...]    (default: bw hsdp)
+# One device command may run 600 s: run the parts as separate commands, e.g.
+#   bash tools/bench_slow_link.sh "$OUT" bw     then     bash tools/bench_slow_link.sh "$OUT" hsdp     (then fsdp)
+# Records: OUT_DIR/slow_link_allreduce_<rate>.json, OUT_DIR/slow_link_<mesh>_<rate>_llama2_7b_L4_s4096_2x32.json
+# (+ .png), logs OUT_DIR/<part>.log, wall times OUT_DIR/bench_slow_link_times.txt.
+# Needs root with CAP_NET_ADMIN, iproute2 (ip, tc), veth and sch_tbf; the first thing printed is which link the
+# machine allows. FSL_LINK_MODES (default netns,lo,sockets) lists slow_link's modes to try, in order: lo (tc on
+# loopback: the rate shared by both directions) and sockets (no tc: NCCL narrowed to one socket, rate measured
+# only) are the fallbacks, each record's "link" says which one ran; FSL_LINK_MODES=netns refuses them.
+# FSL_SLOW_LINK_SHAPE (default 2x32) and FSL_SLOW_LINK_CONTENDERS (comma-separated, tools/bench_scale.py's
+# syntax) change the training parts' batch and contenders. NCCL_* variables set by the caller reach every run.
+# Carry .wheels (tools/device_wheels.sh: hydra, wandb) and .whl (tools/build_deepspeed_wheels.sh: DeepSpeed).
+# FSL_BENCH_DRY_RUN=1 prints the commands instead (no installs, no GPU, no link).
+set -uo pipefail
+source "$(dirname "$0")/bench_lib.sh"
+bench_start "bench_slow_link.sh OUT_DIR [bw] [hsdp] [fsdp] [hsdp25]" "bw hsdp" bench_slow_link_times.txt "$@"
+bench_install deepspeed
+modes=${FSL_LINK_MODES:-netns,lo,sockets}
+shape=${FSL_SLOW_LINK_SHAPE:-2x32}
+# Layer-major at its best (compiled, root on the GPU); the peers at the micro-batch that was their best over
+# emulated Ethernet on 4 GPUs (bench/results/scale_llama2_7b_L4_s4096_64seq_micro_batches*.json), then smaller ones.
+contenders=${FSL_SLOW_LINK_CONTENDERS:-speedloader:compile:root=device,fsdp2-offload:16x4:compile,deepspeed-offload:16x4,fsdp2-offload:8x8:compile,deepspeed-offload:32x2,fsdp2-offload:compile}
+
+if [ "$dry" != 1 ]; then
+  python3 tools/slow_link.py cleanup  # what a command killed on this machine before may have left
+  trap 'python3 tools/slow_link.py cleanup' EXIT
+  python3 tools/slow_link.py probe --gbit 10 --modes "$modes" | tee -a "$times" \
+    || { echo "no link can be made on this machine (above: why)" | tee -a "$times"; exit 2; }
+fi
+
+bw() {  # bw RATE NAME [VAR=VALUE...]: one bandwidth test
+  local rate=$1 name=$2
+  shift 2
+  bench_run bw "$name" 45 0 env "$@" python3 tools/allreduce_bw.py --device cuda --nproc-per-node 1 \
+    --link-gbit "$rate" --link-modes "$modes" --sizes-mb 1,4,16,64,256 --min-time-s 1 --timeout 150 --name "$name"
+}
+bw 10 slow_link_allreduce_10g
+bw 25 slow_link_allreduce_25g
+bw 25 slow_link_allreduce_25g_4x4 NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4
+bw 1000 slow_link_allreduce_ceiling
+
+train() {  # train PART RATE DP_REPLICATE NAME: one bench_scale invocation in what is left of the budget
+  local key=$1 rate=$2 replicate=$3 name=$4
+  local left=$((budget - SECONDS - 20))
+  bench_run "$key" "$name" 60 0 python3 tools/bench_scale.py --model llama2_7b --layers 4 --seq-len 4096 \
+    --shape "$shape" --gpus '' --ethernet 2x1 --gpu-ids 0,1 --dp-replicate "$replicate" --link-gbit "$rate" \
+    --link-modes "$modes" --contenders "$contenders" --steps 2 --warmup 1 --timeout 240 --budget-s "$left" \
+    --name "$name"
+}
+train hsdp 10 2 "slow_link_hsdp_10g_llama2_7b_L4_s4096_$shape"
+train fsdp 10 1 "slow_link_fsdp_10g_llama2_7b_L4_s4096_$shape"
+train hsdp25 25 2 "slow_link_hsdp_25g_llama2_7b_L4_s4096_$shape"
+[ "$dry" = 1 ] || python3 tools/slow_link.py cleanup | tee -a "$times"  # nothing left behind (the EXIT trap too)
