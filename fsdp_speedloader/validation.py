@@ -4,8 +4,9 @@ so a bad value fails before any model or memory is allocated."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 
 def check(ok: bool, name: str, message: str) -> None:
@@ -21,6 +22,28 @@ def check_positive(value: Any, name: str, *, allow_zero: bool = False) -> None:
     bound = "must be >= 0" if allow_zero else "must be >= 1"
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if allow_zero else 1)
     check(ok, name, f"got {value!r}; {bound} (an integer)")
+
+
+def suggestion(names: Sequence[str]) -> str:
+    """': did you mean a?' (': did you mean a, b or c?'); '' for no names."""
+    if not names:
+        return ""
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return f": did you mean {listed}?"
+
+
+def closest_names(name: str, candidates: Iterable[str], *, cutoff: float = 0.6) -> list[str]:
+    """The ``candidates`` closest to ``name`` (difflib's ratio, at least ``cutoff``): the best, and at most two
+    others nearly as close (``lama2_7b`` -> ``llama2_7b`` alone, not ``llama2_70b`` too)."""
+    scored = sorted(((difflib.SequenceMatcher(None, name, c).ratio(), c) for c in set(candidates)), reverse=True)
+    scored = [(score, c) for score, c in scored if score >= cutoff]
+    return [c for score, c in scored[:3] if score >= scored[0][0] - 0.05]
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """:func:`suggestion` with :func:`closest_names`; '' when no candidate is close."""
+    return suggestion(closest_names(name, candidates))
+
 
 
 def coerce(value: Any, annotation: Any, name: str) -> Any:
@@ -46,7 +69,12 @@ def dataclass_from_dict(cls: type, d: Any, prefix: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - set(fields))
     if unknown:
-        raise ValueError(f"{prefix or 'config '}: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
+        def refuse(key: str) -> str:  # the closest field names, matched without the shared prefix
+            near = closest_names(key, fields)
+            return f"unknown key {prefix}{key}" + (suggestion([prefix + name for name in near]) or
+                                                   f" (valid keys: {', '.join(prefix + n for n in sorted(fields))})")
+
+        raise ValueError("; ".join(refuse(key) for key in unknown))
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in d.items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 import weakref
@@ -27,7 +28,7 @@ from fsdp_speedloader.app.launch import UserError, fail
 from fsdp_speedloader.models import build_model, get_adapter
 from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 from fsdp_speedloader.app.optim import build_optimizer
-from fsdp_speedloader.app.planning import planned_config, planned_schedule, tune_train_config
+from fsdp_speedloader.app.planning import configured_caps, planned_config, planned_schedule, tune_train_config
 from fsdp_speedloader.app.runtime import speedloader_options
 from fsdp_speedloader.app.trainer import Trainer
 from fsdp_speedloader.tuning.trial import Measurement, TrialModel, slot_host_bytes
@@ -514,6 +515,44 @@ def test_auto_schedule_caps_the_sub_batch_size(tmp_path):
     assert plan.limited_by == {"sub_batch_size": "max_sub_batch_size", "num_sub_batches": "target_batch_size"}
 
 
+def test_auto_schedule_on_a_cpu_keeps_the_configured_batch(tmp_path):
+    """Without CUDA and without a GPU budget the stand-in's budget would be the whole host memory: the plan was one
+    sub-batch of thousands of sequences (issue 42). It keeps the configured n x N instead, and says so."""
+    cfg = tiny_config(tmp_path, schedule={"name": "auto", "sub_batch_size": 3, "num_sub_batches": 5})
+    plan = tune_train_config(cfg, mesh=_cpu_mesh(), param_dtype=torch.float32, reduce_dtype=torch.float32)
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (3, 5)
+    assert plan.limited_by == {"sub_batch_size": "schedule.sub_batch_size as configured, on a CPU",
+                               "num_sub_batches": "schedule.num_sub_batches as configured, on a CPU"}
+    assert "limited by schedule.sub_batch_size as configured, on a CPU" in plan.summary()
+    # A target batch keeps the configured n and sets N; a cap given is kept; a GPU budget is filled (no caps).
+    sched = lambda **kw: tiny_config(tmp_path, schedule={"name": "auto", "sub_batch_size": 3, **kw}).schedule  # noqa
+    assert configured_caps(sched(target_batch_size=12))[0] == {"max_sub_batch_size": 3, "max_num_sub_batches": None,
+                                                               "target_batch_size": 12}
+    assert configured_caps(sched(max_sub_batch_size=8))[0] == {"max_sub_batch_size": 8, "max_num_sub_batches": 2,
+                                                               "target_batch_size": None}
+    assert "max_sub_batch_size" not in configured_caps(sched(max_sub_batch_size=8))[1]  # named as given
+
+
+def test_profiled_step_prints_no_profiler_lines(capfd):
+    """The CPU stand-in's profiler wrote Kineto's stage lines (and c10's warning about blocks allocated before it
+    started) to stderr on every trial step; what the step itself writes still gets through."""
+    from fsdp_speedloader.tuning.trial import profiled_peak_bytes
+
+    before = [torch.ones(1 << 16) for _ in range(4)]
+
+    def step():
+        after = torch.ones(1 << 18)  # 1 MiB
+        before.clear()  # blocks allocated before the profiler started, freed under it
+        os.write(2, b"a line of the step itself\n")
+        del after
+
+    assert profiled_peak_bytes(step) >= 1 << 20
+    err = capfd.readouterr().err
+    assert "a line of the step itself" in err
+    assert "SyncActivityProfilerHandler" not in err and "Completed Stage" not in err, err
+    assert "Memory block of unknown size" not in err, err
+
+
 # --- the entry point --------------------------------------------------------------------------------------
 
 
@@ -542,6 +581,8 @@ def test_tune_cli(tmp_path):
     record = json.loads((run_dir / "tune_plan.json").read_text())
     plan = record["plan"]
     assert plan["sub_batch_size"] * plan["num_sub_batches"] <= 8
+    assert (plan["sub_batch_size"], plan["num_sub_batches"]) == (2, 4)  # tiny_cpu's n, N up to the target (a CPU)
+    assert "profiler_start" not in proc.stderr and "Completed Stage" not in proc.stderr, proc.stderr
     assert record["overrides"][0] == "schedule=speedloader"
     assert len(plan["measurements"]) == 2 and math.isclose(plan["host_fit"]["r2"], 1.0)
 

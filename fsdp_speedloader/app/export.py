@@ -358,7 +358,7 @@ def main() -> None:
             fail(e)
 
     sys.argv[1:] = checkpoint_path_overrides(sys.argv[1:])
-    launch(_hydra_main)
+    launch(_hydra_main, config_name="export")
 
 
 if __name__ == "__main__":

@@ -417,7 +417,7 @@ def main() -> None:
             fail(e)
 
     sys.argv[1:] = checkpoint_path_overrides(sys.argv[1:])  # checkpoint=PATH: the checkpoint, not the training group
-    launch(_hydra_main)
+    launch(_hydra_main, config_name="generate")
 
 
 if __name__ == "__main__":

@@ -24,11 +24,12 @@ import tempfile
 import traceback
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Optional
 
 import torch.distributed as dist
 
 from fsdp_speedloader import parallel
+from fsdp_speedloader.app.cli import check_command_line
 
 RUN_STAMP_ENV = "FSDP_SPEEDLOADER_RUN_STAMP"
 """Read by ``hydra.run.dir`` / ``hydra.sweep.dir`` in conf/config.yaml; set by :func:`main`."""
@@ -171,11 +172,13 @@ def fail(error: ValueError) -> NoReturn:
     sys.exit(2)
 
 
-def launch(hydra_main: Callable[[], None]) -> None:
-    """Runs a Hydra entry point (train, tune, generate) under torchrun or plain python.
+def launch(hydra_main: Callable[[], None], config_name: Optional[str] = None) -> None:
+    """Runs a Hydra entry point (train, tune, generate, export) under torchrun or plain python.
 
-    Ranks first agree on rank 0's run stamp (one run directory); non-zero ranks get the overrides
-    that keep them from writing Hydra's files and logs.
+    The overrides are checked against the primary config ``config_name`` first (``cli.check_command_line``: an
+    unknown key or group option is one line naming the closest valid ones, exit 2). Ranks then agree on rank 0's
+    run stamp (one run directory); non-zero ranks get the overrides that keep them from writing Hydra's files and
+    logs.
     """
     # Expandable segments unless the user chose: layer-major steps allocate sub-batch-sized blocks
     # whose sizes change between the forward, the head and the backward, and the default allocator's
@@ -184,6 +187,8 @@ def launch(hydra_main: Callable[[], None]) -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     is_help = any(a in ("-h", "--help", "--hydra-help", "--info", "--cfg", "-c") for a in sys.argv[1:])
     try:
+        if config_name is not None:
+            check_command_line(config_name, sys.argv[1:])
         agree_on_run_stamp()
         if not is_help:  # Hydra creates the run directory before any of our code runs: check it first
             key, run_dir = _run_dir_override(sys.argv[1:])

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from fsdp_speedloader.app.config import ScheduleConfig, TrainConfig
 from fsdp_speedloader.app.optim import build_optimizer
@@ -12,6 +15,8 @@ from fsdp_speedloader.app.runtime import speedloader_options
 from fsdp_speedloader.tuning.fit import GIB
 from fsdp_speedloader.tuning.plan import TunePlan
 from fsdp_speedloader.tuning.tuner import tune
+
+log = logging.getLogger(__name__)
 
 
 def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> TunePlan:
@@ -23,12 +28,44 @@ def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduc
     gpu_name, gpu_budget = ("schedule.gpu_memory_budget_gib", sched.gpu_memory_budget_gib)
     if gpu_budget is None and cfg.max_gpu_memory_gib is not None:  # else the setting to name is the schedule's
         gpu_name, gpu_budget = "max_gpu_memory_gib", cfg.max_gpu_memory_gib
+    caps = {"max_sub_batch_size": sched.max_sub_batch_size, "target_batch_size": sched.target_batch_size}
+    cap_names = None
+    device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")  # tune's
+    if device_type != "cuda" and gpu_budget is None:
+        caps, cap_names = configured_caps(sched)
     options = speedloader_options(cfg, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return tune(cfg.model, options, seq_len=cfg.data.seq_len, gpu_memory_budget_bytes=gib(gpu_budget),
-                host_memory_budget_bytes=gib(sched.host_memory_budget_gib), target_batch_size=sched.target_batch_size,
-                max_sub_batch_size=sched.max_sub_batch_size, tune_blocks_per_unit=sched.tune_blocks_per_unit, mesh=mesh,
+                host_memory_budget_bytes=gib(sched.host_memory_budget_gib), **caps,
+                tune_blocks_per_unit=sched.tune_blocks_per_unit, mesh=mesh,
                 build_optimizer=lambda model: build_optimizer(model, cfg.optim, seed=cfg.seed), seed=cfg.seed,
-                budget_names=(gpu_name, "schedule.host_memory_budget_gib"))
+                budget_names=(gpu_name, "schedule.host_memory_budget_gib"), cap_names=cap_names)
+
+
+CPU_NOTE = "as configured, on a CPU"
+
+
+def configured_caps(sched: ScheduleConfig) -> tuple[dict[str, Optional[int]], dict[str, str]]:
+    """The tuner's caps (and what ``limited_by`` calls them) on a CPU without a GPU budget: the configured
+    ``sub_batch_size`` and ``num_sub_batches``, where ``max_sub_batch_size`` / ``target_batch_size`` do not say
+    otherwise.
+
+    Without CUDA the CPU stands in for the GPU, and its budget would be the detected host memory: the plan would
+    fill the host with one sub-batch of thousands of sequences, N = 1, a batch nobody asked for. There is no device
+    memory to fill on a CPU, so the plan keeps the configured batch, checked against host memory by the trials.
+    """
+    caps = {"max_sub_batch_size": sched.max_sub_batch_size or sched.sub_batch_size,
+            "max_num_sub_batches": None if sched.target_batch_size else sched.num_sub_batches,
+            "target_batch_size": sched.target_batch_size}
+    names = {"max_num_sub_batches": f"schedule.num_sub_batches {CPU_NOTE}"}
+    if not sched.max_sub_batch_size:
+        names["max_sub_batch_size"] = f"schedule.sub_batch_size {CPU_NOTE}"
+    batch = (f"{caps['max_sub_batch_size']} x {sched.num_sub_batches}" if not sched.target_batch_size else
+             f"at most {caps['max_sub_batch_size']} a sub-batch, {sched.target_batch_size} a step")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("on a CPU there is no GPU memory for the tuner to fill: the plan keeps the configured batch (%s "
+                 "sequences), checked against host memory; schedule.gpu_memory_budget_gib makes it fill a budget",
+                 batch)
+    return caps, names
 
 
 def planned_config(plan: TunePlan, cfg: TrainConfig) -> TrainConfig:

@@ -46,7 +46,9 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
+from fsdp_speedloader.app.cli import check_overrides
 from fsdp_speedloader.app.config import LoggerConfig
+from fsdp_speedloader.app.launch import fail
 from fsdp_speedloader.app.logger import StepProgress, progress_bar_enabled
 from fsdp_speedloader.app.sweep_report import classify, read_metrics, summarize_metrics, write_report
 
@@ -183,7 +185,9 @@ def log_summary_to_wandb(summary: dict, sweep_dir: Path, logger_cfg: LoggerConfi
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="The groups and keys of a point: python -m fsdp_speedloader.app.train "
+                                            "--help; every key: docs/configuration.md; sweeps: docs/tuner.md.")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per point (torchrun when > 1)")
     parser.add_argument("--torchrun-args", default="",
                         help="torchrun rendezvous arguments instead of --standalone (quoted, e.g. for several nodes)")
@@ -201,6 +205,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(e))
     print("sweep: composing the config ...", flush=True)  # the first line, before Hydra composes
 
+    try:  # a typo: one line with the closest names (exit 2), not a traceback from the compose below
+        check_overrides("config", args.overrides)
+    except ValueError as e:
+        fail(e)
     fixed, cli_swept = split_overrides(args.overrides)
     cfg = _compose(fixed)
     axes = sweep_axes(dict(cfg.hydra.sweeper.params or {}), cli_swept, fixed)

@@ -57,7 +57,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console script: ``fsdp-speedloader-train [overrides]``; also ``python -m fsdp_speedloader.app.train``."""
-    launch(_hydra_main)
+    launch(_hydra_main, config_name="config")
 
 
 if __name__ == "__main__":

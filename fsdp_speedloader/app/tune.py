@@ -97,7 +97,7 @@ def main() -> None:
         except ValueError as e:  # a user error (a budget too small, a bad value): one line, no traceback
             fail(e)
 
-    launch(_hydra_main)
+    launch(_hydra_main, config_name="tune")
 
 
 if __name__ == "__main__":

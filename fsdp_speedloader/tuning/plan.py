@@ -339,7 +339,8 @@ def plan_from_measurements(
     gpu_margin: float = DEFAULT_GPU_MARGIN, blocks_per_unit: Optional[Sequence[int]] = None,
     max_sub_batch_size: Optional[int] = None, max_num_sub_batches: Optional[int] = None,
     target_batch_size: Optional[int] = None, keep_activations: Optional[int] = None,
-    device_units: Optional[int] = None, device_unit_bytes_per_block: int = 0, **plan_fields,
+    device_units: Optional[int] = None, device_unit_bytes_per_block: int = 0,
+    cap_names: Optional[dict[str, str]] = None, **plan_fields,
 ) -> TunePlan:
     """Fits the two memory models to ``measurements`` and picks the plan (no model runs here).
 
@@ -354,6 +355,7 @@ def plan_from_measurements(
     trials ran with it); None plans it: unit 1's states on the GPU (``device_unit_bytes_per_block`` x blocks per
     unit) when the memory left over holds them, before any kept pair (measured per GB, unit 1 was worth more than
     kept activations: docs/results.md); 0 bytes per block: not planned (no CUDA, or nothing offloaded).
+    ``cap_names``: what ``limited_by`` calls a cap (key: the argument's name), e.g. the setting it came from.
     """
     if not measurements:
         raise ValueError("no trial measurements to fit")
@@ -385,7 +387,8 @@ def plan_from_measurements(
         activation_bytes_per_token=m0.activation_bytes_per_token,
         **{"gpu_budget_source": "gpu_memory_budget_bytes", "host_budget_source": "host_memory_budget_bytes",
            **plan_fields})
-    choices = [c for c in (_choose(plan, b, **caps) for b in candidates) if c is not None]
+    names = {**{name: name for name in caps}, **(cap_names or {})}
+    choices = [c for c in (_choose(plan, b, names=names, **caps) for b in candidates) if c is not None]
     if not choices:
         raise _too_small_error(plan, candidates[0])
     _, n, N, b, limited = max(choices, key=lambda c: c[0])
@@ -442,17 +445,18 @@ def _fits(plan: TunePlan, n: int, N: int, b: int) -> tuple[bool, bool]:
 
 
 def _choose(plan: TunePlan, b: int, *, max_sub_batch_size: Optional[int], max_num_sub_batches: Optional[int],
-            target_batch_size: Optional[int]) -> Optional[tuple]:
+            target_batch_size: Optional[int], names: dict[str, str]) -> Optional[tuple]:
     """((sort key), n, N, b, limited_by) for blocks_per_unit b, or None if not one sequence fits."""
-    n_cap = _min_cap((max_sub_batch_size, "max_sub_batch_size"), (target_batch_size, "target_batch_size"))
+    n_cap = _min_cap((max_sub_batch_size, names["max_sub_batch_size"]),
+                     (target_batch_size, names["target_batch_size"]))
     n = _largest(lambda k: all(_fits(plan, k, 1, b)), n_cap[0])
     if n == 0:
         return None
     if n == HARD_CAP:
         raise ValueError("neither budget bounds the sub-batch size (no memory grows with it in the fits); "
                          "set target_batch_size or max_sub_batch_size")
-    N_cap = _min_cap((max_num_sub_batches, "max_num_sub_batches"),
-                     (target_batch_size // n if target_batch_size else None, "target_batch_size"))
+    N_cap = _min_cap((max_num_sub_batches, names["max_num_sub_batches"]),
+                     (target_batch_size // n if target_batch_size else None, names["target_batch_size"]))
     N = _largest(lambda k: all(_fits(plan, n, k, b)), N_cap[0])
 
     def limit(value: int, cap: tuple[Optional[int], str], next_fits: tuple[bool, bool]) -> str:

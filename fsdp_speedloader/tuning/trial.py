@@ -28,12 +28,16 @@ ranks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
+import re
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -182,11 +186,45 @@ def measure_host_bytes(model: nn.Module, optimizer: OptimizersContainer, *, offl
     return out
 
 
+# What the profiler itself prints, from C++ straight to file descriptor 2, on every profiled step: Kineto's stage
+# lines ("USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start", "STAGE:... Completed Stage: Warm Up") and
+# c10's warning about blocks allocated before the profiler started (which the step frees: expected here).
+_PROFILER_NOISE = re.compile(r"^(?:VERBOSE|INFO|WARNING|STAGE|ERROR|USDT):\d{4}-\d\d-\d\d [^\]]*\.cpp:\d+\] |"
+                             r"Memory block of unknown size was allocated before the profiling started")
+
+
+@contextlib.contextmanager
+def _without_profiler_messages() -> Iterator[None]:
+    """Holds back what is written to file descriptor 2 meanwhile, then writes it out less the profiler's own lines
+    (``_PROFILER_NOISE``): a tuning step is a measurement, and its console shows the trials' results, not the
+    profiler's bookkeeping. Anything else written meanwhile (a warning of the step) still reaches stderr."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to hold back
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _PROFILER_NOISE.search(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def profiled_peak_bytes(fn: Callable[[], None]) -> int:
     """Highest net CPU allocation while ``fn`` runs, from the profiler's allocator events."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_messages(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted((e for e in prof.profiler.kineto_results.events()
                      if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")), key=lambda e: e.start_ns())

@@ -75,6 +75,7 @@ def tune(
     build_optimizer: Optional[Callable[[nn.Module], OptimizersContainer]] = None,
     seed: int = 0,
     budget_names: tuple[str, str] = ("gpu_memory_budget_bytes", "host_memory_budget_bytes"),
+    cap_names: Optional[dict[str, str]] = None,
     **overrides,
 ) -> TunePlan:
     """Plans ``sub_batch_size`` x ``num_sub_batches`` (and ``blocks_per_unit``) for a layer-major run.
@@ -113,6 +114,8 @@ def tune(
         seed: weights and tokens of the trial model (the global RNG is left as it was).
         budget_names: what the plan and its errors call the two budgets when given (the trainer passes
             its config keys).
+        cap_names: what the plan's ``limited_by`` calls each cap (``max_sub_batch_size``, ``max_num_sub_batches``,
+            ``target_batch_size``) that stopped n or N; default: the argument's name.
         overrides: fields of ``SpeedLoaderOptions`` as keywords, applied over ``options`` (as
             ``apply_speedloader`` takes them): ``tune(model, seq_len=4096, offload_params=True)``.
     Returns:
@@ -136,7 +139,8 @@ def tune(
         keep_activations=None if plan_keep_activations else options.keep_activations,
         device_units=None if plan_units else options.device_units,
         device_unit_bytes_per_block=device_unit_bytes_per_block(model, trials.mesh) if plan_units else 0,
-        trial_s=time.perf_counter() - start, **trials.budgets.plan_fields(), **_device_fields(trials.device))
+        cap_names=cap_names, trial_s=time.perf_counter() - start, **trials.budgets.plan_fields(),
+        **_device_fields(trials.device))
     warning = plan.single_sub_batch_warning(budget_names)
     if warning is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         log.warning(warning)
