@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -351,6 +352,24 @@ def test_model_generates_after_training_and_trains_after_generating():
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_training_and_generating_emit_no_future_warning(family, tmp_path):
+    """transformers 5 renamed the KV-cache argument of its mask functions and decoder layers (``past_key_values`` ->
+    ``cache``) and warns on every call that uses the old name: the engine passes the name the installed version
+    takes, so a tiny training step and a generation with the cache warn nothing."""
+    from dist_utils import tiny_config
+    from fsdp_speedloader.app.trainer import Trainer
+
+    ids, mask = _prompts(4, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        trainer = Trainer(tiny_config(tmp_path, steps=1, model={"family": family}))
+        trainer.train()
+        for kv_cache in ("device", "host"):
+            out = generate(trainer.model, ids, mask, max_new_tokens=3, num_sub_batches=2, kv_cache=kv_cache)
+            assert out.shape == (4, PROMPT_LEN + 3)
 
 
 @pytest.mark.parametrize("kwargs,message", [
