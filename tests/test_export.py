@@ -192,6 +192,9 @@ def test_hugging_face_generate_on_the_export_stops_at_the_run_tokenizers_eos(tra
     got = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
                          do_sample=False, logits_processor=forced)
     assert got[0, prompt.shape[1]:].tolist() == [bang, bang, eos]  # on past '!', stopped at the EOS
+    built = open_checkpoint(trained[family]["ckpt"]).build_model()  # the Python API's model says the same
+    assert (built.generation_config.eos_token_id, built.generation_config.pad_token_id) == (eos, eos)
+    assert (built.config.bos_token_id, built.config.eos_token_id, built.config.pad_token_id) == special
 
 
 def test_sharded_export_holds_one_shard_at_a_time(trained, tmp_path, monkeypatch):

@@ -118,9 +118,14 @@ class TrainingCheckpoint:
         self.load_weights(model)
 
     def build_model(self, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The trained model, unsharded, in ``dtype`` on ``device``, in eval mode (one process holds all of it)."""
+        """The trained model, unsharded, in ``dtype`` on ``device``, in eval mode (one process holds all of it); its
+        config and generation config carry the run's tokenizer's special tokens, as the export's do."""
         model = build_model(self.model, device="meta").to(dtype)
         self.materialize(model, device=torch.device(device))
+        special = special_token_ids(build_tokenizer(self.tokenizer))
+        for name, value in special.items():
+            setattr(model.config, name, value)
+        model.generation_config = special_generation_config(special)
         return model.eval()
 
 
@@ -235,6 +240,13 @@ def special_token_ids(tokenizer) -> dict[str, Optional[int]]:
     return {name: getattr(tokenizer, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
+def special_generation_config(special: dict[str, Optional[int]]) -> GenerationConfig:
+    """Hugging Face's generation config of :func:`special_token_ids`: without a pad token, finished sequences are
+    padded with the EOS, as app/generate.py pads them."""
+    pad = special["pad_token_id"] if special["pad_token_id"] is not None else special["eos_token_id"]
+    return GenerationConfig(**{**special, "pad_token_id": pad})
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_size: int | str = "5GB",
                       dtype: Optional[str] = None, overwrite: bool = False) -> Path:
     """Writes the training checkpoint ``checkpoint`` (a step directory, or the newest complete step in a
@@ -295,10 +307,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_size
         for f in Path(ckpt.tokenizer).iterdir():
             if f.is_file():
                 shutil.copy2(f, out / f.name)
-    # Without a pad token, generate pads finished sequences with the EOS, as app/generate.py does.
-    generation = GenerationConfig(**{**special, "pad_token_id": special["pad_token_id"] if special["pad_token_id"]
-                                     is not None else special["eos_token_id"]})
-    generation.save_pretrained(out)
+    special_generation_config(special).save_pretrained(out)
     for name, value in special.items():
         setattr(hf_config, name, value)
     hf_config.architectures = [type(skeleton).__name__]
