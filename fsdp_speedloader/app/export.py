@@ -12,8 +12,8 @@ The export writes ``config.json`` and ``generation_config.json``, whose special 
 byte tokenizer's end of sequence is 256: Hugging Face's ``generate`` on the export stops there), the weights as
 safetensors (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``
 above ``max_shard_size``) and the run's tokenizer files (none for the built-in byte tokenizer);
-``AutoModelForCausalLM.from_pretrained(out)`` loads it. It runs in one process, whatever the number of ranks that wrote the checkpoint (DCP reads any
-sharding), and reads the model's weights only, never the optimizer state.
+``AutoModelForCausalLM.from_pretrained(out)`` loads it. It runs in one process, whatever the number of ranks that
+wrote the checkpoint (DCP reads any sharding), and reads the model's weights only, never the optimizer state.
 
 Host memory: one output shard at a time. The tensors of one shard are allocated (in the export dtype), filled
 by DCP, which reads one saved chunk at a time (one rank's part of one tensor), streamed into the shard's file,
