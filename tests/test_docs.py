@@ -40,6 +40,7 @@ def test_quickstart_runs_as_written_and_writes_only_under_its_temporary_director
     proc = subprocess.run(["bash", "-c", script], cwd=start, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, tail(out)
+    assert "Traceback" not in out and "FutureWarning" not in out, tail(out)
     assert list(start.iterdir()) == []  # nothing in the directory it was pasted in
     run_dir = Path(re.search(r"QUICKSTART_DIR=(.*)", proc.stdout).group(1))
     assert run_dir.parent == temp
