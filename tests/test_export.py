@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 import fsdp_speedloader.app.export as export_mod
 from dist_utils import run_distributed, tiny_config
@@ -155,6 +155,48 @@ def test_export_loads_in_hugging_face_with_the_trained_weights(trained, tmp_path
         assert AutoTokenizer.from_pretrained(out).encode(TEXT[:200]) == original.encode(TEXT[:200])
 
 
+class _ForcedTokens(LogitsProcessor):
+    """Step k of Hugging Face's generate takes ``tokens[k]``: a tiny trained model would not end on its own."""
+
+    def __init__(self, tokens: list[int], prompt_len: int) -> None:
+        self.tokens, self.prompt_len = tokens, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.tokens[input_ids.shape[1] - self.prompt_len]] = 0.0
+        return forced
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_hugging_face_generate_on_the_export_stops_at_the_run_tokenizers_eos(trained, tmp_path, family):
+    """config.json and generation_config.json carry the run's tokenizer's special tokens (the byte tokenizer's EOS is
+    256; the local tokenizer's are its own), not the config class's defaults: HF's generate stops at the real EOS and
+    never at '!'."""
+    out = export_checkpoint(trained[family]["ckpt"], tmp_path / "hf")
+    if family == "llama":  # a local Hugging Face tokenizer: EOS '</s>', no BOS, no pad
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        special = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        bang = tokenizer.convert_tokens_to_ids("!")
+    else:  # the byte tokenizer: EOS 256 only
+        special, bang = (None, 256, None), ord("!")
+    eos = special[1]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == special
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    generation = model.generation_config
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (special[0], eos, eos)
+    assert eos is not None and bang != eos
+
+    prompt = BATCH[:1, :8]
+    forced = LogitsProcessorList([_ForcedTokens([bang, bang, eos, bang, bang], prompt.shape[1])])
+    got = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
+                         do_sample=False, logits_processor=forced)
+    assert got[0, prompt.shape[1]:].tolist() == [bang, bang, eos]  # on past '!', stopped at the EOS
+    built = open_checkpoint(trained[family]["ckpt"]).build_model()  # the Python API's model says the same
+    assert (built.generation_config.eos_token_id, built.generation_config.pad_token_id) == (eos, eos)
+    assert (built.config.bos_token_id, built.config.eos_token_id, built.config.pad_token_id) == special
+
+
 def test_sharded_export_holds_one_shard_at_a_time(trained, tmp_path, monkeypatch):
     run = trained["llama"]
     requested = []
@@ -213,13 +255,16 @@ def test_non_empty_out_is_refused_before_anything_is_read(trained, tmp_path, mon
             export_checkpoint(trained["opt"]["ckpt"], out)
         with pytest.raises(ValueError, match="out: .*notes.txt is a file"):
             export_checkpoint(trained["opt"]["ckpt"], out / "notes.txt")
+        with pytest.raises(ValueError, match="out: cannot write to .*notes.txt/hf'.*notes.txt' is a file"):
+            export_checkpoint(trained["opt"]["ckpt"], out / "notes.txt" / "hf")
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
     # overwrite=true: an earlier (sharded) export's files go, the user's stay.
     export_checkpoint(trained["opt"]["ckpt"], out, overwrite=True, max_shard_size="30KB")
     assert (out / "model.safetensors.index.json").is_file()
     export_checkpoint(trained["opt"]["ckpt"], out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                    "notes.txt"]
     assert (out / "notes.txt").read_text() == "keep me"
     _assert_weights(out, trained["opt"]["state"])
     with pytest.raises(ValueError, match="inside the checkpoint"):
@@ -284,3 +329,11 @@ def test_export_cli_writes_and_refuses_in_one_line(trained, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: out: {tmp_path / 'hf'} is not empty")
     assert "Traceback" not in proc.stderr
+
+    under_a_file = tmp_path / "hf" / "config.json" / "hf"
+    proc = _cli("fsdp_speedloader.app.export", f"checkpoint={ckpt}", f"out={under_a_file}", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: out: cannot write to '{under_a_file}': '{tmp_path / 'hf' / 'config.json'}' is a file, not a "
+        "directory; set out to a directory you can write to")
+    assert not under_a_file.exists()

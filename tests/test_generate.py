@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -353,6 +354,24 @@ def test_model_generates_after_training_and_trains_after_generating():
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_training_and_generating_emit_no_future_warning(family, tmp_path):
+    """transformers 5 renamed the KV-cache argument of its mask functions and decoder layers (``past_key_values`` ->
+    ``cache``) and warns on every call that uses the old name: the engine passes the name the installed version
+    takes, so a tiny training step and a generation with the cache warn nothing."""
+    from dist_utils import tiny_config
+    from fsdp_speedloader.app.trainer import Trainer
+
+    ids, mask = _prompts(4, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        trainer = Trainer(tiny_config(tmp_path, steps=1, model={"family": family}))
+        trainer.train()
+        for kv_cache in ("device", "host"):
+            out = generate(trainer.model, ids, mask, max_new_tokens=3, num_sub_batches=2, kv_cache=kv_cache)
+            assert out.shape == (4, PROMPT_LEN + 3)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(max_new_tokens=30), "exceeds the model's 32 positions"),
     (dict(input_ids=torch.zeros(4, 0, dtype=torch.long)), "empty prompts"),
@@ -464,21 +483,53 @@ def test_generate_yaml_composes_into_a_valid_config():
                                   "kv_device_sub_batches": 1})
 
 
+def test_a_prompt_path_alone_means_a_prompt_file_and_show_generations_takes_all():
+    from fsdp_speedloader.app.generate import GenerateConfig
+
+    assert GenerateConfig.from_dict({}).prompts.source == "synthetic"
+    assert GenerateConfig.from_dict({"prompts": {"path": "p.txt"}}).prompts.source == "file"
+    assert GenerateConfig.from_dict({"prompts": {"source": "file", "path": "p.txt"}}).prompts.source == "file"
+    with pytest.raises(ValueError, match=r"^prompts\.path: prompts\.source=synthetic draws random prompts .*drop "
+                                         r"prompts\.path=p\.txt or prompts\.source=synthetic$"):
+        GenerateConfig.from_dict({"prompts": {"source": "synthetic", "path": "p.txt"}})
+    with pytest.raises(ValueError, match="prompts.source=file needs prompts.path"):
+        GenerateConfig.from_dict({"prompts": {"source": "file"}})
+    assert GenerateConfig.from_dict({}).show_generations == 3
+    assert GenerateConfig.from_dict({"show_generations": "all"}).show_generations is None
+    assert GenerateConfig.from_dict({"show_generations": 0}).show_generations == 0
+    with pytest.raises(ValueError, match="^show_generations: got -1; must be >= 0"):
+        GenerateConfig.from_dict({"show_generations": -1})
+
+
+def test_generation_lines_show_the_first_prompts_on_one_line_each():
+    from fsdp_speedloader.app.generate import generation_lines
+
+    records = [{"index": 0, "prompt": "Hello", "prompt_tokens": [1], "completion": " world\nand more"},
+               {"index": 1, "prompt": None, "prompt_tokens": [5, 6, 7], "completion": "\x00x"},
+               {"index": 2, "prompt": "a" * 100 + "tail", "prompt_tokens": [1], "completion": "!"}]
+    assert generation_lines(records, 2) == [
+        "[0] 'Hello' -> ' world\\nand more'", "[1] <3 random tokens> -> '\\x00x'",
+        "(1 more in the jsonl; show_generations=all prints every one)"]
+    every = generation_lines(records, None)
+    assert len(every) == 3 and every[2] == "[2] ...'" + "a" * 76 + "tail' -> '!'"
+
+
 def test_cli_generates_prompts_from_a_file(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"text": "Hello world"}\n{"text": "The capital of France is"}\n{"text": "abc"}\n')
+    prompts.write_text('{"text": "Hello world"}\n{"text": "The capital of France is"}\n{"text": "abc"}\n'
+                       '{"text": "xyz"}\n')
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": ""}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     env["FSDP_SPEEDLOADER_PROGRESS"] = "1"  # the bar over the decoding steps, though stderr is a pipe
-    proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.app.generate", *CLI_TINY, "prompts.source=file",
+    proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.app.generate", *CLI_TINY,  # the path: a file
                            f"prompts.path={prompts}", "kv_cache=host", "cpu_attention_sub_batches=1",
                            f"hydra.run.dir={tmp_path / 'run'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
-    assert [r["prompt"] for r in lines] == ["Hello world", "The capital of France is", "abc"]
+    assert [r["prompt"] for r in lines] == ["Hello world", "The capital of France is", "abc", "xyz"]
     assert all(len(r["completion_tokens"]) <= 6 and isinstance(r["completion"], str) for r in lines)
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["prefill_tokens_per_s"] > 0 and metrics["decode_tokens_per_s"] > 0
@@ -487,6 +538,11 @@ def test_cli_generates_prompts_from_a_file(tmp_path):
     order = [out.find(s) for s in ("setting up:", "building the model:", "generating:", "generate: ")]
     assert -1 not in order and order == sorted(order), out[-3000:]  # status lines first, then the bar
     assert "token" in proc.stderr[proc.stderr.find("generate: "):], proc.stderr[-2000:]
+    # The first 3 generations on the console, one line each, and no metric logger's bare "step 0" line.
+    shown = [line.split(" - ", 1)[1] for line in out.splitlines() if "][INFO] - [" in line or "more in the" in line]
+    assert shown == [f"[{r['index']}] {r['prompt']!r} -> {r['completion']!r}" for r in lines[:3]] + [
+        "(1 more in the jsonl; show_generations=all prints every one)"], out[-3000:]
+    assert not any(line.rstrip().endswith(" - step 0") for line in out.splitlines()), out[-3000:]
 
 
 def test_wandb_online_without_a_key_fails_before_the_model_in_generate_and_tune(tmp_path, monkeypatch):
@@ -527,8 +583,12 @@ def test_prompt_files_and_left_padding(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"q": "a"}\n{"text": "b"}\n')
     with pytest.raises(ValueError, match="line 1 .* field 'text'"):
         read_prompt_file(str(tmp_path / "p.jsonl"))
-    with pytest.raises(ValueError, match="not a .txt or .jsonl file"):
+    with pytest.raises(ValueError, match=f"^prompts.path: prompt file '{tmp_path / 'missing.txt'}' does not exist$"):
         read_prompt_file(str(tmp_path / "missing.txt"))
+    (tmp_path / "p.csv").write_text("a\n")
+    for not_prompts in (tmp_path / "p.csv", tmp_path):
+        with pytest.raises(ValueError, match="is not a .txt or .jsonl file"):
+            read_prompt_file(str(not_prompts))
     ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 

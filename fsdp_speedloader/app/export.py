@@ -8,11 +8,12 @@
 complete step, as ``checkpoint.resume`` finds it: ``app/checkpoint.py``). A step carries the model's
 ``config.json``, the run's ``model_config.json`` and its tokenizer's files, so nothing else is needed.
 
-The export writes ``config.json``, the weights as safetensors (``model.safetensors``, or
-``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` above ``max_shard_size``) and the
-run's tokenizer files (none for the built-in byte tokenizer); ``AutoModelForCausalLM.from_pretrained(out)``
-loads it. It runs in one process, whatever the number of ranks that wrote the checkpoint (DCP reads any
-sharding), and reads the model's weights only, never the optimizer state.
+The export writes ``config.json`` and ``generation_config.json``, whose special tokens are the run's tokenizer's (the
+byte tokenizer's end of sequence is 256: Hugging Face's ``generate`` on the export stops there), the weights as
+safetensors (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``
+above ``max_shard_size``) and the run's tokenizer files (none for the built-in byte tokenizer);
+``AutoModelForCausalLM.from_pretrained(out)`` loads it. It runs in one process, whatever the number of ranks that
+wrote the checkpoint (DCP reads any sharding), and reads the model's weights only, never the optimizer state.
 
 Host memory: one output shard at a time. The tensors of one shard are allocated (in the export dtype), filled
 by DCP, which reads one saved chunk at a time (one rank's part of one tensor), streamed into the shard's file,
@@ -57,10 +58,11 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from fsdp_speedloader.app.checkpoint import HF_CONFIG_FILE, MODEL_CONFIG_FILE, resolve_checkpoint
-from fsdp_speedloader.app.launch import config_path, fail, launch, resolved_config, world_size
+from fsdp_speedloader.app.data import build_tokenizer
+from fsdp_speedloader.app.launch import check_writable_dir, config_path, fail, launch, resolved_config, world_size
 from fsdp_speedloader.app.runtime import DTYPES
 from fsdp_speedloader.engine.speedloader import speedloader_engine
 from fsdp_speedloader.models import ModelConfig, build_hf_config, build_model, materialize_model
@@ -116,9 +118,14 @@ class TrainingCheckpoint:
         self.load_weights(model)
 
     def build_model(self, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The trained model, unsharded, in ``dtype`` on ``device``, in eval mode (one process holds all of it)."""
+        """The trained model, unsharded, in ``dtype`` on ``device``, in eval mode (one process holds all of it); its
+        config and generation config carry the run's tokenizer's special tokens, as the export's do."""
         model = build_model(self.model, device="meta").to(dtype)
         self.materialize(model, device=torch.device(device))
+        special = special_token_ids(build_tokenizer(self.tokenizer))
+        for name, value in special.items():
+            setattr(model.config, name, value)
+        model.generation_config = special_generation_config(special)
         return model.eval()
 
 
@@ -223,6 +230,21 @@ def check_out_dir(out: Path, *, overwrite: bool) -> None:
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"out: {out} is not empty; give a new or empty directory, or overwrite=true to write into "
                          "it (an earlier export's files are replaced, nothing else is deleted)")
+    check_writable_dir(out, "out")  # a parent that is a file, or no permission: before anything is read
+
+
+def special_token_ids(tokenizer) -> dict[str, Optional[int]]:
+    """``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` of the run's tokenizer (the byte tokenizer has an EOS
+    only): what the export's config.json and generation_config.json must say, not the config class's defaults
+    (LlamaConfig's eos 2 is another token of any tokenizer here, and Hugging Face's generate stops at it)."""
+    return {name: getattr(tokenizer, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def special_generation_config(special: dict[str, Optional[int]]) -> GenerationConfig:
+    """Hugging Face's generation config of :func:`special_token_ids`: without a pad token, finished sequences are
+    padded with the EOS, as app/generate.py pads them."""
+    pad = special["pad_token_id"] if special["pad_token_id"] is not None else special["eos_token_id"]
+    return GenerationConfig(**{**special, "pad_token_id": pad})
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_size: int | str = "5GB",
@@ -244,6 +266,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_size
     ckpt = open_checkpoint(checkpoint)
     if out.resolve() == ckpt.step_dir.resolve() or ckpt.step_dir.resolve() in out.resolve().parents:
         raise ValueError(f"out: {out} is inside the checkpoint {ckpt.step_dir}; give a directory outside it")
+    special = special_token_ids(build_tokenizer(ckpt.tokenizer))
 
     hf_config = build_hf_config(ckpt.model)
     with torch.device("meta"):
@@ -284,6 +307,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_size
         for f in Path(ckpt.tokenizer).iterdir():
             if f.is_file():
                 shutil.copy2(f, out / f.name)
+    special_generation_config(special).save_pretrained(out)
+    for name, value in special.items():
+        setattr(hf_config, name, value)
     hf_config.architectures = [type(skeleton).__name__]
     hf_config.dtype = next(iter(target.values()))
     hf_config.save_pretrained(out)  # last: an interrupted export has no config.json

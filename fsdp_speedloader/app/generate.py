@@ -3,7 +3,7 @@
 One process (CPU, or one GPU)::
 
     python -m fsdp_speedloader.app.generate model=opt_tiny logger=none
-    python -m fsdp_speedloader.app.generate model=llama_tiny prompts.source=file prompts.path=prompts.txt
+    python -m fsdp_speedloader.app.generate model=llama_tiny prompts.path=prompts.txt   # a file: prompts.source=file
     python -m fsdp_speedloader.app.generate model=opt_30b offload=params prompts.num_prompts=64 \\
         prompts.prompt_len=512 max_new_tokens=32 num_sub_batches=4 max_gpu_memory_gib=24
 
@@ -14,8 +14,7 @@ Several GPUs (weights sharded; every rank generates its share of the prompts)::
 From what a training run saved (a step directory, or the checkpoint directory: its newest complete step); the
 model and the tokenizer come from the checkpoint, the ``model`` group is ignored (``app/export.py``)::
 
-    python -m fsdp_speedloader.app.generate checkpoint=outputs/DATE/TIME/checkpoints prompts.source=file \
-        prompts.path=prompts.txt
+    python -m fsdp_speedloader.app.generate checkpoint=outputs/DATE/TIME/checkpoints prompts.path=prompts.txt
 
 Config: ``conf/generate.yaml`` (the ``model``, ``offload`` and ``logger`` groups are the training
 ones). Converted once into ``GenerateConfig``; the library sees typed objects only. Hydra and W&B
@@ -24,13 +23,14 @@ are imported by this entry only (W&B through ``logger.build_logger``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,10 +60,11 @@ log = logging.getLogger("fsdp_speedloader.app.generate")
 class PromptsConfig:
     """Where prompts come from."""
 
-    source: str = "synthetic"
-    """'synthetic' (random token ids) or 'file' (.txt: one prompt per line; .jsonl: one object per line)."""
+    source: Optional[str] = None
+    """'synthetic' (random token ids) or 'file' (.txt: one prompt per line; .jsonl: one object per line); null:
+    'file' when ``path`` is given, else 'synthetic'."""
     path: Optional[str] = None
-    """The prompt file for source 'file'."""
+    """The prompt file (source 'file')."""
     text_field: str = "text"
     """Field of each .jsonl object that holds the prompt."""
     num_prompts: int = 8
@@ -74,7 +75,12 @@ class PromptsConfig:
     """Synthetic: when set, prompt lengths are drawn from [min_prompt_len, prompt_len] and left-padded."""
 
     def __post_init__(self) -> None:
+        if self.source is None:  # prompts.path=FILE alone means the file, not random prompts beside it
+            self.source = "file" if self.path else "synthetic"
         check_choice(self.source, "prompts.source", ("synthetic", "file"))
+        check(self.source == "file" or not self.path, "prompts.path",
+              f"prompts.source=synthetic draws random prompts and reads no file; drop prompts.path={self.path} or "
+              "prompts.source=synthetic")
         check_positive(self.num_prompts, "prompts.num_prompts")
         check_positive(self.prompt_len, "prompts.prompt_len")
         if self.min_prompt_len is not None:
@@ -147,6 +153,9 @@ class GenerateConfig:
     """Block-boundary activations between units: 'auto', 'device' or 'host'."""
     forward_prefetch: int = 1
     """Units whose unshard is issued ahead."""
+    show_generations: Optional[int] = 3
+    """Prompts (the first ones) whose text and completion rank 0 prints on the console; null (``all`` on the command
+    line): every one; 0: none. generations.jsonl holds them all either way."""
     stop_at_eos: bool = True
     """Stop a sequence at the tokenizer's EOS (synthetic prompts never stop early)."""
     warmup: bool = True
@@ -172,6 +181,8 @@ class GenerateConfig:
         for name in ("max_new_tokens", "num_sub_batches", "blocks_per_unit", "dp_replicate"):
             check_positive(getattr(self, name), name)
         check_positive(self.forward_prefetch, "forward_prefetch", allow_zero=True)
+        if self.show_generations is not None:
+            check_positive(self.show_generations, "show_generations", allow_zero=True)
         check_choice(self.kv_cache, "kv_cache", KV_CACHE_MODES)
         if self.kv_device_sub_batches is not None:
             check(self.kv_cache == "split", "kv_device_sub_batches", "applies to kv_cache=split only")
@@ -216,6 +227,8 @@ class GenerateConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "GenerateConfig":
         """Builds a validated config from a plain nested dict (e.g. ``OmegaConf.to_container``)."""
+        if d.get("show_generations") == "all":  # show_generations=all on the command line: every prompt
+            d = {**d, "show_generations": None}
         return dataclass_from_dict(cls, d)
 
     def speedloader_options(self) -> SpeedLoaderOptions:
@@ -234,6 +247,9 @@ def read_prompt_file(path: str, text_field: str = "text") -> list[str]:
     """Prompts of a .txt (one per line) or .jsonl (``text_field`` of each object) file. Output k answers input
     line k, so an empty line is refused (naming it) rather than skipped."""
     p = Path(path)
+    if not p.exists():
+        where = "" if p.is_absolute() else f" (looked in {Path.cwd()})"
+        raise ValueError(f"prompts.path: prompt file {path!r} does not exist{where}")
     if not p.is_file() or p.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"prompts.path: {path!r} is not a .txt or .jsonl file")
     prompts = []
@@ -280,6 +296,38 @@ def build_prompts(cfg: GenerateConfig, tokenizer: Any, vocab_size: int) -> tuple
     low = p.min_prompt_len or p.prompt_len
     lengths = torch.randint(low, p.prompt_len + 1, (p.num_prompts,), generator=gen).tolist()
     return [None] * p.num_prompts, [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+_SHOWN_PROMPT_CHARS = 80
+
+
+def generation_lines(records: list[dict], limit: Optional[int]) -> list[str]:
+    """Console lines of the first ``limit`` records (None: all), ``[index] prompt -> completion``, each text a Python
+    string literal (a newline or a control byte stays on its line); a long prompt shows its end, which the completion
+    continues."""
+    shown = records if limit is None else records[:limit]
+    lines = []
+    for r in shown:
+        if r["prompt"] is None:
+            prompt = f"<{len(r['prompt_tokens'])} random tokens>"
+        elif len(r["prompt"]) > _SHOWN_PROMPT_CHARS:
+            prompt = "..." + repr(r["prompt"][-_SHOWN_PROMPT_CHARS:])
+        else:
+            prompt = repr(r["prompt"])
+        lines.append(f"[{r['index']}] {prompt} -> {r['completion']!r}")
+    if len(shown) < len(records):
+        lines.append(f"({len(records) - len(shown)} more in the jsonl; show_generations=all prints every one)")
+    return lines
+
+
+@contextlib.contextmanager
+def _without_info(logger: logging.Logger) -> Iterator[None]:
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,6 +435,9 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
         with open(out_path, "w") as f:
             for r in all_records:
                 f.write(json.dumps(r) + "\n")
+        if cfg.show_generations != 0:
+            for line in generation_lines(all_records, cfg.show_generations):
+                log.info("%s", line)
         # Throughput of all ranks together: they run concurrently, so rates add up.
         for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "generated_tokens_per_s"):
             figures[key] = sum(fig[key] for _, fig in gathered)
@@ -395,7 +446,10 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
                  figures["decode_tokens_per_s"], figures["decode_s"], figures["kv_cache"])
     logger = build_logger(cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg),
                           cfg.output_dir, rank)
-    logger.log({k: v for k, v in figures.items() if isinstance(v, (int, float, str))}, step=0)
+    # The metric logger's console line shows training's figures: for generation it would read a bare "step 0". The
+    # summary line above is generation's; metrics.jsonl and W&B still get every figure.
+    with _without_info(logging.getLogger(build_logger.__module__)):
+        logger.log({k: v for k, v in figures.items() if isinstance(v, (int, float, str))}, step=0)
     logger.finish()
     return figures
 

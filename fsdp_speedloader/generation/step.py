@@ -45,7 +45,7 @@ from fsdp_speedloader.generation.kv_cache import KVCache, build_kv_cache, choose
 from fsdp_speedloader.generation.kv_layout import kv_layout_for
 from fsdp_speedloader.generation.weight_stream import WeightStream
 from fsdp_speedloader.models import BlockInputs, ModelAdapter
-from fsdp_speedloader.models.adapter import FULL_ATTENTION, SLIDING_ATTENTION
+from fsdp_speedloader.models.adapter import FULL_ATTENTION, SLIDING_ATTENTION, cache_argument
 from fsdp_speedloader.quant import KVCodec
 
 log = logging.getLogger(__name__)
@@ -265,7 +265,8 @@ def _causal_mask(layer_type: str, config, dtype: torch.dtype, mask: Optional[tor
     n, q = positions.shape
     builder = _MASK_FUNCTIONS[layer_type]
     params = _params(builder)
-    kwargs = dict(config=config, attention_mask=mask, past_key_values=cache)
+    kwargs = dict(config=config, attention_mask=mask)
+    kwargs[cache_argument(params)] = cache
     kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = torch.empty((n, q, 0), dtype=dtype)
     if "position_ids" in params:
         kwargs["position_ids"] = positions
@@ -310,7 +311,7 @@ def _step_inputs(run: GenerationRun, dtype: torch.dtype, mask: Optional[torch.Te
         elif rotary is not None:
             kwargs["position_embeddings"] = rotary(like, position_ids=pos)
         if run.kv is not None:
-            kwargs["past_key_values"] = run.kv.view(i)
+            kwargs[cache_argument(run.block_kwargs)] = run.kv.view(i)
             kwargs["use_cache"] = True
         if "cache_position" in run.block_kwargs:
             kwargs["cache_position"] = torch.arange(past, past + pos.shape[1], device=device)

@@ -208,13 +208,21 @@ def _params(fn: Callable) -> frozenset:
     return frozenset(inspect.signature(fn).parameters)
 
 
+def cache_argument(params: frozenset) -> str:
+    """The name of the KV-cache argument of a Hugging Face mask function or decoder layer whose parameters are
+    ``params``: ``cache`` in the newer transformers 5.x (5.24 has it; the old name still works there but warns with a
+    FutureWarning on every call), ``past_key_values`` in the older ones."""
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _build_mask(builder: Callable, config, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 position_ids: torch.Tensor) -> Any:
     """``builder(...)`` (a ``transformers.masking_utils`` mask function) for one sub-batch without a cache, with
     the argument names of the installed transformers."""
     params = _params(builder)
-    kwargs: dict[str, Any] = dict(config=config, attention_mask=attention_mask, past_key_values=None)
+    kwargs: dict[str, Any] = dict(config=config, attention_mask=attention_mask)
     kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden  # 5.0 names it input_embeds
+    kwargs[cache_argument(params)] = None
     if "position_ids" in params:
         kwargs["position_ids"] = position_ids
     if "cache_position" in params:  # transformers < 5.20 names the query positions so
