@@ -241,3 +241,15 @@ def test_module_entry_point(tmp_path):
     assert "prepare (2 worker(s))" in done.stderr and "100%" in done.stderr
     assert f"data.path={tmp_path / 'out'}" in done.stdout
     assert read_index(tmp_path / "out")["num_documents"] == 1 + 30 + 25 + 40
+
+
+def test_a_bin_file_of_the_earlier_format_still_loads(tmp_path):
+    tokens = np.random.default_rng(1).integers(0, 257, 1000).astype("<u2")
+    tokens.tofile(tmp_path / "train.bin")
+    (tmp_path / "train.bin.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 257, "num_tokens": 1000,
+                                                         "tokenizer": "bytes"}))
+    loader = build_loader(DataConfig(source="tokens", path=str(tmp_path / "train.bin"), seq_len=16, seed=2),
+                          vocab_size=257, batch_size=4, rank=1, world_size=2)
+    in_memory = TokenLoader(tokens, seq_len=16, batch_size=4, rank=1, world_size=2, seed=2)
+    for _ in range(10):
+        assert torch.equal(loader.next_batch()["input_ids"], in_memory.next_batch()["input_ids"])

@@ -8,7 +8,7 @@ Sources (``DataConfig.source``):
   a directory of those, read in file-name order; documents are joined with the tokenizer's EOS.
 - ``tokens``: a token directory written by ``fsdp-speedloader-prepare`` (``app/prepare.py``; format in
   ``app/token_shards.py``), or a single pre-tokenized .bin file with its .json sidecar (the earlier format),
-  memory-mapped; or several of those mixed by weight (``data.mixture``, ``app/mixture.py``).
+  read row by row as batches need them; or several of those mixed by weight (``data.mixture``, ``app/mixture.py``).
 
 Packing: the token stream is cut into ``num_sequences = num_tokens // seq_len`` non-overlapping
 sequences (the tail is dropped). Each epoch visits them in a fresh order keyed by ``(seed, epoch)``
@@ -33,7 +33,8 @@ import torch
 from fsdp_speedloader.app.config import DataConfig
 from fsdp_speedloader.app.mixture import MixtureLoader
 from fsdp_speedloader.app.permutation import KeyedPermutation
-from fsdp_speedloader.app.token_shards import PREPARE_HINT, TOKEN_DTYPES, TokenDirectory, read_index, token_dtype
+from fsdp_speedloader.app.token_shards import PREPARE_HINT, TOKEN_DTYPES, TokenDirectory, TokenStream, read_index, \
+    token_dtype
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -208,20 +209,12 @@ def read_sidecar(path: PathLike) -> dict:
     return meta
 
 
-def read_token_file(path: PathLike) -> np.memmap:
-    """The ids of a .bin token file, memory-mapped read-only: (num_tokens,)."""
+def read_token_source(path: PathLike) -> TokenStream:
+    """The token stream of a token directory or a .bin file, read row by row as batches need: (num_tokens,)."""
+    if Path(path).is_dir():
+        return TokenDirectory(path)
     meta = read_sidecar(path)
-    return np.memmap(path, dtype=TOKEN_DTYPES[meta["dtype"]], mode="r", shape=(meta["num_tokens"],))
-
-
-# ---------------------------------------------------------------------------------------------
-# The token stream of a config, and the checks run before any model is built
-# ---------------------------------------------------------------------------------------------
-
-
-def read_token_source(path: PathLike) -> Union[np.memmap, TokenDirectory]:
-    """The token stream of a token directory or a .bin file, memory-mapped: (num_tokens,)."""
-    return TokenDirectory(path) if Path(path).is_dir() else read_token_file(path)
+    return TokenStream([(Path(path), meta["num_tokens"])], TOKEN_DTYPES[meta["dtype"]])
 
 
 def token_source_meta(path: PathLike) -> dict:
@@ -229,9 +222,9 @@ def token_source_meta(path: PathLike) -> dict:
     return read_index(path) if Path(path).is_dir() else read_sidecar(path)
 
 
-def load_tokens(cfg: DataConfig) -> Union[np.ndarray, TokenDirectory]:
-    """The whole token stream of a non-synthetic source without a mixture, (num_tokens,): memory-mapped for
-    'tokens', tokenized (once per process) for 'default' and 'text'."""
+def load_tokens(cfg: DataConfig) -> Union[np.ndarray, TokenStream]:
+    """The whole token stream of a non-synthetic source without a mixture, (num_tokens,): read on demand from its
+    files for 'tokens', tokenized (once per process) for 'default' and 'text'."""
     if cfg.source == "tokens":
         if cfg.mixture:
             raise ValueError("data.mixture: a mixture has one token stream per dataset; use build_loader")
@@ -323,8 +316,8 @@ class TokenLoader:
         if self.num_sequences == 0:
             raise ValueError(f"data.seq_len: the corpus has {len(tokens)} tokens, fewer than one sequence of "
                              f"data.seq_len={seq_len}; lower data.seq_len or use a larger corpus")
-        # A view, even of a memmap or a token directory: only the rows a batch picks are ever read.
-        self.sequences = (tokens.sequences(seq_len) if isinstance(tokens, TokenDirectory)
+        # A view, or rows read on demand from token files: only the rows a batch picks are ever read.
+        self.sequences = (tokens.sequences(seq_len) if isinstance(tokens, TokenStream)
                           else tokens[: self.num_sequences * seq_len].reshape(self.num_sequences, seq_len))  # (S, s)
         self.epoch = 0
         self.position = 0  # index into this epoch's order of the next global sequence
@@ -414,9 +407,7 @@ def build_loader(cfg: DataConfig, *, vocab_size: int, batch_size: int, rank: int
         datasets = []
         for entry in cfg.mixture:
             stream = read_token_source(entry["path"])
-            sequences = (stream.sequences(cfg.seq_len) if isinstance(stream, TokenDirectory)
-                         else stream[: len(stream) // cfg.seq_len * cfg.seq_len].reshape(-1, cfg.seq_len))
-            datasets.append((entry["path"], sequences))
+            datasets.append((entry["path"], stream.sequences(cfg.seq_len)))
         return MixtureLoader(datasets, [entry["weight"] for entry in cfg.mixture], batch_size=batch_size,
                              rank=rank, world_size=world_size, seed=cfg.seed)
     if cfg.source == "synthetic":

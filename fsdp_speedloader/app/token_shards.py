@@ -15,8 +15,8 @@ prepare), ``vocab_size``, ``eos_token_id``, ``dtype`` ("uint16" or "uint32"), ``
 ``text_field`` and ``shards``: a list of ``{file, num_tokens, num_documents, document_starts, source}``.
 
 The shards read as one token stream, their concatenation in index order; :class:`TokenDirectory` opens a shard
-only when a batch reads from it and keeps a bounded number open, so start-up time and host memory do not grow
-with the corpus (only the index, one small entry per shard).
+only when a batch reads from it, keeps a bounded number open and reads only the rows a batch picks, so start-up
+time and host memory do not grow with the corpus (only the index, one small entry per shard).
 """
 
 from __future__ import annotations
@@ -105,71 +105,95 @@ def read_index(directory: PathLike, *, check_files: bool = True) -> dict:
     return index
 
 
-class TokenDirectory:
-    """The token stream of a token directory, memory-mapped shard by shard; ``len()`` is its token count."""
+class TokenStream:
+    """Token files read as one stream, their concatenation; ``len()`` is its token count.
+
+    Rows are read with positioned reads (``os.pread``), not through a memory map: a mapped page counts in the
+    process's resident memory once touched (a whole large folio of the page cache at a time, on recent kernels),
+    so a map's RSS grows towards the corpus size as batches pick rows all over it, and schedulers that police
+    RSS (Slurm) count it. A read leaves the pages in the kernel's page cache, outside the process."""
 
     ndim = 1
 
-    def __init__(self, directory: PathLike) -> None:
-        self.directory = Path(directory)
-        self.index = read_index(self.directory)
-        self.dtype = TOKEN_DTYPES[self.index["dtype"]]
-        shards = [s for s in self.index["shards"] if s["num_tokens"] > 0]
-        self._files = [self.directory / s["file"] for s in shards]
-        self._doc_files = [self.directory / s["document_starts"] for s in shards]
-        counts = np.array([s["num_tokens"] for s in shards], dtype=np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(counts)])  # (num_shards + 1,): token offset of each shard
-        self._open: collections.OrderedDict[int, np.memmap] = collections.OrderedDict()
+    def __init__(self, files: list[tuple[Path, int]], dtype: np.dtype) -> None:
+        files = [(Path(f), n) for f, n in files if n > 0]
+        self.dtype = np.dtype(dtype)
+        self._files = [f for f, _ in files]
+        self._starts = np.concatenate([[0], np.cumsum([n for _, n in files], dtype=np.int64)])  # (num_files + 1,)
+        self._open: collections.OrderedDict[int, int] = collections.OrderedDict()  # file number -> descriptor
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def _shard(self, i: int) -> np.memmap:
-        # A bounded set of open maps: a corpus of thousands of shards must not hold thousands of descriptors.
+    def _fd(self, i: int) -> int:
+        # A bounded set of open files: a corpus of thousands of shards must not hold thousands of descriptors.
         if i in self._open:
             self._open.move_to_end(i)
             return self._open[i]
         if len(self._open) >= _MAX_OPEN_SHARDS:
-            self._open.popitem(last=False)
-        m = np.memmap(self._files[i], dtype=self.dtype, mode="r", shape=(int(self._starts[i + 1] - self._starts[i]),))
-        self._open[i] = m
-        return m
+            os.close(self._open.popitem(last=False)[1])
+        self._open[i] = os.open(self._files[i], os.O_RDONLY)
+        return self._open[i]
+
+    def close(self) -> None:
+        opened = getattr(self, "_open", {})  # absent when __init__ failed (a bad index)
+        while opened:
+            os.close(opened.popitem()[1])
+
+    def __del__(self) -> None:
+        self.close()
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of the stream, across shard boundaries: (stop - start,)."""
+        """Tokens ``[start, stop)`` of the stream, across file boundaries: (stop - start,)."""
         if not 0 <= start <= stop <= len(self):
-            raise IndexError(f"TokenDirectory.read: [{start}, {stop}) is outside [0, {len(self)})")
-        pieces = []
-        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+            raise IndexError(f"TokenStream.read: [{start}, {stop}) is outside [0, {len(self)})")
+        out = np.empty(stop - start, dtype=self.dtype)
+        i, done = int(np.searchsorted(self._starts, start, side="right")) - 1, 0
         while start < stop:
             end = min(stop, int(self._starts[i + 1]))
-            offset = int(self._starts[i])
-            pieces.append(self._shard(i)[start - offset : end - offset])
-            start, i = end, i + 1
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
-
-    def document_starts(self, start: int, stop: int) -> np.ndarray:
-        """Stream offsets in ``[start, stop)`` where a document starts (int64, sorted), from the shards'
-        ``.docs.npy`` files (memory-mapped, read only around the range)."""
-        found = []
-        first = int(np.searchsorted(self._starts, start, side="right")) - 1
-        last = int(np.searchsorted(self._starts, max(start, stop - 1), side="right")) - 1
-        for i in range(max(first, 0), min(last, len(self._files) - 1) + 1):
-            offset = int(self._starts[i])
-            starts = np.load(self._doc_files[i], mmap_mode="r")
-            lo, hi = np.searchsorted(starts, [start - offset, stop - offset])
-            found.append(np.asarray(starts[lo:hi], dtype=np.int64) + offset)
-        return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+            offset = (start - int(self._starts[i])) * self.dtype.itemsize
+            data = os.pread(self._fd(i), (end - start) * self.dtype.itemsize, offset)
+            if len(data) != (end - start) * self.dtype.itemsize:
+                raise ValueError(f"data.path: {str(self._files[i])!r} ended early (read {len(data)} bytes at {offset}); "
+                                 "it changed after its index was written: prepare it again")
+            out[done : done + end - start] = np.frombuffer(data, dtype=self.dtype)
+            start, i, done = end, i + 1, done + end - start
+        return out
 
     def sequences(self, seq_len: int) -> "PackedSequences":
         return PackedSequences(self, seq_len)
+
+
+class TokenDirectory(TokenStream):
+    """The token stream of a token directory (its shards in index order), and its document boundaries."""
+
+    def __init__(self, directory: PathLike) -> None:
+        self.directory = Path(directory)
+        self.index = read_index(self.directory)
+        shards = [s for s in self.index["shards"] if s["num_tokens"] > 0]
+        super().__init__([(self.directory / s["file"], s["num_tokens"]) for s in shards],
+                         TOKEN_DTYPES[self.index["dtype"]])
+        self._doc_files = [self.directory / s["document_starts"] for s in shards]
+
+    def document_starts(self, start: int, stop: int) -> np.ndarray:
+        """Stream offsets in ``[start, stop)`` where a document starts (int64, sorted), from the shards'
+        ``.docs.npy`` files."""
+        found = []
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        last = int(np.searchsorted(self._starts, max(start, stop - 1), side="right")) - 1
+        for i in range(max(first, 0), min(last, len(self._doc_files) - 1) + 1):
+            offset = int(self._starts[i])
+            starts = np.load(self._doc_files[i], mmap_mode="r")  # (num_documents,), dropped after the lookup
+            lo, hi = np.searchsorted(starts, [start - offset, stop - offset])
+            found.append(np.asarray(starts[lo:hi], dtype=np.int64) + offset)
+        return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
 
 
 class PackedSequences:
     """The stream cut into ``len(stream) // seq_len`` sequences (tail dropped); ``seqs[ids]`` -> (len(ids), s),
     like a (num_sequences, seq_len) view of an in-memory array."""
 
-    def __init__(self, stream: TokenDirectory, seq_len: int) -> None:
+    def __init__(self, stream: TokenStream, seq_len: int) -> None:
         self.stream, self.seq_len = stream, seq_len
         self.shape = (len(stream) // seq_len, seq_len)
 
