@@ -208,3 +208,13 @@ def test_training_resume_restores_every_dataset_position(tmp_path):
     assert sum(consumed) == 3 * tiny_config(tmp_path / "x", data=data).schedule.batch_size and min(consumed) > 0
     resumed = resumed_trainer.train()
     assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in uninterrupted[3:]], rel=1e-6)
+
+
+def test_a_mixture_checkpoint_and_a_single_dataset_one_do_not_cross():
+    from fsdp_speedloader.app.data import TokenLoader
+
+    single = TokenLoader(np.arange(50 * SEQ_LEN), seq_len=SEQ_LEN, batch_size=2)
+    with pytest.raises(ValueError, match=r"data\.mixture: the checkpoint was saved by a run with data\.mixture"):
+        single.load_state_dict(_mixture(batch_size=2).state_dict())
+    with pytest.raises(ValueError, match=r"data\.mixture: the checkpoint was saved by a run without data\.mixture"):
+        _mixture(batch_size=2).load_state_dict(single.state_dict())

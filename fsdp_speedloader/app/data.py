@@ -358,14 +358,15 @@ class TokenLoader:
                 "order": self.order}
 
     def load_state_dict(self, state: dict) -> None:
+        if "mixture" in state:
+            raise ValueError("data.mixture: the checkpoint was saved by a run with data.mixture; resume with that "
+                             "mixture (data=mixture)")
         if int(state["num_sequences"]) != self.num_sequences:
             raise ValueError(f"data: the checkpoint's loader ran over {state['num_sequences']} sequences but this "
                              f"corpus gives {self.num_sequences}; resume with the same data.path, data.tokenizer "
                              "and data.seq_len")
         if not 0 <= int(state["position"]) < self.num_sequences:
             raise ValueError(f"data: loader state position={state['position']} is out of range")
-        if "mixture" in state:
-            raise ValueError("data: the checkpoint was saved by a run with data.mixture; resume with that mixture")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.order = state.get("order", "permutation")
         self._order = self._epoch_order(self.epoch)
