@@ -38,8 +38,8 @@ def _corpus(root: Path) -> dict[str, list[str]]:
             "d.parquet": _documents(40, "d")}
     (root / "a.txt").write_text(TXT)
     # A blank line and an empty text are skipped: neither is a document.
-    (root / "b.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs["b.jsonl"]))
-                                  + "\n" + json.dumps({"text": ""}) + "\n")
+    lines = [json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs["b.jsonl"])]
+    (root / "b.jsonl").write_text("".join(lines) + "\n" + json.dumps({"text": ""}) + "\n")
     with gzip.open(root / "c.jsonl.gz", "wt", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in docs["c.jsonl.gz"])
     pq.write_table(pa.table({"text": docs["d.parquet"], "n": list(range(40))}), root / "d.parquet", row_group_size=16)
@@ -212,7 +212,8 @@ def test_bad_input_is_one_line_naming_file_and_line(tmp_path, capsys):
     for name, message in cases:
         err = _fail(capsys, [str(tmp_path / name), "--output", f"{out}_{name.replace('/', '_')}"])
         assert re.search(message, err), (name, err)
-    assert "line 1: no field 'body'" in _fail(capsys, [str(tmp_path / "missing.jsonl"), "-o", out, "--text-field", "body"])
+    err = _fail(capsys, [str(tmp_path / "missing.jsonl"), "-o", out, "--text-field", "body"])
+    assert "line 1: no field 'body'" in err
 
     # An output started with other settings, or holding other files, is refused and left alone.
     (tmp_path / "good.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")

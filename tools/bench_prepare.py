@@ -9,9 +9,10 @@ PreTrainedTokenizerFast: what `prepare --tokenizer DIR` loads for any local mode
 Each row is one whole prepare (`app.prepare.run`: find the inputs, read and parse them, tokenize, write the shards,
 the progress records and the index), timed end to end, with ``--workers`` processes; tokens/s per worker is tokens /
 seconds / workers. On a shared machine a worker does not get a whole core: tokens per CPU-second (this process's
-and its workers' user + system time) is what one worker does with one core to itself. Rows: the byte tokenizer on each input kind (.jsonl, .jsonl.gz, .parquet, .txt), and the BPE on
-.jsonl; each with one worker, and with ``--workers`` (default 2) over as many files. The machine's 1-minute load
-average is recorded with each row: on a shared machine, compare rows taken together.
+and its workers' user + system time) is what one worker does with one core to itself. Rows: the byte tokenizer on
+each input kind (.jsonl, .jsonl.gz, .parquet, .txt), and the BPE on .jsonl; each with one worker, and with
+``--workers`` (default 2) over as many files. The machine's 1-minute load average is recorded with each row: on a
+shared machine, compare rows taken together.
 
 Usage:
   python tools/bench_prepare.py                          # writes bench/results/prepare_throughput.json

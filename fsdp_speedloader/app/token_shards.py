@@ -2,8 +2,7 @@
 
 Layout of ``<dir>/``::
 
-    index.json               written last: a directory without it is unfinished (prepare refuses nothing,
-                             training refuses it)
+    index.json               written last: training refuses a directory without it
     000000-00000.bin         raw little-endian token ids (``dtype``), every document followed by EOS
     000000-00000.docs.npy    int64 offsets, within that shard, where a document starts (a document may run
                              on into the next shard: a long .txt file is cut into pieces at line ends)
@@ -34,7 +33,8 @@ FORMAT = "fsdp_speedloader.tokens"
 VERSION = 1
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 """On-disk dtypes of token files (always little-endian)."""
-PREPARE_HINT = "write it with `fsdp-speedloader-prepare --output DIR INPUTS...` (python -m fsdp_speedloader.app.prepare)"
+PREPARE_HINT = ("write it with `fsdp-speedloader-prepare --output DIR INPUTS...` "
+                "(python -m fsdp_speedloader.app.prepare)")
 _MAX_OPEN_SHARDS = 64
 
 PathLike = Union[str, os.PathLike]
@@ -154,8 +154,8 @@ class TokenStream:
             offset = (start - int(self._starts[i])) * self.dtype.itemsize
             data = os.pread(self._fd(i), (end - start) * self.dtype.itemsize, offset)
             if len(data) != (end - start) * self.dtype.itemsize:
-                raise ValueError(f"data.path: {str(self._files[i])!r} ended early (read {len(data)} bytes at {offset}); "
-                                 "it changed after its index was written: prepare it again")
+                raise ValueError(f"data.path: {str(self._files[i])!r} ended early (read {len(data)} bytes at "
+                                 f"{offset}); it changed after its index was written: prepare it again")
             out[done : done + end - start] = np.frombuffer(data, dtype=self.dtype)
             start, i, done = end, i + 1, done + end - start
         return out
