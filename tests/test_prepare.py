@@ -254,3 +254,61 @@ def test_a_bin_file_of_the_earlier_format_still_loads(tmp_path):
     in_memory = TokenLoader(tokens, seq_len=16, batch_size=4, rank=1, world_size=2, seed=2)
     for _ in range(10):
         assert torch.equal(loader.next_batch()["input_ids"], in_memory.next_batch()["input_ids"])
+
+
+def _forked_children(pid: int) -> list[int]:
+    """Children of ``pid`` running its command line (fork()ed workers, not a helper process it started)."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and (stat.parent / "cmdline").read_bytes() == cmdline:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):  # a process that ended while we looked
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers through /proc")
+def test_a_killed_worker_stops_the_run_and_the_same_command_finishes_it(tmp_path):
+    """A real interruption: a worker SIGKILLed mid-run (what the out-of-memory killer does) ends the run with one
+    line, exit 1, no index; the same command then resumes and writes what an uninterrupted run writes."""
+    import signal
+    import time
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    block = "".join(json.dumps({"text": t * 20}) + "\n" for t in _documents(500, "x"))
+    for name in ("a.jsonl", "b.jsonl"):
+        (corpus / name).write_text(block * 40)  # about 20 MB each
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "fsdp_speedloader.app.prepare", str(corpus), "--output", str(out), "--workers",
+               "2", "--shard-tokens", str(2**20), "--no-progress"]
+    # Its own session: if the test fails midway, the run and its workers are stopped together.
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(json.loads(p.read_text())["shards"] for p in (out / "progress").glob("0*.json")):
+            assert proc.poll() is None, "the run ended before it could be interrupted"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(_forked_children(proc.pid)[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err
+    assert err.strip().splitlines()[-1].startswith("error: a worker process died")
+    assert not (out / "index.json").exists()
+
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    whole = run([str(corpus)], tmp_path / "whole", tokenizer_name="bytes", shard_tokens=2**20, workers=1,
+                progress_bar=False)
+    assert read_index(out)["shards"] == whole["shards"]
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / "whole")

@@ -45,6 +45,10 @@ _BATCH_CHARS = 1 << 20  # text per tokenizer call: large enough to amortise the 
 _BATCH_UNITS = 4096
 
 
+class WorkerDied(RuntimeError):
+    """A worker process ended before its file was done: not the input's fault; a rerun resumes."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokenizing a batch of units into one array
 # ---------------------------------------------------------------------------------------------
@@ -286,10 +290,17 @@ def _run_pool(tasks: list[FileTask], workers: int, tokenizer: Any, bar: Any) -> 
     records: dict[int, dict] = {}
     # Largest files first, so that one big file does not start last and run alone.
     order = sorted(tasks, key=lambda t: -t.path.stat().st_size)
+    before = {p.pid for p in multiprocessing.active_children()}
     with ctx.Pool(workers, initializer=_init_pool_worker, initargs=(tokenizer, counters)) as pool:
+        # A Pool replaces a worker that dies (killed, out of memory) but loses its task: without this check the
+        # run would wait for it forever. Its workers only end when the pool does.
+        worker_pids = {p.pid for p in multiprocessing.active_children()} - before
         try:
             results = pool.imap_unordered(_prepare_numbered, order)
             while len(records) < len(tasks):
+                if not worker_pids <= {p.pid for p in multiprocessing.active_children()}:
+                    raise WorkerDied("a worker process died (killed, or out of memory?); run the same command again "
+                                     "to resume")
                 try:
                     number, record = results.next(timeout=0.5)
                     records[number] = record
@@ -329,6 +340,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ValueError as e:  # InputError and data.tokenizer errors: one line, exit 2
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except WorkerDied as e:
+        print(f"error: {e} ({args.output}/{PROGRESS_DIR} lists what is done)", file=sys.stderr, flush=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         print(f"interrupted: run the same command again to resume ({args.output}/{PROGRESS_DIR} lists what is done)",
               file=sys.stderr, flush=True)
