@@ -130,7 +130,8 @@ def test_packing_shapes_and_one_epoch_visits_every_sequence_once():
         seen += _sequence_ids(batch, seq_len)
     assert sorted(seen) == list(range(num_sequences))
     assert seen != list(range(num_sequences))  # shuffled
-    assert loader.state_dict() == {"epoch": 1, "position": 0, "num_sequences": num_sequences, "order": "keyed"}
+    assert loader.state_dict() == {"epoch": 1, "position": 0, "num_sequences": num_sequences,
+                                   "order": "permutation"}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -161,7 +162,7 @@ def test_resume_gives_the_uninterrupted_batches(k):
     for _ in range(k):
         uninterrupted.next_batch()
     state = json.loads(json.dumps(uninterrupted.state_dict()))  # plain ints survive JSON
-    assert all(type(v) is int for k, v in state.items() if k != "order") and state["order"] == "keyed"
+    assert all(type(v) is int for k, v in state.items() if k != "order") and state["order"] == "permutation"
     resumed = TokenLoader(tokens, **kwargs)
     resumed.load_state_dict(state)
     for _ in range(5):  # crosses epoch boundaries
@@ -217,10 +218,10 @@ def test_synthetic_is_deterministic_and_resumable():
 
 
 def test_legacy_checkpoint_state_resumes_on_its_permutation_order():
-    """A loader state saved before the keyed order (no "order" key) resumes mid-epoch on the order array that
-    run drew: the same sequences that the earlier code would have given."""
+    """A loader state of token files saved before the keyed order (no "order" key) resumes mid-epoch on the order
+    array that run drew: the same sequences that the earlier code would have given."""
     tokens = np.arange(20 * 4)
-    resumed = TokenLoader(tokens, seq_len=4, batch_size=3, seed=7)
+    resumed = TokenLoader(tokens, seq_len=4, batch_size=3, seed=7, order="keyed")
     resumed.load_state_dict({"epoch": 2, "position": 5, "num_sequences": 20})
     legacy_order = np.random.default_rng((7, 2)).permutation(20)
     assert _sequence_ids(resumed.next_batch(), 4) == legacy_order[5:8].tolist()

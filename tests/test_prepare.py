@@ -87,7 +87,7 @@ def test_every_input_kind_with_the_byte_tokenizer(tmp_path):
     # The loader reads a directory exactly as it reads the same ids in memory.
     cfg = DataConfig(source="tokens", path=str(tmp_path / "out"), seq_len=64, seed=3)
     from_dir = build_loader(cfg, vocab_size=300, batch_size=4, rank=1, world_size=2)
-    in_memory = TokenLoader(expected, seq_len=64, batch_size=4, rank=1, world_size=2, seed=3)
+    in_memory = TokenLoader(expected, seq_len=64, batch_size=4, rank=1, world_size=2, seed=3, order="keyed")
     for _ in range(12):  # past one epoch
         assert torch.equal(from_dir.next_batch()["input_ids"], in_memory.next_batch()["input_ids"])
 
@@ -251,7 +251,7 @@ def test_a_bin_file_of_the_earlier_format_still_loads(tmp_path):
                                                          "tokenizer": "bytes"}))
     loader = build_loader(DataConfig(source="tokens", path=str(tmp_path / "train.bin"), seq_len=16, seed=2),
                           vocab_size=257, batch_size=4, rank=1, world_size=2)
-    in_memory = TokenLoader(tokens, seq_len=16, batch_size=4, rank=1, world_size=2, seed=2)
+    in_memory = TokenLoader(tokens, seq_len=16, batch_size=4, rank=1, world_size=2, seed=2, order="keyed")
     for _ in range(10):
         assert torch.equal(loader.next_batch()["input_ids"], in_memory.next_batch()["input_ids"])
 

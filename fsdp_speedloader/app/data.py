@@ -11,8 +11,8 @@ Sources (``DataConfig.source``):
   read row by row as batches need them; or several of those mixed by weight (``data.mixture``, ``app/mixture.py``).
 
 Packing: the token stream is cut into ``num_sequences = num_tokens // seq_len`` non-overlapping
-sequences (the tail is dropped). Each epoch visits them in a fresh order keyed by ``(seed, epoch)``
-(a :class:`KeyedPermutation`, computed per batch: no order array grows with the corpus);
+sequences (the tail is dropped). Each epoch visits them in a fresh order drawn from ``(seed, epoch)``
+(for token files a :class:`KeyedPermutation`, computed per batch: no order array grows with the corpus);
 every step takes the next ``world_size * batch_size`` sequences of that order and rank r keeps the
 r-th ``batch_size`` of them. The position is global, so all ranks hold the same loader state.
 """
@@ -25,7 +25,7 @@ import json
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -222,6 +222,11 @@ def token_source_meta(path: PathLike) -> dict:
     return read_index(path) if Path(path).is_dir() else read_sidecar(path)
 
 
+# ---------------------------------------------------------------------------------------------
+# The token stream of a config, and the checks run before any model is built
+# ---------------------------------------------------------------------------------------------
+
+
 def load_tokens(cfg: DataConfig) -> Union[np.ndarray, TokenStream]:
     """The whole token stream of a non-synthetic source without a mixture, (num_tokens,): read on demand from its
     files for 'tokens', tokenized (once per process) for 'default' and 'text'."""
@@ -305,8 +310,8 @@ def _check_loader_args(seq_len: int, batch_size: int, rank: int, world_size: int
 class TokenLoader:
     """Packed, resumable, rank-sharded batches of fixed-length sequences from one 1-D token array."""
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0) -> None:
+    def __init__(self, tokens: Union[np.ndarray, TokenStream], *, seq_len: int, batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, order: Optional[str] = None) -> None:
         if tokens.ndim != 1:
             raise ValueError(f"tokens: expected a 1-D stream of token ids, got shape {tokens.shape}")
         _check_loader_args(seq_len, batch_size, rank, world_size, seed)
@@ -321,9 +326,12 @@ class TokenLoader:
                           else tokens[: self.num_sequences * seq_len].reshape(self.num_sequences, seq_len))  # (S, s)
         self.epoch = 0
         self.position = 0  # index into this epoch's order of the next global sequence
-        # "keyed": KeyedPermutation. "permutation": an order array, as runs before the keyed order drew it; kept
-        # only so that their checkpoints resume mid-epoch on the same order.
-        self.order = "keyed"
+        # "keyed": a KeyedPermutation, for token files (no order array grows with the corpus). "permutation": an
+        # order array, for a corpus tokenized in memory (the order those runs always had) and for a checkpoint of
+        # token files saved before the keyed order (it resumes mid-epoch on the order it drew).
+        if order not in (None, "keyed", "permutation"):
+            raise ValueError(f"order: got {order!r}; use 'keyed' or 'permutation'")
+        self.order = order or ("keyed" if isinstance(tokens, TokenStream) else "permutation")
         self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> Union[np.ndarray, KeyedPermutation]:
