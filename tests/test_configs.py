@@ -55,9 +55,10 @@ def compose_filled(overrides: list[str]):
     missing = sorted(OmegaConf.missing_keys(cfg))
     if not missing:
         return cfg
-    unexpected = [k for k in missing if not k.endswith(".path")]
+    unexpected = [k for k in missing if not k.endswith(".path") and k != "data.mixture"]
     assert not unexpected, f"mandatory values other than paths: {unexpected}; teach compose_filled about them"
-    return compose_cfg([*overrides, *(f"{k}=/placeholder/{k}" for k in missing)])
+    fill = {"data.mixture": "[{path: /placeholder/a, weight: 1}]"}
+    return compose_cfg([*overrides, *(f"{k}={fill.get(k, f'/placeholder/{k}')}" for k in missing)])
 
 
 def to_train_config(cfg) -> TrainConfig:
@@ -216,9 +217,9 @@ def test_bad_value_names_the_field(overrides, field_name):
         to_train_config(cfg)
 
 
-@pytest.mark.parametrize("data", ["text", "tokens"])
-def test_missing_data_path_is_named(data):
-    with pytest.raises(MissingMandatoryValue, match=r"data\.path"):
+@pytest.mark.parametrize("data, key", [("text", "path"), ("tokens", "path"), ("mixture", "mixture")])
+def test_missing_data_path_is_named(data, key):
+    with pytest.raises(MissingMandatoryValue, match=rf"data\.{key}"):
         to_train_config(compose_cfg([f"data={data}"]))
 
 

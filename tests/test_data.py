@@ -130,7 +130,8 @@ def test_packing_shapes_and_one_epoch_visits_every_sequence_once():
         seen += _sequence_ids(batch, seq_len)
     assert sorted(seen) == list(range(num_sequences))
     assert seen != list(range(num_sequences))  # shuffled
-    assert loader.state_dict() == {"epoch": 1, "position": 0, "num_sequences": num_sequences}
+    assert loader.state_dict() == {"epoch": 1, "position": 0, "num_sequences": num_sequences,
+                                   "order": "permutation"}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -161,7 +162,7 @@ def test_resume_gives_the_uninterrupted_batches(k):
     for _ in range(k):
         uninterrupted.next_batch()
     state = json.loads(json.dumps(uninterrupted.state_dict()))  # plain ints survive JSON
-    assert all(type(v) is int for v in state.values())
+    assert all(type(v) is int for k, v in state.items() if k != "order") and state["order"] == "permutation"
     resumed = TokenLoader(tokens, **kwargs)
     resumed.load_state_dict(state)
     for _ in range(5):  # crosses epoch boundaries
@@ -216,29 +217,15 @@ def test_synthetic_is_deterministic_and_resumable():
     assert isinstance(built, SyntheticLoader) and torch.equal(built.next_batch()["input_ids"], batches[0])
 
 
-def test_prepare_data_round_trip(tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "a.txt").write_text("A text file, with ünïcode.\n\nAnd a second paragraph.\n" * 20)
-    (corpus / "b.jsonl").write_text("".join(json.dumps({"text": f"document {i} ✓"}) + "\n" for i in range(30)))
-    output = tmp_path / "out" / "train.bin"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "tools/prepare_data.py", "--input", str(corpus), "--tokenizer", "bytes",
-                    "--output", str(output)], cwd=REPO, env=env, check=True, capture_output=True, text=True)
-
-    expected = load_tokens(DataConfig(source="text", path=str(corpus)))
-    meta = json.loads(Path(f"{output}.json").read_text())
-    assert meta == {"dtype": "uint16", "vocab_size": 257, "num_tokens": len(expected), "tokenizer": "bytes"}
-    tokens_cfg = DataConfig(source="tokens", path=str(output), seq_len=32, seed=5)
-    tokens = load_tokens(tokens_cfg)
-    assert isinstance(tokens, np.memmap)
-    np.testing.assert_array_equal(tokens, expected)
-
-    text_cfg = DataConfig(source="text", path=str(corpus), seq_len=32, seed=5)
-    from_tokens = build_loader(tokens_cfg, vocab_size=257, batch_size=4, rank=1, world_size=2)
-    from_text = build_loader(text_cfg, vocab_size=257, batch_size=4, rank=1, world_size=2)
-    for _ in range(3):
-        assert torch.equal(from_tokens.next_batch()["input_ids"], from_text.next_batch()["input_ids"])
+def test_legacy_checkpoint_state_resumes_on_its_permutation_order():
+    """A loader state of token files saved before the keyed order (no "order" key) resumes mid-epoch on the order
+    array that run drew: the same sequences that the earlier code would have given."""
+    tokens = np.arange(20 * 4)
+    resumed = TokenLoader(tokens, seq_len=4, batch_size=3, seed=7, order="keyed")
+    resumed.load_state_dict({"epoch": 2, "position": 5, "num_sequences": 20})
+    legacy_order = np.random.default_rng((7, 2)).permutation(20)
+    assert _sequence_ids(resumed.next_batch(), 4) == legacy_order[5:8].tolist()
+    assert resumed.state_dict()["order"] == "permutation"
 
 
 # ----- errors that name what to change
@@ -269,7 +256,7 @@ def test_errors_name_the_field_to_change(tmp_path):
         (DataConfig(tokenizer=str(tmp_path / "no_tokenizer")), r"data\.tokenizer: .*existing directory"),
         (DataConfig(source="tokens", path=str(tmp_path / "nope.bin")), r"data\.path: .*does not exist"),
         (DataConfig(source="tokens", path=_token_file(tmp_path / "bare.bin", 100, 257, sidecar=False)),
-         r"data\.path: .*no sidecar .*prepare_data"),
+         r"data\.path: .*no sidecar .*fsdp-speedloader-prepare"),
         (DataConfig(source="tokens", path=_token_file(tmp_path / "big_vocab.bin", 100, 1000)),
          r"model\.vocab_size: .*vocab_size=1000"),
         (DataConfig(source="tokens", path=_token_file(tmp_path / "short.bin", 10, 257), seq_len=64),

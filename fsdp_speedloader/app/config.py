@@ -22,9 +22,10 @@ class DataConfig:
     """Where training tokens come from. Sequences are packed to ``seq_len``."""
 
     source: str = "default"
-    """'default' (embedded corpus), 'synthetic' (random tokens), 'text' (.txt/.jsonl), 'tokens' (.bin)."""
+    """'default' (embedded corpus), 'synthetic' (random tokens), 'text' (.txt/.jsonl), 'tokens' (a token directory
+    from fsdp-speedloader-prepare, or a .bin file)."""
     path: Optional[str] = None
-    """File or directory for 'text'; a .bin token file for 'tokens'."""
+    """File or directory for 'text'; a token directory or .bin file for 'tokens' (or data.mixture instead)."""
     tokenizer: str = "bytes"
     """'bytes' (built in, vocab 257) or a local Hugging Face tokenizer directory."""
     text_field: str = "text"
@@ -33,12 +34,31 @@ class DataConfig:
     """Tokens per sequence s."""
     seed: int = 0
     """Seed of the sequence order and of synthetic tokens."""
+    mixture: Optional[list] = None
+    """For 'tokens', instead of data.path: a list of {path, weight} (token directories or .bin files, one
+    tokenizer); each global sample comes from the dataset furthest behind its weight's share (docs/data.md)."""
 
     def __post_init__(self) -> None:
         check_choice(self.source, "data.source", ("default", "synthetic", "text", "tokens"))
         check_positive(self.seq_len, "data.seq_len")
-        if self.source in ("text", "tokens"):
-            check(bool(self.path), "data.path", f"data.source={self.source!r} needs data.path=<file or directory>")
+        if self.mixture is not None:
+            self._check_mixture()
+        elif self.source in ("text", "tokens"):
+            check(bool(self.path), "data.path", f"data.source={self.source!r} needs data.path=<file or directory>"
+                  + (" or data.mixture=[{path: ..., weight: ...}, ...]" if self.source == "tokens" else ""))
+
+    def _check_mixture(self) -> None:
+        example = "data.mixture='[{path: /data/web, weight: 0.7}, {path: /data/code, weight: 0.3}]'"
+        check(self.source == "tokens", "data.mixture", f"needs data.source=tokens (data=tokens), got {self.source!r}")
+        check(not self.path, "data.path", "set data.path=null with data.mixture (each dataset names its own path)")
+        check(isinstance(self.mixture, list) and len(self.mixture) > 0, "data.mixture",
+              f"expected a non-empty list of {{path, weight}}, e.g. {example}")
+        for i, entry in enumerate(self.mixture):
+            ok = (isinstance(entry, dict) and set(entry) == {"path", "weight"} and isinstance(entry["path"], str)
+                  and bool(entry["path"]) and isinstance(entry["weight"], (int, float))
+                  and not isinstance(entry["weight"], bool) and 0 < entry["weight"] < float("inf"))
+            check(ok, f"data.mixture[{i}]", f"got {entry!r}; each entry is {{path: <token directory or .bin>, "
+                  f"weight: <a positive number>}}, e.g. {example}")
 
 
 @dataclass

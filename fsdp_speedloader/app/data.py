@@ -6,10 +6,13 @@ Sources (``DataConfig.source``):
 - ``synthetic``: uniform random tokens; no tokenizer, no files (throughput runs).
 - ``text``: a .txt file (one document), a .jsonl file (one document per line, in ``text_field``) or
   a directory of those, read in file-name order; documents are joined with the tokenizer's EOS.
-- ``tokens``: a pre-tokenized .bin file written by ``tools/prepare_data.py``, memory-mapped.
+- ``tokens``: a token directory written by ``fsdp-speedloader-prepare`` (``app/prepare.py``; format in
+  ``app/token_shards.py``), or a single pre-tokenized .bin file with its .json sidecar (the earlier format),
+  read row by row as batches need them; or several of those mixed by weight (``data.mixture``, ``app/mixture.py``).
 
 Packing: the token stream is cut into ``num_sequences = num_tokens // seq_len`` non-overlapping
-sequences (the tail is dropped). Each epoch visits them in a fresh order drawn from ``(seed, epoch)``;
+sequences (the tail is dropped). Each epoch visits them in a fresh order drawn from ``(seed, epoch)``
+(for token files a :class:`KeyedPermutation`, computed per batch: no order array grows with the corpus);
 every step takes the next ``world_size * batch_size`` sequences of that order and rank r keeps the
 r-th ``batch_size`` of them. The position is global, so all ranks hold the same loader state.
 """
@@ -22,16 +25,18 @@ import json
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import numpy as np
 import torch
 
 from fsdp_speedloader.app.config import DataConfig
+from fsdp_speedloader.app.mixture import MixtureLoader
+from fsdp_speedloader.app.permutation import KeyedPermutation
+from fsdp_speedloader.app.token_shards import PREPARE_HINT, TOKEN_DTYPES, TokenDirectory, TokenStream, read_index, \
+    token_dtype
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
-TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-"""On-disk dtypes of .bin token files (always little-endian)."""
 
 PathLike = Union[str, os.PathLike]
 
@@ -77,11 +82,6 @@ def build_tokenizer(name: str) -> Any:
         raise ValueError(f"data.tokenizer: the tokenizer in {name!r} has no eos_token, which separates "
                          "documents; set eos_token in its tokenizer_config.json")
     return tokenizer
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest on-disk dtype that holds every id of a vocabulary."""
-    return TOKEN_DTYPES["uint16"] if vocab_size <= 2**16 else TOKEN_DTYPES["uint32"]
 
 
 def _encode(tokenizer: Any, text: str, dtype: np.dtype) -> np.ndarray:
@@ -172,7 +172,7 @@ def iter_token_chunks(documents: Iterable[str], tokenizer: Any) -> Iterator[np.n
 
 
 # ---------------------------------------------------------------------------------------------
-# Token files: <name>.bin (raw little-endian ids) + <name>.bin.json (sidecar)
+# Token files of the earlier format: <name>.bin (raw little-endian ids) + <name>.bin.json (sidecar)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -180,27 +180,10 @@ def sidecar_path(path: PathLike) -> Path:
     return Path(f"{os.fspath(path)}.json")
 
 
-def write_token_file(path: PathLike, documents: Iterable[str], tokenizer: Any, tokenizer_name: str) -> dict:
-    """Streams documents into a .bin token file and writes its sidecar; returns the sidecar."""
-    path, sidecar = Path(path), sidecar_path(path)
-    # The sidecar goes last: a write that dies halfway leaves a .bin that loading refuses.
-    sidecar.unlink(missing_ok=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    dtype = token_dtype(len(tokenizer))
-    num_tokens = 0
-    with open(path, "wb") as f:
-        for chunk in iter_token_chunks(documents, tokenizer):
-            f.write(chunk.tobytes())
-            num_tokens += len(chunk)
-    meta = {"dtype": dtype.name, "vocab_size": len(tokenizer), "num_tokens": num_tokens, "tokenizer": tokenizer_name}
-    sidecar.write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
-
-
 def read_sidecar(path: PathLike) -> dict:
     """The checked sidecar of a .bin token file: dtype, vocab_size, num_tokens, tokenizer."""
     p, sidecar = Path(path), sidecar_path(path)
-    fix = "write token files with tools/prepare_data.py"
+    fix = PREPARE_HINT
     if not p.is_file():
         raise ValueError(f"data.path: token file {str(p)!r} does not exist; {fix}")
     if not sidecar.is_file():
@@ -226,10 +209,17 @@ def read_sidecar(path: PathLike) -> dict:
     return meta
 
 
-def read_token_file(path: PathLike) -> np.memmap:
-    """The ids of a .bin token file, memory-mapped read-only: (num_tokens,)."""
+def read_token_source(path: PathLike) -> TokenStream:
+    """The token stream of a token directory or a .bin file, read row by row as batches need: (num_tokens,)."""
+    if Path(path).is_dir():
+        return TokenDirectory(path)
     meta = read_sidecar(path)
-    return np.memmap(path, dtype=TOKEN_DTYPES[meta["dtype"]], mode="r", shape=(meta["num_tokens"],))
+    return TokenStream([(Path(path), meta["num_tokens"])], TOKEN_DTYPES[meta["dtype"]])
+
+
+def token_source_meta(path: PathLike) -> dict:
+    """vocab_size, num_tokens and tokenizer of a token directory (its index) or a .bin file (its sidecar)."""
+    return read_index(path) if Path(path).is_dir() else read_sidecar(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,11 +227,13 @@ def read_token_file(path: PathLike) -> np.memmap:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_tokens(cfg: DataConfig) -> np.ndarray:
-    """The whole token stream of a non-synthetic source, (num_tokens,): memory-mapped for 'tokens',
-    tokenized (once per process) for 'default' and 'text'."""
+def load_tokens(cfg: DataConfig) -> Union[np.ndarray, TokenStream]:
+    """The whole token stream of a non-synthetic source without a mixture, (num_tokens,): read on demand from its
+    files for 'tokens', tokenized (once per process) for 'default' and 'text'."""
     if cfg.source == "tokens":
-        return read_token_file(cfg.path)
+        if cfg.mixture:
+            raise ValueError("data.mixture: a mixture has one token stream per dataset; use build_loader")
+        return read_token_source(cfg.path)
     if cfg.source == "synthetic":
         raise ValueError("data.source: 'synthetic' has no token stream; use build_loader")
     # File names, sizes and mtimes key the cache, so edited files are tokenized again.
@@ -269,12 +261,19 @@ def validate_data(cfg: DataConfig, *, vocab_size: int) -> None:
     if cfg.source == "synthetic":
         return
     if cfg.source == "tokens":
-        meta = read_sidecar(cfg.path)
-        if meta["vocab_size"] > vocab_size:
-            raise ValueError(f"model.vocab_size: {cfg.path!r} was tokenized with {meta['tokenizer']!r} "
-                             f"(vocab_size={meta['vocab_size']}), larger than the model's vocab_size={vocab_size}; "
-                             f"use model.vocab_size >= {meta['vocab_size']} or re-tokenize with a smaller tokenizer")
-        num_tokens, corpus = meta["num_tokens"], repr(cfg.path)
+        paths = [entry["path"] for entry in cfg.mixture] if cfg.mixture else [cfg.path]
+        metas = [token_source_meta(path) for path in paths]
+        for path, meta in zip(paths, metas):
+            if meta["vocab_size"] > vocab_size:
+                raise ValueError(f"model.vocab_size: {path!r} was tokenized with {meta['tokenizer']!r} (vocab_size="
+                                 f"{meta['vocab_size']}), larger than the model's vocab_size={vocab_size}; use "
+                                 f"model.vocab_size >= {meta['vocab_size']} or re-tokenize with a smaller tokenizer")
+            if meta["vocab_size"] != metas[0]["vocab_size"]:
+                raise ValueError(f"data.mixture: {path!r} was tokenized with {meta['tokenizer']!r} (vocab_size="
+                                 f"{meta['vocab_size']}), {paths[0]!r} with {metas[0]['tokenizer']!r} (vocab_size="
+                                 f"{metas[0]['vocab_size']}); prepare every dataset of a mixture with one tokenizer")
+        # Each dataset of a mixture must give at least one sequence: check the smallest.
+        num_tokens, corpus = min((meta["num_tokens"], repr(path)) for path, meta in zip(paths, metas))
     else:
         if cfg.source == "text":
             text_files(cfg.path)  # path errors first, before a tokenizer is loaded
@@ -311,10 +310,10 @@ def _check_loader_args(seq_len: int, batch_size: int, rank: int, world_size: int
 class TokenLoader:
     """Packed, resumable, rank-sharded batches of fixed-length sequences from one 1-D token array."""
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0) -> None:
+    def __init__(self, tokens: Union[np.ndarray, TokenStream], *, seq_len: int, batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, order: Optional[str] = None) -> None:
         if tokens.ndim != 1:
-            raise ValueError(f"tokens: expected a 1-D array of token ids, got shape {tokens.shape}")
+            raise ValueError(f"tokens: expected a 1-D stream of token ids, got shape {tokens.shape}")
         _check_loader_args(seq_len, batch_size, rank, world_size, seed)
         self.seq_len, self.batch_size, self.rank, self.world_size, self.seed = (
             seq_len, batch_size, rank, world_size, seed)
@@ -322,14 +321,23 @@ class TokenLoader:
         if self.num_sequences == 0:
             raise ValueError(f"data.seq_len: the corpus has {len(tokens)} tokens, fewer than one sequence of "
                              f"data.seq_len={seq_len}; lower data.seq_len or use a larger corpus")
-        # A view, even of a memmap: only the rows a batch picks are ever read.
-        self.sequences = tokens[: self.num_sequences * seq_len].reshape(self.num_sequences, seq_len)  # (S, s)
+        # A view, or rows read on demand from token files: only the rows a batch picks are ever read.
+        self.sequences = (tokens.sequences(seq_len) if isinstance(tokens, TokenStream)
+                          else tokens[: self.num_sequences * seq_len].reshape(self.num_sequences, seq_len))  # (S, s)
         self.epoch = 0
         self.position = 0  # index into this epoch's order of the next global sequence
+        # "keyed": a KeyedPermutation, for token files (no order array grows with the corpus). "permutation": an
+        # order array, for a corpus tokenized in memory (the order those runs always had) and for a checkpoint of
+        # token files saved before the keyed order (it resumes mid-epoch on the order it drew).
+        if order not in (None, "keyed", "permutation"):
+            raise ValueError(f"order: got {order!r}; use 'keyed' or 'permutation'")
+        self.order = order or ("keyed" if isinstance(tokens, TokenStream) else "permutation")
         self._order = self._epoch_order(0)
 
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng((self.seed, epoch)).permutation(self.num_sequences)
+    def _epoch_order(self, epoch: int) -> Union[np.ndarray, KeyedPermutation]:
+        if self.order == "permutation":
+            return np.random.default_rng((self.seed, epoch)).permutation(self.num_sequences)
+        return KeyedPermutation(self.num_sequences, (self.seed, epoch))
 
     def _take(self, count: int) -> np.ndarray:
         """The next ``count`` sequence indices of the global order, running into new epochs as needed."""
@@ -354,9 +362,13 @@ class TokenLoader:
         return {"input_ids": input_ids, "labels": input_ids.clone()}
 
     def state_dict(self) -> dict:
-        return {"epoch": int(self.epoch), "position": int(self.position), "num_sequences": int(self.num_sequences)}
+        return {"epoch": int(self.epoch), "position": int(self.position), "num_sequences": int(self.num_sequences),
+                "order": self.order}
 
     def load_state_dict(self, state: dict) -> None:
+        if "mixture" in state:
+            raise ValueError("data.mixture: the checkpoint was saved by a run with data.mixture; resume with that "
+                             "mixture (data=mixture)")
         if int(state["num_sequences"]) != self.num_sequences:
             raise ValueError(f"data: the checkpoint's loader ran over {state['num_sequences']} sequences but this "
                              f"corpus gives {self.num_sequences}; resume with the same data.path, data.tokenizer "
@@ -364,6 +376,7 @@ class TokenLoader:
         if not 0 <= int(state["position"]) < self.num_sequences:
             raise ValueError(f"data: loader state position={state['position']} is out of range")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.order = state.get("order", "permutation")
         self._order = self._epoch_order(self.epoch)
 
 
@@ -395,9 +408,17 @@ class SyntheticLoader:
 
 
 def build_loader(cfg: DataConfig, *, vocab_size: int, batch_size: int, rank: int = 0,
-                 world_size: int = 1) -> Union[TokenLoader, SyntheticLoader]:
+                 world_size: int = 1) -> Union[TokenLoader, SyntheticLoader, MixtureLoader]:
     """The loader of ``cfg`` for one rank; ``batch_size`` is sequences per rank per step."""
     validate_data(cfg, vocab_size=vocab_size)
+    if cfg.mixture:
+        _check_loader_args(cfg.seq_len, batch_size, rank, world_size, cfg.seed)
+        datasets = []
+        for entry in cfg.mixture:
+            stream = read_token_source(entry["path"])
+            datasets.append((entry["path"], stream.sequences(cfg.seq_len)))
+        return MixtureLoader(datasets, [entry["weight"] for entry in cfg.mixture], batch_size=batch_size,
+                             rank=rank, world_size=world_size, seed=cfg.seed)
     if cfg.source == "synthetic":
         return SyntheticLoader(vocab_size=vocab_size, seq_len=cfg.seq_len, batch_size=batch_size, rank=rank,
                                world_size=world_size, seed=cfg.seed)
