@@ -9,16 +9,17 @@ one line before the model is built.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import fsdp_speedloader.app.trainer as trainer_mod
-from dist_utils import tiny_config
+from dist_utils import run_distributed, tiny_config
 from engine_cases import assert_grads_close, batch, cpu_mesh, reference_grads, tiny_model
 from fsdp_speedloader import apply_speedloader, speedloader_engine
 from fsdp_speedloader.app.config import DataConfig, TrainConfig
@@ -50,6 +51,12 @@ def _unmodified_copy(trainer: Trainer) -> torch.nn.Module:
 
 
 def _reference_val_loss(trainer: Trainer) -> float:
+    total, tokens = _reference_val_sums(trainer)
+    return total / tokens
+
+
+def _reference_val_sums(trainer: Trainer) -> tuple[float, float]:
+    """(summed token loss, label tokens) of the unmodified model on this rank's held-out batches."""
     ref = _unmodified_copy(trainer)
     total = tokens = 0.0
     with torch.no_grad():
@@ -60,7 +67,7 @@ def _reference_val_loss(trainer: Trainer) -> float:
             out = ref(input_ids=b["input_ids"], labels=b["labels"], position_ids=b.get("position_ids"),
                       use_cache=False)
             total, tokens = total + out.loss.item() * n, tokens + n
-    return total / tokens
+    return total, tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +154,30 @@ def test_validation_loss_equals_the_unmodified_models(tmp_path, schedule, docume
     if document_mask:  # the mask changes the loss: the test would notice it missing
         trainer.eos_token_id = None
         assert abs(trainer.evaluate()["val_loss"] - want) > 1e-3
+
+
+def _val_loss_2_ranks(rank: int, world_size: int, root: str) -> tuple[float, tuple[float, float], list[tuple]]:
+    corpus = _corpus(Path(root)) if rank == 0 else str(Path(root) / "corpus.jsonl")
+    if rank == 0:
+        Path(root, "ready").touch()
+    while not Path(root, "ready").exists():
+        time.sleep(0.05)
+    cfg = tiny_config(root, data={"source": "text", "path": corpus, "val_fraction": 0.3, "document_mask": True},
+                      eval={"batches": 2})
+    trainer = Trainer(cfg)
+    trainer.train_step()
+    rows = [tuple(row) for b in trainer.val_batches for row in b["input_ids"].tolist()]
+    return trainer.evaluate()["val_loss"], _reference_val_sums(trainer), rows
+
+
+@pytest.mark.slow
+def test_validation_loss_over_2_ranks_is_the_mean_over_their_tokens(tmp_path):
+    """Each rank evaluates its own share of every held-out batch; the loss is the mean over all their tokens."""
+    per_rank = run_distributed(_val_loss_2_ranks, 2, str(tmp_path))
+    sums = [r[1] for r in per_rank]
+    want = sum(s[0] for s in sums) / sum(s[1] for s in sums)
+    assert [r[0] for r in per_rank] == pytest.approx([want, want], rel=1e-6)
+    assert len(per_rank[0][2]) == 2 * 4 and not set(per_rank[0][2]) & set(per_rank[1][2])  # each its own sequences
 
 
 def test_evaluation_is_logged_and_leaves_training_untouched(tmp_path):

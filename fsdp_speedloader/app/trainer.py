@@ -143,6 +143,14 @@ def num_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
+def perplexity(loss: float) -> float:
+    """exp(mean token loss); inf where that overflows a float, nan for a nan loss."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
                                sub_batch_size: int, num_tokens: int, gradient_sync: str = "every",
                                reshard_after_forward: bool = True,
@@ -405,8 +413,8 @@ class Trainer:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         total, tokens = sums.tolist()
         val_loss = total / tokens if tokens else math.nan
-        return {"val_loss": val_loss, "val_ppl": math.exp(val_loss) if val_loss < 700 else math.inf,
-                "val_tokens": int(tokens), "val_time_s": time.perf_counter() - start}
+        return {"val_loss": val_loss, "val_ppl": perplexity(val_loss), "val_tokens": int(tokens),
+                "val_time_s": time.perf_counter() - start}
 
     def _forward_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, num_tokens: int,
                       position_ids: Optional[torch.Tensor]) -> torch.Tensor:
