@@ -31,9 +31,9 @@ from fsdp_speedloader.models import build_model
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def _corpus(tmp_path, num_documents: int = 60) -> str:
+def _corpus(tmp_path, num_documents: int = 60, seed: int = 0) -> str:
     """A .jsonl of short documents of different lengths (joined with EOS by the loader)."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     words = ["alpha", "beta", "gamma", "delta", "layer", "major", "unit", "shard", "token", "batch"]
     path = tmp_path / "corpus.jsonl"
     with open(path, "w") as f:
@@ -123,11 +123,13 @@ def test_the_training_loader_never_reads_the_held_out_set(tmp_path):
     cfg = DataConfig(source="text", path=_corpus(tmp_path), seq_len=16, val_fraction=0.25)
     held_out = load_val_tokens(cfg).reshape(-1, 16)
     loader = build_loader(cfg, vocab_size=320, batch_size=4)
-    seen = {tuple(row) for _ in range(2 * loader.num_sequences // 4) for row in loader.next_batch()["input_ids"].tolist()}
-    assert seen == {tuple(r) for r in loader.sequences.tolist()}  # two epochs: every training sequence
+    num_batches = 2 * loader.num_sequences // 4  # more than one epoch: every training sequence
+    seen = {tuple(row) for _ in range(num_batches) for row in loader.next_batch()["input_ids"].tolist()}
+    assert seen == {tuple(r) for r in loader.sequences.tolist()}
     assert not seen & {tuple(r) for r in held_out.tolist()}
     assert loader.num_sequences + len(held_out) == len(load_tokens(cfg)) // 16
-    assert loader.progress() == {"epoch": 2.0, "dataset_tokens": loader.num_sequences * 16}
+    assert loader.progress() == {"epoch": pytest.approx(num_batches * 4 / loader.num_sequences),
+                                 "dataset_tokens": loader.num_sequences * 16}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,12 +137,17 @@ def test_the_training_loader_never_reads_the_held_out_set(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule,document_mask", [("speedloader", False), ("speedloader", True),
-                                                     ("canonical", True)])
-def test_validation_loss_equals_the_unmodified_models(tmp_path, schedule, document_mask):
+@pytest.mark.parametrize("schedule,document_mask,held_out", [
+    ("speedloader", False, "fraction"), ("speedloader", True, "fraction"), ("canonical", True, "fraction"),
+    ("speedloader", True, "path")])
+def test_validation_loss_equals_the_unmodified_models(tmp_path, schedule, document_mask, held_out):
     corpus = _corpus(tmp_path)
-    cfg = tiny_config(tmp_path, data={"source": "text", "path": corpus, "val_fraction": 0.3,
-                                      "document_mask": document_mask},
+    if held_out == "path":  # another file of documents
+        (tmp_path / "val").mkdir()
+        split = {"val_path": _corpus(tmp_path / "val", num_documents=40, seed=1)}
+    else:
+        split = {"val_fraction": 0.3}
+    cfg = tiny_config(tmp_path, data={"source": "text", "path": corpus, "document_mask": document_mask, **split},
                       schedule={"name": schedule}, eval={"batches": 3})
     trainer = Trainer(cfg)
     assert len(trainer.val_batches) == 3
