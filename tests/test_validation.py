@@ -75,7 +75,7 @@ def _reference_val_sums(trainer: Trainer) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("store", ["device", "host"])
+@pytest.mark.parametrize("store", ["device", "host", "host_sync"])
 def test_no_grad_forward_holds_two_slots_and_training_after_it_is_exact(store):
     model = tiny_model("llama")
     ids, labels = batch(3)
@@ -94,10 +94,19 @@ def test_no_grad_forward_holds_two_slots_and_training_after_it_is_exact(store):
     forward_only()
     loss = model(input_ids=ids, labels=labels).loss  # the store's geometry goes 2 -> U + 1 -> 2 slots
     assert engine.store.num_slots == len(engine.units) + 1
+    held = _host_activation_memory(engine.store)
     loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss[0], rtol=1e-6, atol=0)
     assert_grads_close(model, ref_grads)
     forward_only()
+    assert _host_activation_memory(engine.store) == held  # the host stores keep the step's memory: no reallocation
+
+
+def _host_activation_memory(store) -> tuple:
+    """What a host store holds for activations: the arena and its capacity (exchange store), or its buffer."""
+    if getattr(store, "arena", None) is not None:
+        return id(store.arena), store.arena.capacity("activations")
+    return None, store.host_bytes
 
 
 # ---------------------------------------------------------------------------------------------
