@@ -223,7 +223,8 @@ def test_evaluation_is_logged_and_leaves_training_untouched(tmp_path):
     ({"val_fraction": 1.0}, "data.val_fraction: got 1.0"),
     ({"val_fraction": 0.1, "val_path": "x.txt"}, "data.val_fraction: data.val_path='x.txt' is the held-out set"),
     ({"source": "synthetic", "document_mask": True}, "data.document_mask: synthetic tokens hold no documents"),
-    ({"source": "synthetic", "val_fraction": 0.1}, "data.val_path: synthetic tokens have no held-out set"),
+    ({"source": "synthetic", "val_fraction": 0.1}, "data.val_fraction: synthetic tokens have no held-out set"),
+    ({"source": "synthetic", "val_path": "x.txt"}, "data.val_path: synthetic tokens have no held-out set"),
 ])
 def test_bad_data_settings_name_the_key(tmp_path, data, match):
     with pytest.raises(ValueError, match=match):
