@@ -54,8 +54,8 @@ class DataConfig:
             check(not self.document_mask, "data.document_mask",
                   "synthetic tokens hold no documents; set data.document_mask=false or use another data.source")
             key = "data.val_fraction" if self.val_fraction else "data.val_path"
-            check(not (self.val_path or self.val_fraction), key, "synthetic tokens have no held-out set; set data.val_path=null and data.val_fraction=0, or use "
-                  "another data.source")
+            check(not (self.val_path or self.val_fraction), key, "synthetic tokens have no held-out set; set "
+                  "data.val_path=null and data.val_fraction=0, or use another data.source")
 
     @property
     def has_validation(self) -> bool:
