@@ -218,3 +218,53 @@ def test_a_mixture_checkpoint_and_a_single_dataset_one_do_not_cross():
         single.load_state_dict(_mixture(batch_size=2).state_dict())
     with pytest.raises(ValueError, match=r"data\.mixture: the checkpoint was saved by a run without data\.mixture"):
         _mixture(batch_size=2).load_state_dict(single.state_dict())
+
+
+def test_token_directories_give_a_held_out_set_and_progress(tmp_path):
+    """data.val_fraction on a token directory: the training stream ends where the held-out set begins, both read
+    from the shards; data.val_path holds a token directory too (read whole); a mixture reports its progress and
+    takes its held-out set from data.val_path only; the EOS of packed documents is the directory's own."""
+    from fsdp_speedloader.app.data import eos_token_id, load_val_tokens, split_held_out, load_tokens
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 200, 40 * SEQ_LEN)
+    web = _token_dir(tmp_path / "web", tokens, shards=3)
+    cfg = DataConfig(source="tokens", path=web, seq_len=SEQ_LEN, val_fraction=0.1)
+    train, held_out = split_held_out(load_tokens(cfg), cfg.val_fraction, SEQ_LEN)
+    assert len(train) == 36 * SEQ_LEN and np.array_equal(held_out, tokens[36 * SEQ_LEN:])
+    loader = build_loader(cfg, vocab_size=257, batch_size=4)
+    assert loader.num_sequences == 36 and loader.progress() == {"epoch": 0.0, "dataset_tokens": 36 * SEQ_LEN}
+    seen = torch.cat([loader.next_batch()["input_ids"] for _ in range(9)])  # the whole epoch: 36 rows
+    assert not any(bool((seen == torch.from_numpy(row.astype(np.int64))).all(1).any())
+                   for row in held_out.reshape(4, SEQ_LEN))
+    assert np.array_equal(load_val_tokens(DataConfig(source="tokens", path=web, seq_len=SEQ_LEN, val_path=web)),
+                          tokens)
+    assert eos_token_id(cfg) == 0  # the index's, not the byte tokenizer's 256
+
+    mix = DataConfig(source="tokens", seq_len=SEQ_LEN, val_path=web,
+                     mixture=[{"path": web, "weight": 1}, {"path": _bin(tmp_path / "c.bin", tokens), "weight": 1}])
+    mixed = build_loader(mix, vocab_size=257, batch_size=4)
+    mixed.next_batch()
+    assert mixed.progress() == {"epoch": pytest.approx(4 / 80), "dataset_tokens": 80 * SEQ_LEN}
+    assert len(load_val_tokens(mix)) == len(tokens)
+    with pytest.raises(ValueError, match=r"data\.val_fraction: a mixture holds out no fraction"):
+        DataConfig(source="tokens", seq_len=SEQ_LEN, val_fraction=0.1, mixture=[{"path": web, "weight": 1}])
+
+
+@pytest.mark.slow
+def test_training_on_a_token_directory_with_validation_and_document_mask(tmp_path):
+    """A real run (tiny LLaMA, CPU, layer-major) on a token directory with a held-out fraction and packed documents
+    kept apart: the validation loss is logged, the loader's progress is in every record."""
+    from dist_utils import tiny_config
+
+    from fsdp_speedloader.app.trainer import Trainer
+
+    rng = np.random.default_rng(1)
+    stream = rng.integers(1, 200, 48 * 32)
+    stream[::7] = 0  # the directory's EOS (0): many short documents per sequence
+    web = _token_dir(tmp_path / "web", stream, shards=2)
+    cfg = tiny_config(tmp_path / "run", data={"source": "tokens", "path": web, "val_fraction": 0.25,
+                                              "document_mask": True}, steps=3, eval={"every": 2, "batches": 1})
+    records = Trainer(cfg).train()
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 3]
+    assert all(np.isfinite(r["val_loss"]) and r["dataset_tokens"] == 36 * 32 for r in records if "val_loss" in r)

@@ -37,6 +37,13 @@ class DataConfig:
     mixture: Optional[list] = None
     """For 'tokens', instead of data.path: a list of {path, weight} (token directories or .bin files, one
     tokenizer); each global sample comes from the dataset furthest behind its weight's share (docs/data.md)."""
+    document_mask: bool = False
+    """Packed documents (joined with the tokenizer's EOS) do not attend to each other and their positions restart
+    after each EOS; a document's first token is no target of the one before it. LLaMA, Mistral, Qwen2/3."""
+    val_path: Optional[str] = None
+    """The held-out set, read as ``source`` reads ``path`` (a .txt/.jsonl file or directory, or a .bin file)."""
+    val_fraction: float = 0.0
+    """Or: hold out this fraction of the training tokens (the end of the stream, whole sequences); 0: none."""
 
     def __post_init__(self) -> None:
         check_choice(self.source, "data.source", ("default", "synthetic", "text", "tokens"))
@@ -46,6 +53,24 @@ class DataConfig:
         elif self.source in ("text", "tokens"):
             check(bool(self.path), "data.path", f"data.source={self.source!r} needs data.path=<file or directory>"
                   + (" or data.mixture=[{path: ..., weight: ...}, ...]" if self.source == "tokens" else ""))
+        check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", f"got {self.val_fraction}; use [0, 1) (0: none)")
+        check(not (self.mixture and self.val_fraction), "data.val_fraction",
+              "a mixture holds out no fraction of its datasets; give its held-out set as data.val_path=<a token "
+              "directory>, or set data.val_fraction=0")
+        check(not (self.val_path and self.val_fraction), "data.val_fraction",
+              f"data.val_path={self.val_path!r} is the held-out set already; set data.val_fraction=0 or "
+              "data.val_path=null")
+        if self.source == "synthetic":
+            check(not self.document_mask, "data.document_mask",
+                  "synthetic tokens hold no documents; set data.document_mask=false or use another data.source")
+            key = "data.val_fraction" if self.val_fraction else "data.val_path"
+            check(not (self.val_path or self.val_fraction), key, "synthetic tokens have no held-out set; set "
+                  "data.val_path=null and data.val_fraction=0, or use another data.source")
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether a held-out set is configured."""
+        return bool(self.val_path) or self.val_fraction > 0
 
     def _check_mixture(self) -> None:
         example = "data.mixture='[{path: /data/web, weight: 0.7}, {path: /data/code, weight: 0.3}]'"
@@ -314,6 +339,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    """The validation loss on the held-out set (``data.val_path`` or ``data.val_fraction``)."""
+
+    every: int = 100
+    """Evaluate every k optimizer steps, and after the last step; 0: after the last step only."""
+    batches: int = 4
+    """Batches per evaluation, each the training step's shape (num_sub_batches x sub_batch_size sequences per rank);
+    the same held-out sequences every time (fewer when the held-out set is smaller)."""
+
+    def __post_init__(self) -> None:
+        check_positive(self.every, "eval.every", allow_zero=True)
+        check_positive(self.batches, "eval.batches")
+
+
+@dataclass
 class TrainConfig:
     """A whole training run."""
 
@@ -325,6 +365,7 @@ class TrainConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     steps: int = 200
     """Optimizer steps."""
     seed: int = 0
@@ -382,6 +423,9 @@ class TrainConfig:
             check(self.param_dtype in ("auto", self.offload.param_transfer_dtype), "offload.param_transfer_dtype",
                   f"{what} differs from param_dtype={self.param_dtype}: FSDP2 casts to param_dtype on the device "
                   "anyway; set both to the same dtype, or offload.param_transfer_dtype=null")
+        check(not (self.data.document_mask and self.kernels.sdpa_backend == "flash"), "kernels.sdpa_backend",
+              "the flash SDPA kernel takes no attention mask, and data.document_mask needs one (block-causal per "
+              "document): set kernels.sdpa_backend=auto, efficient or cudnn, or data.document_mask=false")
         check(self.data.seq_len <= self.model.max_position_embeddings or self.model.path is not None,
               "data.seq_len", f"{self.data.seq_len} exceeds model.max_position_embeddings="
               f"{self.model.max_position_embeddings}; lower data.seq_len")

@@ -10,6 +10,10 @@ Sources (``DataConfig.source``):
   ``app/token_shards.py``), or a single pre-tokenized .bin file with its .json sidecar (the earlier format),
   read row by row as batches need them; or several of those mixed by weight (``data.mixture``, ``app/mixture.py``).
 
+Held out (``data.val_path``, or ``data.val_fraction``: the last sequences of the stream, never trained on):
+``val_batches`` gives each evaluation the same sequences. Document-aware packing (``data.document_mask``):
+``apply_document_mask`` derives per-document positions from the EOS tokens of a packed batch.
+
 Packing: the token stream is cut into ``num_sequences = num_tokens // seq_len`` non-overlapping
 sequences (the tail is dropped). Each epoch visits them in a fresh order drawn from ``(seed, epoch)``
 (for token files a :class:`KeyedPermutation`, computed per batch: no order array grows with the corpus);
@@ -19,9 +23,11 @@ r-th ``batch_size`` of them. The position is global, so all ranks hold the same 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import json
+import math
 import os
 from importlib import resources
 from pathlib import Path
@@ -242,7 +248,7 @@ def load_tokens(cfg: DataConfig) -> Union[np.ndarray, TokenStream]:
     return _tokenize_corpus(cfg.source, file_stats, cfg.tokenizer, cfg.text_field)
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=2)  # the training corpus and the held-out one (data.val_path)
 def _tokenize_corpus(source: str, file_stats: tuple, tokenizer_name: str, text_field: str) -> np.ndarray:
     # Cached because validate_data (before the model is built) and build_loader both need it.
     tokenizer = build_tokenizer(tokenizer_name)
@@ -254,6 +260,110 @@ def _tokenize_corpus(source: str, file_stats: tuple, tokenizer_name: str, text_f
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=token_dtype(len(tokenizer)))
     tokens.flags.writeable = False  # shared by every caller
     return tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# The held-out set (data.val_path, data.val_fraction)
+# ---------------------------------------------------------------------------------------------
+
+
+def split_held_out(tokens: Union[np.ndarray, TokenStream], val_fraction: float,
+                   seq_len: int) -> tuple[Union[np.ndarray, TokenStream], np.ndarray]:
+    """(training, held-out) parts of a token stream: the held-out set is the last ``val_fraction`` of its whole
+    sequences (at least one), the same whatever the seed, rank or world size; ``val_fraction=0``: none. Token files
+    (a ``TokenStream``) stay on disk for training; only the held-out tokens are read."""
+    num_sequences = len(tokens) // seq_len
+    num_val = math.ceil(val_fraction * num_sequences) if val_fraction > 0 else 0
+    cut = (num_sequences - num_val) * seq_len
+    if isinstance(tokens, TokenStream):
+        training = tokens if num_val == 0 else tokens.head(cut)
+        return training, tokens.read(cut, num_sequences * seq_len)
+    return tokens[:cut], tokens[cut : num_sequences * seq_len]
+
+
+def load_val_tokens(cfg: DataConfig) -> np.ndarray:
+    """The held-out token stream: ``data.val_path`` read as ``data.source`` reads ``data.path``, or the end of
+    the training stream (``data.val_fraction``); empty when neither is set."""
+    if cfg.val_path:
+        tokens = load_tokens(_as_val_source(cfg))
+        # A held-out token directory is read whole: an evaluation reads every one of its sequences anyway.
+        return tokens.read(0, len(tokens)) if isinstance(tokens, TokenStream) else tokens
+    return split_held_out(load_tokens(cfg), cfg.val_fraction, cfg.seq_len)[1]
+
+
+def _as_val_source(cfg: DataConfig) -> DataConfig:
+    source = "text" if cfg.source == "default" else cfg.source  # the default corpus' held-out set is text
+    return dataclasses.replace(cfg, source=source, path=cfg.val_path, val_path=None, val_fraction=0.0, mixture=None)
+
+
+def val_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, num_batches: int, rank: int = 0,
+                world_size: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Up to ``num_batches`` batches of this rank's held-out sequences, in order (no shuffling: every evaluation
+    sees the same ones). Each global batch takes the next ``world_size * batch_size`` sequences and rank r keeps
+    the r-th ``batch_size``, as the training loader does; a partial last batch is dropped."""
+    num_sequences = len(tokens) // seq_len
+    num_global = min(num_batches, num_sequences // (world_size * batch_size))
+    sequences = tokens[: num_sequences * seq_len].reshape(num_sequences, seq_len)  # (S, s), a view
+    out = []
+    for b in range(num_global):
+        first = (b * world_size + rank) * batch_size
+        input_ids = torch.from_numpy(sequences[first : first + batch_size].astype(np.int64))  # (batch_size, s)
+        out.append({"input_ids": input_ids, "labels": input_ids.clone()})
+    return out
+
+
+def check_held_out(cfg: DataConfig, *, vocab_size: int, global_batch_size: int) -> None:
+    """ValueError naming what to change unless the held-out set holds one evaluation batch of
+    ``global_batch_size`` sequences (and, from data.val_path, ids < vocab_size). Nothing to check without one."""
+    if not cfg.has_validation:
+        return
+    if cfg.val_path:
+        validate_data(_as_val_source(cfg), vocab_size=vocab_size)
+        key, fix = "data.val_path", "use a larger held-out set or lower data.seq_len"
+    else:
+        key, fix = "data.val_fraction", "raise data.val_fraction or use data.val_path"
+        if len(split_held_out(load_tokens(cfg), cfg.val_fraction, cfg.seq_len)[0]) == 0:
+            raise ValueError(f"data.val_fraction: {cfg.val_fraction} holds out every sequence of the corpus and "
+                             "leaves none to train on; lower data.val_fraction or use data.val_path")
+    num_val = len(load_val_tokens(cfg)) // cfg.seq_len
+    if num_val < global_batch_size:
+        raise ValueError(f"{key}: the held-out set holds {num_val} sequences of data.seq_len={cfg.seq_len}, fewer "
+                         f"than one evaluation batch of {global_batch_size} (ranks x num_sub_batches x "
+                         f"sub_batch_size); {fix}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Document-aware packing (data.document_mask)
+# ---------------------------------------------------------------------------------------------
+
+
+def eos_token_id(cfg: DataConfig) -> int:
+    """The token that joins documents in ``cfg``'s stream: a token directory's own (its index, written by
+    prepare with the tokenizer it used), else the tokenizer's EOS."""
+    paths = [e["path"] for e in cfg.mixture] if cfg.mixture else [cfg.path] if cfg.source == "tokens" else []
+    found = {read_index(p)["eos_token_id"] for p in paths if p and Path(p).is_dir()}
+    if len(found) > 1:
+        raise ValueError(f"data.mixture: its token directories end documents with different EOS ids {sorted(found)}; "
+                         "prepare them with one tokenizer")
+    return found.pop() if found else int(build_tokenizer(cfg.tokenizer).eos_token_id)
+
+
+def document_position_ids(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Positions that restart at each packed document: 0 at the start of a row and right after each EOS (an EOS
+    ends its document). (B, s) -> (B, s). Given to the model as ``position_ids``, they make its attention
+    block-causal per document (Hugging Face's packed-sequence masks) and its RoPE positions per document."""
+    index = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)  # (B, s)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = input_ids[:, :-1] == eos_token_id
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def apply_document_mask(batch: dict[str, torch.Tensor], eos_token_id: int) -> dict[str, torch.Tensor]:
+    """``batch`` with per-document ``position_ids``, and no target at a document's first token (predicting it
+    would read the document before): the loss is the sum of each document's own loss, as if run alone."""
+    position_ids = document_position_ids(batch["input_ids"], eos_token_id)
+    return {**batch, "position_ids": position_ids, "labels": batch["labels"].masked_fill(position_ids == 0, -100)}
 
 
 def validate_data(cfg: DataConfig, *, vocab_size: int) -> None:
@@ -361,6 +471,11 @@ class TokenLoader:
         # Hugging Face causal LMs shift labels themselves.
         return {"input_ids": input_ids, "labels": input_ids.clone()}
 
+    def progress(self) -> dict:
+        """For every log record: epochs done (a fraction: the position in this one) and the dataset's tokens."""
+        return {"epoch": self.epoch + self.position / self.num_sequences,
+                "dataset_tokens": self.num_sequences * self.seq_len}
+
     def state_dict(self) -> dict:
         return {"epoch": int(self.epoch), "position": int(self.position), "num_sequences": int(self.num_sequences),
                 "order": self.order}
@@ -400,6 +515,10 @@ class SyntheticLoader:
         self.step += 1
         return {"input_ids": input_ids, "labels": input_ids.clone()}
 
+    def progress(self) -> dict:
+        """No epochs or dataset size: the tokens are drawn afresh."""
+        return {}
+
     def state_dict(self) -> dict:
         return {"step": int(self.step)}
 
@@ -422,5 +541,6 @@ def build_loader(cfg: DataConfig, *, vocab_size: int, batch_size: int, rank: int
     if cfg.source == "synthetic":
         return SyntheticLoader(vocab_size=vocab_size, seq_len=cfg.seq_len, batch_size=batch_size, rank=rank,
                                world_size=world_size, seed=cfg.seed)
-    return TokenLoader(load_tokens(cfg), seq_len=cfg.seq_len, batch_size=batch_size, rank=rank,
-                       world_size=world_size, seed=cfg.seed)
+    tokens = split_held_out(load_tokens(cfg), cfg.val_fraction, cfg.seq_len)[0]  # all of them without val_fraction
+    return TokenLoader(tokens, seq_len=cfg.seq_len, batch_size=batch_size, rank=rank, world_size=world_size,
+                       seed=cfg.seed)

@@ -55,7 +55,8 @@ def format_metrics(metrics: dict, step: int, *, show_mfu: bool = True) -> str:
     parts = [f"step {step}"]
     fmt = {"loss": "loss {:.4f}", "lr": "lr {:.2e}", "grad_norm": "grad_norm {:.3f}",
            "tokens_per_s": "{:,.0f} tok/s", "mfu": "mfu {:.1%}", "step_time_s": "{:.3f} s/step",
-           "data_wait_s": "data {:.3f} s"}
+           "data_wait_s": "data {:.3f} s", "tokens": "{:,} tokens", "epoch": "epoch {:.3f}",
+           "val_loss": "val_loss {:.4f}", "val_ppl": "val_ppl {:.2f}"}
     if not show_mfu:
         del fmt["mfu"]
     for key, spec in fmt.items():

@@ -54,6 +54,12 @@ class MixtureLoader:
         """Completed passes over each dataset."""
         return [c // n for c, n in zip(self.consumed, self.num_sequences)]
 
+    def progress(self) -> dict:
+        """For every log record: passes over the whole mixture (sequences taken over the datasets' sequences) and
+        every dataset's tokens; each dataset's completed passes are ``epochs``."""
+        return {"epoch": sum(self.consumed) / sum(self.num_sequences),
+                "dataset_tokens": sum(self.num_sequences) * self.seq_len}
+
     def _take(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The next ``count`` global samples: (dataset of each, sequence index of each), both (count,)."""
         datasets, counters = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)

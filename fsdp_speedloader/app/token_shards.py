@@ -163,6 +163,14 @@ class TokenStream:
     def sequences(self, seq_len: int) -> "PackedSequences":
         return PackedSequences(self, seq_len)
 
+    def head(self, num_tokens: int) -> "TokenStream":
+        """The stream's first ``num_tokens`` tokens, as a stream over the same files (nothing is read)."""
+        if not 0 <= num_tokens <= len(self):
+            raise IndexError(f"TokenStream.head: {num_tokens} is outside [0, {len(self)}]")
+        files = [(f, int(min(end, num_tokens) - start)) for f, start, end in
+                 zip(self._files, self._starts[:-1], self._starts[1:]) if start < num_tokens]
+        return TokenStream(files, self.dtype)
+
 
 class TokenDirectory(TokenStream):
     """The token stream of a token directory (its shards in index order), and its document boundaries."""

@@ -44,7 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_speedloader import parallel
 from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits, resolve_resume_path
 from fsdp_speedloader.app.config import TrainConfig
-from fsdp_speedloader.app.data import build_loader, validate_data
+from fsdp_speedloader.app.data import apply_document_mask, build_loader, check_held_out, eos_token_id, \
+    load_val_tokens, val_batches, validate_data
 from fsdp_speedloader.app.faults import fault_from_env
 from fsdp_speedloader.app.host_memory import check_host_memory
 from fsdp_speedloader.app.launch import TrainingInterrupted, UserError, check_writable_dir
@@ -53,7 +54,8 @@ from fsdp_speedloader.app.logger import MetricLogger, StepProgress, build_logger
     progress_bar_enabled
 from fsdp_speedloader.kernels import KernelScope, apply_kernels
 from fsdp_speedloader.app.metrics import StepMetrics, num_block_params, recompute_flops_per_token
-from fsdp_speedloader.models import build_hf_config, build_model, get_adapter, materialize_model
+from fsdp_speedloader.models import build_hf_config, build_model, get_adapter, materialize_model, \
+    position_ids_model_classes
 from fsdp_speedloader.app.optim import build_lr_scheduler, build_optimizer
 from fsdp_speedloader.app.planning import planned_config, tune_train_config
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
@@ -141,19 +143,31 @@ def num_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
+def perplexity(loss: float) -> float:
+    """exp(mean token loss); inf where that overflows a float, nan for a nan loss."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
                                sub_batch_size: int, num_tokens: int, gradient_sync: str = "every",
                                reshard_after_forward: bool = True,
-                               scope: KernelScope = contextlib.nullcontext) -> torch.Tensor:
+                               scope: KernelScope = contextlib.nullcontext,
+                               position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The canonical schedule's step (FSDP2 gradient accumulation): one forward and backward per micro-batch of
     ``sub_batch_size``; returns the effective-batch mean loss, detached. ``gradient_sync='last'`` reduce-scatters
     only after the last micro-batch (unsharded gradients accumulate on the device meanwhile).
     ``reshard_after_forward=False`` (the model sharded so, ``schedule.reshard_after_forward``) also keeps the
     parameters unsharded between micro-batches: each unit is all-gathered once per step. ``scope``
-    (``apply_schedule``'s) covers the backward too: activation checkpointing recomputes the blocks there."""
+    (``apply_schedule``'s) covers the backward too: activation checkpointing recomputes the blocks there.
+    ``position_ids`` (packed documents, ``data.document_mask``) are split with the micro-batches."""
     total = torch.zeros((), device=input_ids.device)
-    micro_batches = list(zip(input_ids.split(sub_batch_size), labels.split(sub_batch_size)))
-    for k, (ids, lab) in enumerate(micro_batches):
+    positions = [None] * len(input_ids.split(sub_batch_size)) if position_ids is None else \
+        position_ids.split(sub_batch_size)
+    micro_batches = list(zip(input_ids.split(sub_batch_size), labels.split(sub_batch_size), positions))
+    for k, (ids, lab, pos) in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
         if gradient_sync == "last":  # no reduce-scatter until the last micro-batch's backward
             model.set_requires_gradient_sync(last)
@@ -161,7 +175,8 @@ def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, 
             model.set_reshard_after_backward(last)
         # Token sum / T of the whole batch: the micro-batch losses add up to the batch mean.
         with scope():
-            loss = model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False).loss
+            loss = model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False,
+                         position_ids=pos).loss
             loss.backward()
         total += loss.detach()
     return total
@@ -229,12 +244,19 @@ class Trainer:
             self._info("schedule=auto:\n%s", self.tune_plan.summary())
             cfg = self.cfg = planned_config(self.tune_plan, cfg)
             sched = cfg.schedule
+        # The held-out set must hold one evaluation batch; packed documents need the tokenizer's EOS.
+        check_held_out(cfg.data, vocab_size=vocab_size, global_batch_size=self.world_size * sched.batch_size)
+        self.eos_token_id = eos_token_id(cfg.data) if cfg.data.document_mask else None
 
         # 3. The model: meta -> schedule (sharding) -> materialise this rank's shards.
         self._info("building the model: %s schedule, %d rank(s) on %s", sched.name, self.world_size, self.device)
         model = build_model(cfg.model, device="meta")
         model.train()
         self.adapter = get_adapter(model)
+        if cfg.data.document_mask and not self.adapter.takes_position_ids:
+            raise ValueError(f"data.document_mask: per-document positions and attention are supported for "
+                             f"{', '.join(position_ids_model_classes())} (RoPE, causal), not {type(model).__name__}; "
+                             "set data.document_mask=false")
         flops_per_token = self.adapter.flops_per_token(cfg.data.seq_len)
         recompute = sched.name == "speedloader" or sched.activation_checkpointing
         recompute_flops = recompute_flops_per_token(
@@ -255,6 +277,9 @@ class Trainer:
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.steps)
         self.loader = build_loader(cfg.data, vocab_size=vocab_size, batch_size=sched.batch_size,
                                    rank=self.rank, world_size=self.world_size)
+        self.val_batches = val_batches(load_val_tokens(cfg.data), seq_len=cfg.data.seq_len,
+                                       batch_size=sched.batch_size, num_batches=cfg.eval.batches, rank=self.rank,
+                                       world_size=self.world_size) if cfg.data.has_validation else []
         self.metrics = StepMetrics(device=self.device, world_size=self.world_size,
                                    tokens_per_step_per_device=sched.batch_size * cfg.data.seq_len,
                                    flops_per_token=flops_per_token, recompute_flops_per_token=recompute_flops,
@@ -299,28 +324,36 @@ class Trainer:
         return box[0]
 
     # --- one step ------------------------------------------------------------------------------
-    def _forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def _forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, num_tokens: int,
+                          position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Accumulates the gradients of the effective-batch mean loss; returns that loss (detached)."""
         sched = self.cfg.schedule
         if sched.name == "speedloader":
-            loss = self.model(input_ids=input_ids, labels=labels).loss
+            loss = self.model(input_ids=input_ids, labels=labels, position_ids=position_ids).loss
             loss.backward()
             return loss.detach()
         return canonical_forward_backward(self.model, input_ids, labels, sub_batch_size=sched.sub_batch_size,
                                           num_tokens=num_tokens, gradient_sync=sched.gradient_sync,
-                                          reshard_after_forward=sched.reshard_after_forward, scope=self.kernel_scope)
+                                          reshard_after_forward=sched.reshard_after_forward, scope=self.kernel_scope,
+                                          position_ids=position_ids)
+
+    def _device_batch(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
+        """(input_ids, labels, position_ids or None, label tokens) of a loader's batch, on the device; packed
+        documents (``data.document_mask``) get their per-document positions here, from the batch's EOS tokens."""
+        if self.eos_token_id is not None:
+            batch = apply_document_mask(batch, self.eos_token_id)
+        num_tokens = num_label_tokens(batch["labels"])  # on the host: no device sync
+        on_device = [batch[k].to(self.device, non_blocking=True) if k in batch else None
+                     for k in ("input_ids", "labels", "position_ids")]  # each (N * n, s)
+        return (*on_device, num_tokens)
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics (the loss averaged over ranks)."""
         self.metrics.start_step()
-        batch = self.loader.next_batch()
-        labels_cpu = batch["labels"]
-        num_tokens = num_label_tokens(labels_cpu)  # on the host: no device sync
-        input_ids = batch["input_ids"].to(self.device, non_blocking=True)  # (N * n, s)
-        labels = labels_cpu.to(self.device, non_blocking=True)
+        input_ids, labels, position_ids, num_tokens = self._device_batch(self.loader.next_batch())
         self.metrics.mark_data_ready()
 
-        loss = self._forward_backward(input_ids, labels, num_tokens)
+        loss = self._forward_backward(input_ids, labels, num_tokens, position_ids)
         engine = speedloader_engine(self.model, missing_ok=True)
         lr = self.optimizer.param_groups[0]["lr"]
         # Clips to optim.grad_clip first (clip_grad_norm_ over model.parameters(), bit for bit also when the steps
@@ -347,11 +380,66 @@ class Trainer:
                                         grad_norm=grad_norm.item() if grad_norm is not None else None,
                                         step_skipped=skipped, num_skipped_steps=self.optimizer.num_skipped_steps)
         metrics["tokens"] = self.step * self.world_size * self.cfg.schedule.batch_size * self.cfg.data.seq_len
+        metrics.update(self.loader.progress())  # epoch, dataset_tokens (where the loader knows them)
         if engine is not None:  # copy bytes, compute-stream waits on copies, arena bytes (read at the step end)
             metrics.update(engine.store.step_stats())
         if hasattr(self.optimizer, "step_stats"):  # the overlapped CPU step: its busy seconds and what showed
             metrics.update(self.optimizer.step_stats())
         return metrics
+
+    # --- validation ----------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """The held-out set's mean token loss (``val_loss``, over every rank's label tokens), ``val_ppl`` =
+        exp(val_loss), ``val_tokens`` and ``val_time_s``: forward only (eval mode, no autograd), through the model's
+        own schedule (layer-major: every unit once per batch for all sub-batches, two activation slots; canonical:
+        micro-batches). Empty without a held-out set."""
+        if not self.val_batches:
+            return {}
+        start = time.perf_counter()
+        self.optimizer.wait()  # an overlapped optimizer's deferred steps: evaluate the stepped parameters
+        was_training = self.model.training
+        self.model.eval()
+        total = tokens = 0.0
+        try:
+            with torch.no_grad():
+                for batch in self.val_batches:
+                    input_ids, labels, position_ids, num_tokens = self._device_batch(batch)
+                    loss = self._forward_loss(input_ids, labels, num_tokens, position_ids)
+                    total, tokens = total + loss.item() * num_tokens, tokens + num_tokens
+        finally:
+            self.model.train(was_training)
+        sums = torch.tensor([total, tokens], dtype=torch.float64, device=self.device)  # (summed token loss, tokens)
+        if self.world_size > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        total, tokens = sums.tolist()
+        val_loss = total / tokens if tokens else math.nan
+        return {"val_loss": val_loss, "val_ppl": perplexity(val_loss), "val_tokens": int(tokens),
+                "val_time_s": time.perf_counter() - start}
+
+    def _forward_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, num_tokens: int,
+                      position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """The mean token cross-entropy of one batch, forward only (call under ``torch.no_grad``)."""
+        sched = self.cfg.schedule
+        if sched.name == "speedloader":
+            pieces = [(input_ids, labels, position_ids)]  # the layer-major forward runs its sub-batches itself
+        else:
+            positions = position_ids.split(sched.sub_batch_size) if position_ids is not None else \
+                [None] * len(input_ids.split(sched.sub_batch_size))
+            pieces = list(zip(input_ids.split(sched.sub_batch_size), labels.split(sched.sub_batch_size), positions))
+        total = torch.zeros((), device=input_ids.device)
+        for ids, lab, pos in pieces:
+            with self.kernel_scope():
+                out = self.model(input_ids=ids, labels=lab, position_ids=pos, num_items_in_batch=num_tokens,
+                                 use_cache=False)
+            loss = out.loss
+            if getattr(out, "aux_loss", None) is not None:  # MoE: the router's load-balancing term is no token loss
+                loss = loss - self.model.config.router_aux_loss_coef * out.aux_loss.to(loss.device)
+            total += loss
+        return total
+
+    def _evaluation_due(self, *, last: bool) -> bool:
+        every = self.cfg.eval.every
+        return bool(self.val_batches) and (last or (every > 0 and self.step % every == 0))
 
     # --- the loop ------------------------------------------------------------------------------
     def train(self, max_steps: Optional[int] = None) -> list[dict]:
@@ -361,6 +449,10 @@ class Trainer:
         Returns each step's metrics (the loss averaged over ranks, so the same on every rank), with
         ``elapsed_s``: seconds from the start of the loop to the end of that step (data, forward,
         backward, optimizer, the step-boundary sync, and earlier steps' logging and checkpoints).
+
+        With a held-out set (``data.val_path`` / ``data.val_fraction``), evaluates it every ``eval.every`` steps and
+        after the last step (or the one that crossed the time budget): ``val_loss``, ``val_ppl`` in that step's
+        record, which is then logged whatever ``log_every`` is.
 
         Saves checkpoints on ``checkpoint.every``, every ``checkpoint.every_minutes`` and after the last step
         (``checkpoint.save_final``; a run stopped by its time budget saves then too), logs the final step
@@ -403,8 +495,11 @@ class Trainer:
                     out_of_time, save_due, stopped_by = self._any_rank(
                         budget is not None and elapsed >= budget, self.checkpointer.time_due(now - last_save),
                         stop.signum)
+                    evaluated = self._evaluation_due(last=self.step == self.cfg.steps or bool(out_of_time))
+                    if evaluated:  # in this step's record; its time shows in the next step's elapsed_s
+                        metrics.update(self.evaluate())
                     if (self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps or out_of_time
-                            or stopped_by):
+                            or stopped_by or evaluated):
                         self.logger.log({k: v for k, v in metrics.items() if k != "step"}, step=self.step)
                     progress.update(self.step, metrics)
                     if not math.isfinite(metrics["loss"]) and not metrics["step_skipped"]:

@@ -148,8 +148,12 @@ class HostActivationStore(ActivationStore):
         self._buffer: Optional[torch.Tensor] = None
 
     def _allocate(self) -> None:
-        self._buffer = None  # free the old buffer before taking the new one
         pin = self.device.type == "cuda"
+        old = self._buffer
+        if (old is not None and old.shape[0] >= self.num_slots and old.shape[1:] == (self.num_sub_batches, *self.shape)
+                and old.dtype == self.dtype and old.is_pinned() == pin):
+            return  # fewer slots of the same shape (a no-grad forward's two): slots 0 .. num_slots - 1 of this one
+        self._buffer = None  # free the old buffer before taking the new one
         self._buffer = torch.empty((self.num_slots, self.num_sub_batches, *self.shape), dtype=self.dtype,
                                    pin_memory=pin)
 

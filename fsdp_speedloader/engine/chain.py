@@ -45,6 +45,8 @@ class TrainStepState:
                  replay_rng: bool, grad_ready_hook: Optional[Callable[[int], None]] = None,
                  router_loss: Optional[RouterLoss] = None, keep_activations: int = 0) -> None:
         self.adapter = adapter
+        # No backward will read x_l: slots alternate, so the store holds two (as generation's steps), not U + 1.
+        self.forward_only = not torch.is_grad_enabled()
         self.store = store
         self.num_units = num_units
         self.input_ids = input_ids  # N x (n, s)
@@ -61,6 +63,14 @@ class TrainStepState:
         self.keep_pairs = kept_pairs(num_units, len(input_ids), keep_activations if torch.is_grad_enabled() else 0)
         self.kept: dict[tuple[int, int], tuple] = {}  # pair -> (input leaf, output, router logits) of its graph
         self.kept_pair_bytes = 0  # CUDA: the most GPU memory one kept pair held (its graph, input copy, output)
+
+    @property
+    def num_slots(self) -> int:
+        return 2 if self.forward_only else self.num_units + 1
+
+    def slot(self, index: int) -> int:
+        """The store slot of x_index in forward."""
+        return index % 2 if self.forward_only else index
 
     def unit_grads_ready(self, index: int) -> None:
         """Unit ``index``'s FSDP post-backward (reduce-scatter, copy to host) has been issued."""
@@ -155,7 +165,7 @@ class EmbedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: torch.Tensor, state: TrainStepState) -> torch.Tensor:
         for i in range(state.num_sub_batches):
-            state.store.put(0, i, state.adapter.embed(state.input_ids[i], state.position_ids[i]))
+            state.store.put(state.slot(0), i, state.adapter.embed(state.input_ids[i], state.position_ids[i]))
         ctx.state = state
         return _placeholder(weight)
 
@@ -192,7 +202,7 @@ class UnitFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, placeholder: torch.Tensor, state: TrainStepState, unit: Unit) -> torch.Tensor:
-        store, src, dst = state.store, unit.index - 1, unit.index
+        store, src, dst = state.store, state.slot(unit.index - 1), state.slot(unit.index)
 
         def run(i: int, x: torch.Tensor) -> None:
             keep = (unit.index, i) in state.keep_pairs
@@ -267,7 +277,7 @@ class HeadLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, placeholder: torch.Tensor, state: TrainStepState) -> torch.Tensor:
-        store, last = state.store, state.num_units
+        store, last = state.store, state.slot(state.num_units)
         total = torch.zeros((), dtype=torch.float32, device=placeholder.device)
 
         def add_loss(i: int, x: torch.Tensor) -> None:

@@ -5,6 +5,11 @@ root, ``chain`` holds the autograd Functions, the activation store holds x[l][i]
 
     out = model(input_ids=ids, labels=ids)   # ids: (num_sub_batches * sub_batch_size, s)
     out.loss.backward()                      # layer-major backward, one reduce-scatter per unit
+
+``position_ids`` (same shape), as the family's forward takes them: positions that restart at each packed document
+make its own mask block-causal (``transformers.masking_utils``' packed-sequence path; LLaMA-layout dense families).
+Under ``torch.no_grad()`` the forward only computes the loss: no recompute state, and the store's slots alternate
+(two, not U + 1), as generation's steps do (validation).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from fsdp_speedloader.engine.router_loss import RouterLoss
 from fsdp_speedloader.kernels import apply_kernels
 from fsdp_speedloader.fsdp2 import check_torch_version, enable_single_rank_prefetch, fast_path_stats, fsdp_params_of, \
     refresh_param_transfer, require_fsdp2_internals
-from fsdp_speedloader.models import ModelAdapter, get_adapter
+from fsdp_speedloader.models import ModelAdapter, get_adapter, position_ids_model_classes
 from fsdp_speedloader.options import SpeedLoaderOptions
 from fsdp_speedloader.parallel import apply_fsdp, build_mesh, check_mesh, compute_device, maybe_init_process_group, \
     set_forward_prefetch
@@ -90,7 +95,7 @@ class SpeedLoader:
             return 0, self.kept_pair_bytes
         return len(state.kept), max(state.kept_pair_bytes, self.kept_pair_bytes)
 
-    def _check_inputs(self, input_ids, attention_mask, labels, kwargs) -> None:
+    def _check_inputs(self, input_ids, attention_mask, labels, position_ids, kwargs) -> None:
         if input_ids is None or input_ids.dim() != 2:
             raise ValueError("input_ids must be a (batch, seq_len) tensor; inputs_embeds is not supported")
         batch, seq_len = input_ids.shape
@@ -104,17 +109,23 @@ class SpeedLoader:
         if labels is None:
             raise ValueError("labels are required: the layer-major forward computes the loss without keeping "
                              "logits; pass labels=input_ids, or use fsdp_speedloader.generation.generate for inference")
-        for name, t in (("labels", labels), ("attention_mask", attention_mask)):
+        for name, t in (("labels", labels), ("attention_mask", attention_mask), ("position_ids", position_ids)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}; it must match input_ids {tuple(input_ids.shape)}")
+        if position_ids is not None and not self.adapter.takes_position_ids:
+            family = next(c.__name__ for c in self.adapter.model_classes if isinstance(self.adapter.model, c))
+            raise ValueError(f"position_ids (packed documents: data.document_mask) are supported for "
+                             f"{', '.join(position_ids_model_classes())}, not {family}; "
+                             "pass input_ids, attention_mask and labels only (data.document_mask=false)")
         unknown = {k for k, v in kwargs.items() if v not in (None, False) and k not in _IGNORED_KWARGS}
         if unknown or kwargs.get("use_cache"):
             raise ValueError(f"unsupported forward argument(s) {sorted(unknown) or ['use_cache=True']} "
-                             "with apply_speedloader; pass input_ids, attention_mask and labels")
+                             "with apply_speedloader; pass input_ids, attention_mask, position_ids and labels")
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, num_items_in_batch=None, **kwargs) -> CausalLMOutputWithPast:
-        self._check_inputs(input_ids, attention_mask, labels, kwargs)
+                labels: Optional[torch.Tensor] = None, num_items_in_batch=None,
+                position_ids: Optional[torch.Tensor] = None, **kwargs) -> CausalLMOutputWithPast:
+        self._check_inputs(input_ids, attention_mask, labels, position_ids, kwargs)
         adapter, device, n_sub = self.adapter, self.device, self.num_sub_batches
         input_ids = input_ids.to(device, non_blocking=True)
         shifted = shift_labels(labels.to(device, non_blocking=True))
@@ -124,8 +135,13 @@ class SpeedLoader:
         # Mask, positions and rotary tables depend on shapes (and padding) only, not on activations.
         act_dtype = adapter.embedding.weight.dtype  # the unsharded (compute-dtype) weight, inside root forward
         probe = torch.empty(sub, input_ids.shape[1], 1, dtype=act_dtype, device=device)
-        position_ids = [adapter.position_ids(m, probe.shape, device) for m in masks]
-        if attention_mask is None:
+        if position_ids is None:
+            position_ids = [adapter.position_ids(m, probe.shape, device) for m in masks]
+            shared_inputs = attention_mask is None
+        else:  # as the family's forward given them: positions that restart make its mask block-causal (packing)
+            position_ids = list(position_ids.to(device, non_blocking=True).split(sub))
+            shared_inputs = False
+        if shared_inputs:
             shared = adapter.block_inputs(probe, None, position_ids[0])
             block_inputs = [shared] * n_sub
         else:
@@ -143,7 +159,7 @@ class SpeedLoader:
             replay_rng=adapter.model.training and adapter.has_dropout and torch.is_grad_enabled(),
             router_loss=router_loss, keep_activations=self.options.keep_activations)
         self._step_state = weakref.ref(state)
-        self.store.begin_step(len(self.units) + 1, n_sub, (sub, input_ids.shape[1], adapter.config.hidden_size),
+        self.store.begin_step(state.num_slots, n_sub, (sub, input_ids.shape[1], adapter.config.hidden_size),
                               act_dtype, device)
 
         p = EmbedFunction.apply(adapter.embedding.weight, state)

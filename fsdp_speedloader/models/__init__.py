@@ -26,6 +26,11 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
                      "head (fsdp_speedloader/models/adapter.py).")
 
 
+def position_ids_model_classes() -> list[str]:
+    """The model classes whose layer-major forward takes ``position_ids`` (packed documents)."""
+    return sorted(c.__name__ for a in ADAPTERS if a.takes_position_ids for c in a.model_classes)
+
+
 __all__ = ["ADAPTERS", "BlockInputs", "Gemma3Adapter", "LlamaAdapter", "MistralAdapter", "ModelAdapter", "ModelConfig",
            "MoeAdapter", "OPTAdapter", "QwenAdapter", "build_hf_config", "build_model", "get_adapter", "init_weights",
-           "load_safetensors", "materialize_model"]
+           "load_safetensors", "materialize_model", "position_ids_model_classes"]

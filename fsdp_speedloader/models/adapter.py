@@ -49,6 +49,9 @@ class ModelAdapter(ABC):
 
     #: Hugging Face model classes this adapter accepts (checked by ``get_adapter``).
     model_classes: tuple[type, ...] = ()
+    #: Whether the engine's forward takes ``position_ids``: the family's forward hands them to its rotary table and
+    #: mask builder alone, so positions that restart per packed document give per-document attention (RoPE, causal).
+    takes_position_ids: bool = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

@@ -25,6 +25,7 @@ class LlamaAdapter(DecoderLayoutAdapter):
     """LLaMA: ``LlamaModel.forward`` builds one causal mask for all layers."""
 
     model_classes = (LlamaForCausalLM,)
+    takes_position_ids = True
 
     def block_inputs(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
                      position_ids: torch.Tensor) -> BlockInputs:

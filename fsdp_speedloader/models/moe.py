@@ -33,6 +33,7 @@ class MoeAdapter(MistralAdapter):
     """Mixtral and Qwen3-MoE: Mistral's masks and rotary table, routers whose logits the engine may capture."""
 
     model_classes = (MixtralForCausalLM, Qwen3MoeForCausalLM)
+    takes_position_ids = False  # the load-balancing loss is a statistic of the whole batch, not per document
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
