@@ -5,8 +5,10 @@ One checkpoint is one directory ``<checkpoint.dir>/step_NNNNNNNN/``:
 - DCP files (``.metadata``, ``*.distcp``): the model and optimizer state as each rank's shards
   (``get_model_state_dict`` and the optimizers' ``state_dict()``, DCP's layout keyed by parameter name), so a
   checkpoint loads on another world size too;
-- ``extra_rank{r}.pt`` (``torch.save``), per rank: step, LR scheduler, data loader state and the RNG
-  states (torch CPU, CUDA when present, numpy, python ``random``);
+- ``extra_rank{r}.pt`` (``torch.save`` of tensors and plain values only: it is read back with
+  ``torch.load(weights_only=True)``), per rank: step, LR scheduler, data loader state, the RNG states (torch CPU,
+  CUDA when present, numpy, python ``random``; numpy's and python's as tensors and plain values) and, on rank 0,
+  the run's W&B id (``wandb_run_id``, None without W&B);
 - what rebuilds the model without the run's config (``app/export.py``: generation from a checkpoint,
   export to Hugging Face): ``config.json`` (the model's Hugging Face config), ``model_config.json``
   (the run's ``ModelConfig`` as a dict and its tokenizer) and ``tokenizer/`` (the run's Hugging Face
@@ -17,22 +19,29 @@ Every rank writes into ``step_NNNNNNNN.tmp/``; after a barrier rank 0 renames it
 ever considers names ``step_`` + 8 digits, never ``*.tmp``, and only once :func:`verify_checkpoint` found every file
 its ``.metadata`` names at its full length (a checkpoint cut short by a full disk or a copy is skipped, named, for
 the newest complete one). Older step directories beyond ``keep_last`` are deleted only after the new one is
-complete; nothing else is ever deleted.
+complete. A run holds the directory's lock (``app/checkpoint_lock.py``) from setup to exit, so no two runs ever
+write one ``step_NNNNNNNN.tmp``; and it starts only where its saves cannot mix with another run's steps
+(:func:`steps_of_other_runs`): ``checkpoint.overwrite=true`` deletes those first, nothing else is ever deleted.
 All ranks must see the same ``checkpoint.dir`` (a shared file system across nodes).
+
+Trust: ``extra_rank*.pt`` is read with ``weights_only=True`` (a tampered one is refused, naming what it holds), but
+DCP reads ``.metadata`` with ``pickle``: resume, generate from or export only checkpoints you wrote or trust.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -42,13 +51,16 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fsdp_speedloader.app.checkpoint_lock import CheckpointDirLock
 from fsdp_speedloader.app.config import CheckpointConfig
 from fsdp_speedloader.app.data import build_tokenizer
+from fsdp_speedloader.app.launch import UserError
 from fsdp_speedloader.models import ModelConfig
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_STEP_TMP = re.compile(r"^step_\d{8}(\.replaced)?\.tmp$")
 _DCP_METADATA = ".metadata"
 HF_CONFIG_FILE = "config.json"
 """In every step directory: the model's Hugging Face config (``PretrainedConfig.to_json_file``)."""
@@ -183,6 +195,91 @@ def resolve_resume_path(cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike
                      "previous run, 'auto' (latest complete one in checkpoint.dir, fresh start if none) or null")
 
 
+def steps_of_other_runs(directory: str | os.PathLike, resume_path: Optional[Path], resume_step: int) -> list[Path]:
+    """Step directories in ``directory`` that the saves of a run starting at ``resume_step`` from ``resume_path``
+    (None: a fresh start) would mix with, oldest first.
+
+    A fresh start, or a resume from a step directory elsewhere: every ``step_NNNNNNNN`` directory, complete or not.
+    A resume from a step of ``directory``: the complete ones numbered above it (another branch of the run: resume=auto
+    would take them after a crash); incomplete newer ones are passed over by resume (it names them) and replaced when
+    the run reaches their step. Unfinished saves (``*.tmp``) never count: they are never resumed.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    if resume_path is None or Path(resume_path).resolve().parent != d.resolve():
+        return [p for _, p in steps]
+    return [p for step, p in steps if step > resume_step and verify_checkpoint(p) is None]
+
+
+def claim_checkpoint_dir(directory: str | os.PathLike, *, resume_path: Optional[Path], resume_step: int,
+                         overwrite: bool) -> None:
+    """Refuses (ValueError, one line) a run whose saves would mix with another run's steps in ``directory``
+    (:func:`steps_of_other_runs`), unless ``overwrite``: then deletes those step directories (and, for a fresh start
+    or a resume from elsewhere, the unfinished ``*.tmp`` saves), each one named in a warning. Nothing else in
+    ``directory`` is touched. Rank 0 calls this while it holds the directory's lock."""
+    d = Path(directory)
+    others = steps_of_other_runs(d, resume_path, resume_step)
+    inside = resume_path is not None and Path(resume_path).resolve().parent == d.resolve()
+    if others and not overwrite:
+        names = ", ".join(p.name for p in others[-3:])
+        names = f"{len(others)} step directories, the newest {names}" if len(others) > 3 else names
+        fix = "or set checkpoint.overwrite=true to delete them first"
+        if resume_path is None:
+            raise ValueError(f"checkpoint.dir: {str(d)!r} already holds another run's checkpoints ({names}) and this "
+                             f"run starts fresh; resume them (checkpoint.resume=auto), give this run another "
+                             f"checkpoint.dir, {fix}")
+        if inside:
+            raise ValueError(f"checkpoint.dir: {str(d)!r} holds checkpoints newer than {Path(resume_path).name}, "
+                             f"which this run resumes from ({names}), and its saves would mix with them; resume the "
+                             f"newest (checkpoint.resume=auto), give this run another checkpoint.dir, {fix}")
+        raise ValueError(f"checkpoint.dir: {str(d)!r} already holds another run's checkpoints ({names}) and this run "
+                         f"resumes from {str(resume_path)!r}; give this run another checkpoint.dir, {fix}")
+    if not overwrite:
+        return
+    if not inside and d.is_dir():
+        others += sorted(p for p in d.iterdir() if _STEP_TMP.match(p.name) and p.is_dir())
+    for path in others:
+        shutil.rmtree(path)
+        log.warning("checkpoint.overwrite=true: deleted %s (another run's)", path)
+
+
+EXTRA_FILE = "extra_rank{rank}.pt"
+
+
+def _numpy_array_globals() -> list:
+    """What ``torch.load(weights_only=True)`` must allow to read a numpy array (the RNG state of the older format):
+    numpy's array reconstruction and dtypes, which build data, never call anything else."""
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    return [multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def read_extra(path: str | os.PathLike) -> dict:
+    """An ``extra_rank*.pt`` file, read with ``torch.load(weights_only=True)``: tensors and plain values only.
+
+    The older format (numpy's RNG state as a numpy array, python's as a tuple) is read with numpy's array globals
+    allowed as well (they build data and run no code) and a warning. Anything else, such as a class whose unpickling would
+    run code, is refused: ValueError naming the file and what it holds.
+    """
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as first:
+        try:
+            with torch.serialization.safe_globals(_numpy_array_globals()):
+                extra = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(first))
+            what = f"the global {found.group(1)}" if found else str(first).strip().splitlines()[-1]
+            raise ValueError(f"checkpoint: {str(path)!r} holds more than tensors and plain values ({what}); refused, "
+                             "since loading it could run code: resume only checkpoints written by this project, and "
+                             "only from people you trust (docs/checkpoints.md#trust)") from None
+        log.warning("%s is in the older format (numpy's RNG state as a numpy array); read with numpy's array types "
+                    "allowed, the next save writes the current format", path)
+        return extra
+
+
 def _shape(size) -> str:
     return "(" + ", ".join(str(d) for d in size) + ")"
 
@@ -220,7 +317,14 @@ def check_checkpoint_fits(path: str | os.PathLike, model: nn.Module) -> None:
 
 
 def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every RNG's state as tensors and plain values (``torch.load(weights_only=True)`` reads them)."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+             "python": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss_next}}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -228,8 +332,14 @@ def _rng_state(device: torch.device) -> dict:
 
 def _set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    numpy_state, python_state = state["numpy"], state["python"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    if isinstance(python_state, dict):
+        python_state = (python_state["version"], tuple(python_state["internal"].tolist()), python_state["gauss_next"])
+    np.random.set_state(numpy_state)  # the older format held numpy's and python's own tuples
+    random.setstate(tuple(python_state))
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
@@ -237,6 +347,30 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a sync point, like a barrier)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _save_extra(extra: dict, path: Path) -> None:
+    """``torch.save`` of ``extra``, checked first to read back with ``weights_only=True`` (a value that would not, such
+    as a data loader state holding an object, fails this save rather than the resume that needs it)."""
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise TypeError(f"checkpoint: {path.name} would not load with weights_only=True "
+                        f"({found.group(1) if found else e}); keep its states to tensors and plain values") from None
+    path.write_bytes(buffer.getvalue())
 
 
 class Checkpointer:
@@ -247,11 +381,17 @@ class Checkpointer:
         checkpoint_dir: ``cfg.dir`` or ``<output_dir>/checkpoints``.
         rank: this process's global rank (rank 0 renames and prunes).
         device: the compute device (its CUDA RNG is saved).
+        lock: rank 0's lock of ``checkpoint_dir``: every save first checks that it still holds it.
+
+    ``wandb_run_id`` (set by the trainer once its logger has a W&B run) is saved with every step, on rank 0.
     """
 
     def __init__(self, cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike, *, rank: int,
-                 device: torch.device, model_config: Optional[ModelConfig] = None, tokenizer: str = "bytes") -> None:
+                 device: torch.device, model_config: Optional[ModelConfig] = None, tokenizer: str = "bytes",
+                 lock: Optional[CheckpointDirLock] = None) -> None:
         self.cfg = cfg
+        self.lock = lock
+        self.wandb_run_id: Optional[str] = None
         self.dir = Path(checkpoint_dir)
         self.rank = rank
         self.device = torch.device(device)
@@ -273,15 +413,21 @@ class Checkpointer:
         """Writes ``step_NNNNNNNN/`` (all ranks call this); returns its path."""
         final = self.dir / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
+        lost = None
         if self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left by a save that crashed: never complete, safe to clear
-                shutil.rmtree(tmp)
-        _barrier()
+            lost = self.lock.check() if self.lock is not None else None
+            if lost is None:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():  # left by a save that crashed (this run holds the lock): never complete, safe to clear
+                    shutil.rmtree(tmp)
+        if (lost := _from_rank0(lost)) is not None:  # every rank stops here, none waits on the others
+            raise UserError(f"checkpoint.dir: not saving step {step} into {str(self.dir)!r}: this run no longer holds "
+                            f"the directory ({lost}); another run may be writing there: give each run its own "
+                            "checkpoint.dir")
         dcp.save({"model": get_model_state_dict(model), "optim": optimizer.state_dict()}, checkpoint_id=str(tmp))
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                 "rng": _rng_state(self.device)}
-        torch.save(extra, tmp / f"extra_rank{self.rank}.pt")
+                 "rng": _rng_state(self.device), "wandb_run_id": self.wandb_run_id if self.rank == 0 else None}
+        _save_extra(extra, tmp / EXTRA_FILE.format(rank=self.rank))
         if self.rank == 0:
             self._write_model_files(tmp, model)
         _barrier()  # every rank's files are in tmp
@@ -332,12 +478,11 @@ class Checkpointer:
                              "another step directory, or start fresh: checkpoint.resume=null") from e
         set_model_state_dict(model, state["model"])
         optimizer.load_state_dict(state["optim"])
-        extra_file = path / f"extra_rank{self.rank}.pt"
+        extra_file = path / EXTRA_FILE.format(rank=self.rank)
         same_world = extra_file.is_file()
         if not same_world:  # saved on fewer ranks: step, scheduler and loader are the same on every rank
-            extra_file = path / "extra_rank0.pt"
-        # weights_only=False: the RNG states hold numpy arrays and tuples; we wrote this file ourselves.
-        extra = torch.load(extra_file, map_location="cpu", weights_only=False)
+            extra_file = path / EXTRA_FILE.format(rank=0)
+        extra = read_extra(extra_file)
         scheduler.load_state_dict(extra["scheduler"])
         loader.load_state_dict(extra["loader"])
         if same_world:

@@ -285,6 +285,10 @@ class CheckpointConfig:
     """How many step checkpoints to keep (older ones are deleted after a successful save)."""
     save_final: bool = True
     """Save after the last step."""
+    overwrite: bool = False
+    """Let a run start where its saves would mix with another run's steps in ``dir`` (a fresh start into a directory
+    holding step directories, or a resume from an older step than the directory's newest): delete those step
+    directories (and unfinished ``*.tmp`` saves) first, each named in a warning. False: such a run is refused."""
 
     def __post_init__(self) -> None:
         check_positive(self.every, "checkpoint.every", allow_zero=True)

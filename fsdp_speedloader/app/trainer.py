@@ -27,6 +27,7 @@ Library code: no Hydra, no W&B (``logger.build_logger`` imports W&B only when as
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -42,7 +43,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_speedloader import parallel
-from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits, resolve_resume_path
+from fsdp_speedloader.app.checkpoint import EXTRA_FILE, Checkpointer, check_checkpoint_fits, claim_checkpoint_dir, \
+    read_extra, resolve_resume_path
+from fsdp_speedloader.app.checkpoint_lock import CheckpointDirLock
 from fsdp_speedloader.app.config import TrainConfig
 from fsdp_speedloader.app.data import build_loader, validate_data
 from fsdp_speedloader.app.faults import fault_from_env
@@ -187,6 +190,14 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, *, logger: Optional[MetricLogger] = None,
                  run_config: Optional[dict] = None) -> None:
+        self._checkpoint_lock: Optional[CheckpointDirLock] = None  # rank 0's, from setup to the end of train()
+        try:
+            self._setup(cfg, logger=logger, run_config=run_config)
+        except BaseException:
+            self.release_checkpoint_dir()
+            raise
+
+    def _setup(self, cfg: TrainConfig, *, logger: Optional[MetricLogger], run_config: Optional[dict]) -> None:
         self.cfg = cfg
         sched = cfg.schedule
 
@@ -215,6 +226,15 @@ class Trainer:
             self._warning("checkpoint.resume=%s: skipped %s: %s", cfg.checkpoint.resume, path, why)
         if resume_path is not None:  # another model's checkpoint fails here, from its metadata, before any allocation
             check_checkpoint_fits(resume_path, build_model(cfg.model, device="meta"))
+        resume_step, saved_wandb_run_id = 0, None
+        if resume_path is not None:  # weights_only: a tampered extra file is refused here, before anything is built
+            saved = read_extra(resume_path / EXTRA_FILE.format(rank=0))
+            resume_step, saved_wandb_run_id = int(saved["step"]), saved.get("wandb_run_id")
+            if cfg.steps <= resume_step:
+                raise ValueError(f"steps={cfg.steps}: the checkpoint {str(resume_path)!r} is at step {resume_step} "
+                                 f"already, so there is nothing left to train; set steps above {resume_step} (e.g. "
+                                 f"steps={2 * resume_step}) to train on from it")
+        self._claim_checkpoint_dir(checkpoint_dir, resume_path, resume_step)
         self._fault = fault_from_env(rank=self.rank, batch_size=sched.batch_size)  # tests of fault tolerance
         # Same seed on every rank; ranks differ through their data, and weights come from named seeds.
         seed_everything(cfg.seed)
@@ -261,7 +281,8 @@ class Trainer:
                                    peak_tflops=cfg.peak_tflops,
                                    attention_flops_per_token=self.adapter.attention_flops_per_token(cfg.data.seq_len))
         self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_dir, rank=self.rank, device=self.device,
-                                         model_config=cfg.model, tokenizer=cfg.data.tokenizer)
+                                         model_config=cfg.model, tokenizer=cfg.data.tokenizer,
+                                         lock=self._checkpoint_lock)
         self.step = 0
         if resume_path is not None:
             self.step = self.checkpointer.load(resume_path, model=model, optimizer=self.optimizer,
@@ -273,7 +294,9 @@ class Trainer:
             self._info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", checkpoint_dir)
         self.logger = logger if logger is not None else build_logger(
             cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg), cfg.output_dir, self.rank,
-            show_mfu=self.device.type != "cpu")  # peak_tflops is an accelerator's: no MFU on a CPU console
+            show_mfu=self.device.type != "cpu",  # peak_tflops is an accelerator's: no MFU on a CPU
+            wandb_run_id=saved_wandb_run_id)  # a resumed job logs on into its W&B run
+        self.checkpointer.wandb_run_id = getattr(self.logger, "wandb_run_id", None)
         if self.tune_plan is not None:
             self.logger.log(self.tune_plan.as_metrics(), step=self.step)
         self._info("%s schedule: %s params, %d rank(s) on %s, mesh %s, param_dtype %s, batch %d x %d x %d tokens, "
@@ -282,6 +305,27 @@ class Trainer:
                    sched.num_sub_batches, sched.sub_batch_size, cfg.data.seq_len, cfg.steps)
         if sched.compile_blocks:
             self._info("schedule.compile_blocks: the first step compiles the blocks (minutes for a large model)")
+
+    def _claim_checkpoint_dir(self, checkpoint_dir: Path, resume_path: Optional[Path], resume_step: int) -> None:
+        """Rank 0 takes ``checkpoint_dir``'s lock and checks that this run's saves cannot mix with another run's
+        steps (``claim_checkpoint_dir``: deletes them with ``checkpoint.overwrite=true``); every rank gets the outcome,
+        so a refusal ends all of them at once (ValueError), none waiting on the others."""
+        error = None
+        if self.rank == 0:
+            try:
+                self._checkpoint_lock = CheckpointDirLock.acquire(checkpoint_dir, run_dir=self.cfg.output_dir)
+                atexit.register(self._checkpoint_lock.release)  # a Trainer that never trains: released at exit
+                claim_checkpoint_dir(checkpoint_dir, resume_path=resume_path, resume_step=resume_step,
+                                     overwrite=self.cfg.checkpoint.overwrite)
+            except ValueError as e:
+                error = e
+        if (message := self._agree(None if error is None else str(error))) is not None:
+            raise error if error is not None else ValueError(message)
+
+    def release_checkpoint_dir(self) -> None:
+        """Removes rank 0's lock of the checkpoint directory (``train()`` does, at its end); idempotent."""
+        if self._checkpoint_lock is not None:
+            self._checkpoint_lock.release()
 
     def _info(self, msg: str, *args: Any) -> None:
         if self.rank == 0:
@@ -426,6 +470,7 @@ class Trainer:
         finally:
             self.logger.finish()
             self.optimizer.close()  # an overlapped optimizer's worker thread
+            self.release_checkpoint_dir()
         if stopped_by:
             raise TrainingInterrupted(stopped_by)
         return history
