@@ -160,8 +160,8 @@ def _save_previous_layout(trainer: Trainer, step_dir: Path) -> None:
     model_state, optim_state = get_state_dict(trainer.model, inner[0] if len(inner) == 1 else inner)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(step_dir))
     schedulers = [s.state_dict() for s in trainer.scheduler.schedulers]
-    torch.save({"step": trainer.step, "scheduler": schedulers[0] if len(schedulers) == 1 else {"schedulers": schedulers},
-                "loader": trainer.loader.state_dict(),
+    scheduler = schedulers[0] if len(schedulers) == 1 else {"schedulers": schedulers}
+    torch.save({"step": trainer.step, "scheduler": scheduler, "loader": trainer.loader.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}},
                step_dir / "extra_rank0.pt")
 

@@ -105,8 +105,9 @@ def test_stale_locks_are_taken_over_with_a_warning(tmp_path, caplog, monkeypatch
         for name, (fields, hint) in held.items():
             directory = tmp_path / name.replace(" ", "_")
             _write_lock(directory, **fields)
-            with pytest.raises(ValueError, match=rf"is in use by another run \(host {fields.get('host', '.*')}, "
-                                                 rf"pid {fields['pid']}, since then, run directory elsewhere; .*{hint}"):
+            pattern = (rf"is in use by another run \(host {fields.get('host', '.*')}, pid {fields['pid']}, since then, "
+                       rf"run directory elsewhere; .*{hint}")
+            with pytest.raises(ValueError, match=pattern):
                 CheckpointDirLock.acquire(directory)
             assert json.loads((directory / LOCK_FILE).read_text())["pid"] == fields["pid"]  # left alone
     finally:
@@ -170,8 +171,9 @@ def test_entry_point_refuses_a_concurrent_run_and_takes_over_after_kill_9(tmp_pa
                                 timeout=300)
         assert second.returncode == 2, tail(second.stderr)
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint.dir: '{ckpt}' is in use by another run "
-                                                         f"(host {socket.gethostname()}, pid {first.pid}, since "), errors
+        expected = f"error: checkpoint.dir: '{ckpt}' is in use by another run (host {socket.gethostname()}, " \
+                   f"pid {first.pid}, since "
+        assert len(errors) == 1 and errors[0].startswith(expected), errors
         assert "Traceback" not in second.stderr
     finally:
         os.killpg(first.pid, signal.SIGKILL)

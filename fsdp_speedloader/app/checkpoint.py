@@ -48,9 +48,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fsdp_speedloader.app.checkpoint_async import AsyncSaver
 from fsdp_speedloader.app.checkpoint_lock import CheckpointDirLock
 from fsdp_speedloader.app.config import CheckpointConfig
 from fsdp_speedloader.app.data import build_tokenizer
@@ -259,8 +261,8 @@ def read_extra(path: str | os.PathLike) -> dict:
     """An ``extra_rank*.pt`` file, read with ``torch.load(weights_only=True)``: tensors and plain values only.
 
     The older format (numpy's RNG state as a numpy array, python's as a tuple) is read with numpy's array globals
-    allowed as well (they build data and run no code) and a warning. Anything else, such as a class whose unpickling would
-    run code, is refused: ValueError naming the file and what it holds.
+    allowed as well (they build data and run no code) and a warning. Anything else, such as a class whose
+    unpickling would run code, is refused: ValueError naming the file and what it holds.
     """
     path = Path(path)
     try:
@@ -358,6 +360,16 @@ def _from_rank0(value: Any) -> Any:
     return box[0]
 
 
+def _root_cause(error: BaseException) -> str:
+    """``Type: message`` of what made a DCP save fail (a ``CheckpointException`` wraps each rank's error)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        rank, failure = sorted(failures.items())[0]
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(cause).__name__}: {cause}"
+    return f"{type(error).__name__}: {error}"
+
+
 def _save_extra(extra: dict, path: Path) -> None:
     """``torch.save`` of ``extra``, checked first to read back with ``weights_only=True`` (a value that would not, such
     as a data loader state holding an object, fails this save rather than the resume that needs it)."""
@@ -382,16 +394,25 @@ class Checkpointer:
         rank: this process's global rank (rank 0 renames and prunes).
         device: the compute device (its CUDA RNG is saved).
         lock: rank 0's lock of ``checkpoint_dir``: every save first checks that it still holds it.
+        pin_staging: an asynchronous save stages into page-locked memory (states on the GPU: a fast device-to-host
+            copy; states already in host memory gain nothing from it).
 
     ``wandb_run_id`` (set by the trainer once its logger has a W&B run) is saved with every step, on rank 0.
+
+    With ``cfg.async_save``, :meth:`save` returns once this rank's state is staged in host memory; DCP writes it in
+    the background into ``step_NNNNNNNN.tmp/``, which rank 0 renames to ``step_NNNNNNNN/`` only once the write has
+    finished (:meth:`poll` at every step boundary, :meth:`wait`), so a save cut short never looks complete. The next
+    save, and :meth:`close` at the end of the run, wait for the one in flight.
     """
 
     def __init__(self, cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike, *, rank: int,
                  device: torch.device, model_config: Optional[ModelConfig] = None, tokenizer: str = "bytes",
-                 lock: Optional[CheckpointDirLock] = None) -> None:
+                 lock: Optional[CheckpointDirLock] = None, pin_staging: bool = False) -> None:
         self.cfg = cfg
         self.lock = lock
         self.wandb_run_id: Optional[str] = None
+        self._async = AsyncSaver(pin_memory=pin_staging) if cfg.async_save else None
+        self._pending: Optional[tuple[int, Path, Path]] = None  # (step, tmp, final) of the save in flight
         self.dir = Path(checkpoint_dir)
         self.rank = rank
         self.device = torch.device(device)
@@ -410,7 +431,9 @@ class Checkpointer:
         return bool(self.cfg.every_minutes) and seconds_since_save >= 60.0 * self.cfg.every_minutes
 
     def save(self, step: int, *, model: nn.Module, optimizer: Stateful, scheduler: Stateful, loader: Stateful) -> Path:
-        """Writes ``step_NNNNNNNN/`` (all ranks call this); returns its path."""
+        """Writes ``step_NNNNNNNN/`` (all ranks call this); returns its path. Asynchronously (``cfg.async_save``) the
+        directory is complete only later (:meth:`poll`, :meth:`wait`); until then it is ``step_NNNNNNNN.tmp/``."""
+        self.wait()  # the save in flight first: one at a time, each complete before the next starts
         final = self.dir / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
         lost = None
@@ -420,31 +443,77 @@ class Checkpointer:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 if tmp.exists():  # left by a save that crashed (this run holds the lock): never complete, safe to clear
                     shutil.rmtree(tmp)
+                tmp.mkdir()
         if (lost := _from_rank0(lost)) is not None:  # every rank stops here, none waits on the others
             raise UserError(f"checkpoint.dir: not saving step {step} into {str(self.dir)!r}: this run no longer holds "
                             f"the directory ({lost}); another run may be writing there: give each run its own "
                             "checkpoint.dir")
-        dcp.save({"model": get_model_state_dict(model), "optim": optimizer.state_dict()}, checkpoint_id=str(tmp))
+        # The small files first: once DCP's files are written (an asynchronous save's coordinator knows it), so are
+        # every rank's.
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                  "rng": _rng_state(self.device), "wandb_run_id": self.wandb_run_id if self.rank == 0 else None}
         _save_extra(extra, tmp / EXTRA_FILE.format(rank=self.rank))
         if self.rank == 0:
             self._write_model_files(tmp, model)
+        state = {"model": get_model_state_dict(model), "optim": optimizer.state_dict()}
+        if self._async is not None:
+            self._async.start(state, str(tmp))  # returns once the state is staged in host memory
+            self._pending = (step, tmp, final)
+            return final
+        dcp.save(state, checkpoint_id=str(tmp))
         _barrier()  # every rank's files are in tmp
         if self.rank == 0:
-            if final.exists():  # same step saved before (an earlier run in this dir): replace it
-                stale = final.with_name(final.name + ".replaced.tmp")
-                if stale.exists():
-                    shutil.rmtree(stale)
-                os.rename(final, stale)
-                os.rename(tmp, final)
-                shutil.rmtree(stale)
-            else:
-                os.rename(tmp, final)
-            self._prune(step)
-            log.info("saved checkpoint %s", final)
+            self._complete(step, tmp, final)
         _barrier()  # nobody reads the directory before the rename
         return final
+
+    def poll(self) -> None:
+        """At a step boundary: an asynchronous save that has finished becomes complete now (rank 0 renames it);
+        its error, if it failed, is raised. No collective: each rank looks at its own save only."""
+        if self._async is not None and self._async.done():
+            self._finish_pending()
+
+    def wait(self) -> None:
+        """Waits for the asynchronous save in flight, if any, and makes it complete (its error is raised)."""
+        if self._async is not None and self._async.in_flight:
+            if self.rank == 0 and not self._async.done():
+                log.info("waiting for the asynchronous save of step %d to finish", self._pending[0])
+            self._finish_pending()
+
+    def close(self) -> None:
+        """The end of the run: waits for the save in flight (complete afterwards), frees the staging copy."""
+        if self._async is not None:
+            try:
+                self.wait()
+            finally:
+                self._async.close()
+                self._async = None
+
+    def _finish_pending(self) -> None:
+        step, tmp, final = self._pending
+        self._pending = None
+        try:
+            self._async.result()
+        except (Exception, CheckpointException) as e:  # (a BaseException) the save stays *.tmp: never resumed
+            raise RuntimeError(f"checkpoint: the asynchronous save of step {step} failed ({_root_cause(e)}); "
+                               f"{str(tmp)!r} is left unfinished and is never resumed") from e
+        if self.rank == 0:  # the coordinator's save has finished: every rank's files are written
+            self._complete(step, tmp, final)
+
+    def _complete(self, step: int, tmp: Path, final: Path) -> None:
+        """Rank 0: ``tmp`` (every rank's files written) becomes ``final``; older steps beyond keep_last go."""
+        if final.exists():  # same step saved before (an earlier run in this dir): replace it
+            stale = final.with_name(final.name + ".replaced.tmp")
+            if stale.exists():
+                shutil.rmtree(stale)
+            os.rename(final, stale)
+            os.rename(tmp, final)
+            shutil.rmtree(stale)
+        else:
+            os.rename(tmp, final)
+        self._prune(step)
+        log.info("saved checkpoint %s", final)
+
 
     def _write_model_files(self, step_dir: Path, model: nn.Module) -> None:
         """What rebuilds the model from this step alone: config.json, model_config.json, tokenizer/."""

@@ -57,7 +57,7 @@ def format_metrics(metrics: dict, step: int, *, show_mfu: bool = True) -> str:
     parts = [f"step {step}"]
     fmt = {"loss": "loss {:.4f}", "lr": "lr {:.2e}", "grad_norm": "grad_norm {:.3f}",
            "tokens_per_s": "{:,.0f} tok/s", "mfu": "mfu {:.1%}", "step_time_s": "{:.3f} s/step",
-           "data_wait_s": "data {:.3f} s"}
+           "data_wait_s": "data {:.3f} s", "checkpoint_stall_s": "checkpoint stall {:.3f} s"}
     if not show_mfu:
         del fmt["mfu"]
     for key, spec in fmt.items():

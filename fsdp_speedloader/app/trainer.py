@@ -49,7 +49,7 @@ from fsdp_speedloader.app.checkpoint_lock import CheckpointDirLock
 from fsdp_speedloader.app.config import TrainConfig
 from fsdp_speedloader.app.data import build_loader, validate_data
 from fsdp_speedloader.app.faults import fault_from_env
-from fsdp_speedloader.app.host_memory import check_host_memory
+from fsdp_speedloader.app.host_memory import check_async_staging, check_host_memory
 from fsdp_speedloader.app.launch import TrainingInterrupted, UserError, check_writable_dir
 from fsdp_speedloader.app.launch import rank as launch_rank
 from fsdp_speedloader.app.logger import MetricLogger, StepProgress, build_logger, check_wandb_credentials, \
@@ -124,6 +124,8 @@ def check_host_memory_plan(model: torch.nn.Module, cfg: TrainConfig, mesh: Devic
     (U + 1 slots of N x n x s x h) in the pinned arena. The arena checks its own slots again at the first step, to
     the byte."""
     engine = speedloader_engine(model, missing_ok=True)
+    if cfg.checkpoint.async_save and not (engine is not None and engine.options.offload_params):
+        check_async_staging(model, cfg, shards=parallel.shard_size(mesh))  # offloaded: a tier of the plan below
     if engine is not None and engine.options.offload_params:
         # Every tier (parameter shards, gradients, optimizer states, activations, transfer copies): memory/host_plan.py
         check_host_memory(model, cfg, shards=parallel.shard_size(mesh), activation_dtype=param_dtype)
@@ -282,7 +284,8 @@ class Trainer:
                                    attention_flops_per_token=self.adapter.attention_flops_per_token(cfg.data.seq_len))
         self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_dir, rank=self.rank, device=self.device,
                                          model_config=cfg.model, tokenizer=cfg.data.tokenizer,
-                                         lock=self._checkpoint_lock)
+                                         lock=self._checkpoint_lock,
+                                         pin_staging=self.device.type == "cuda" and not cfg.offload.params)
         self.step = 0
         if resume_path is not None:
             self.step = self.checkpointer.load(resume_path, model=model, optimizer=self.optimizer,
@@ -407,7 +410,10 @@ class Trainer:
         backward, optimizer, the step-boundary sync, and earlier steps' logging and checkpoints).
 
         Saves checkpoints on ``checkpoint.every``, every ``checkpoint.every_minutes`` and after the last step
-        (``checkpoint.save_final``; a run stopped by its time budget saves then too), logs the final step
+        (``checkpoint.save_final``; a run stopped by its time budget saves then too); a step that saves is logged
+        whatever ``log_every`` is, with ``checkpoint_stall_s`` (the seconds the save held the loop). An asynchronous
+        save in flight (``checkpoint.async_save``) becomes complete at the first step boundary after its write, and
+        the loop's end waits for it. Logs the final step
         (``cfg.steps``, or the one that crossed the budget) whatever ``log_every`` is, finishes the logger and
         stops an overlapped optimizer's worker once its last steps are applied: a Trainer trains once.
 
@@ -447,17 +453,20 @@ class Trainer:
                     out_of_time, save_due, stopped_by = self._any_rank(
                         budget is not None and elapsed >= budget, self.checkpointer.time_due(now - last_save),
                         stop.signum)
+                    diverged = not math.isfinite(metrics["loss"]) and not metrics["step_skipped"]
+                    self.checkpointer.poll()  # an asynchronous save that has finished becomes complete
+                    if not diverged and (self.checkpointer.should_save(self.step, self.cfg.steps) or save_due
+                                         or stopped_by or out_of_time and self.cfg.checkpoint.save_final):
+                        self.save_checkpoint()  # before the step's record: it carries the save's stall
+                        metrics["checkpoint_stall_s"] = self.last_checkpoint_stall_s
+                        last_save = time.perf_counter()
                     if (self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps or out_of_time
-                            or stopped_by):
+                            or stopped_by or "checkpoint_stall_s" in metrics):
                         self.logger.log({k: v for k, v in metrics.items() if k != "step"}, step=self.step)
                     progress.update(self.step, metrics)
-                    if not math.isfinite(metrics["loss"]) and not metrics["step_skipped"]:
+                    if diverged:
                         raise RuntimeError(f"loss is {metrics['loss']} at step {self.step}; "
                                            "lower optim.lr or check the data")
-                    if (self.checkpointer.should_save(self.step, self.cfg.steps) or save_due or stopped_by
-                            or out_of_time and self.cfg.checkpoint.save_final):
-                        self.save_checkpoint()
-                        last_save = time.perf_counter()
                     if stopped_by:
                         self._info("%s: saved step %d in %s; stopping (checkpoint.resume=auto with the same "
                                    "checkpoint.dir goes on from there)", signal.Signals(stopped_by).name, self.step,
@@ -468,9 +477,12 @@ class Trainer:
                                    "tokens)", budget, self.step, elapsed, metrics["tokens"])
                         break
         finally:
-            self.logger.finish()
-            self.optimizer.close()  # an overlapped optimizer's worker thread
-            self.release_checkpoint_dir()
+            try:
+                self.checkpointer.close()  # an asynchronous save in flight finishes and becomes complete
+            finally:
+                self.logger.finish()
+                self.optimizer.close()  # an overlapped optimizer's worker thread
+                self.release_checkpoint_dir()
         if stopped_by:
             raise TrainingInterrupted(stopped_by)
         return history
@@ -523,9 +535,14 @@ class Trainer:
         return tuple(int(v) for v in box.tolist())
 
     def save_checkpoint(self) -> Path:
+        """Saves this step (all ranks); ``last_checkpoint_stall_s``: the seconds the save held the training loop (the
+        whole write; asynchronously, the wait for the previous save and the staging copy)."""
         self.optimizer.wait()  # an overlapped optimizer's deferred steps: the parameters are read before its state
-        return self.checkpointer.save(self.step, model=self.model, optimizer=self.optimizer,
+        start = time.perf_counter()
+        path = self.checkpointer.save(self.step, model=self.model, optimizer=self.optimizer,
                                       scheduler=self.scheduler, loader=self.loader)
+        self.last_checkpoint_stall_s = time.perf_counter() - start
+        return path
 
 
 class StopSignals:
