@@ -84,9 +84,13 @@ def test_stale_locks_are_taken_over_with_a_warning(tmp_path, caplog, monkeypatch
             "recycled pid": ({"pid": live.pid, "pid_start_ticks": _process_start_ticks(live.pid) + 1}, "was reused"),
             "earlier torchrun attempt": ({"host": "another-node", "torchelastic_run_id": "job7",
                                           "torchelastic_restart_count": 0}, "restart 0 of this torchrun job"),
+            "requeued SLURM job": ({"host": "another-node", "slurm_job_id": "4242", "slurm_restart_count": 0},
+                                   "before requeue 1 of this SLURM job"),
         }
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
         for name, (fields, why) in cases.items():
             directory = tmp_path / name.replace(" ", "_")
             _write_lock(directory, **fields)
@@ -97,8 +101,8 @@ def test_stale_locks_are_taken_over_with_a_warning(tmp_path, caplog, monkeypatch
                        for r in caplog.records), (name, caplog.text)
             lock.release()
             assert sorted(os.listdir(directory)) == [], name  # nothing left beside it
-        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
-        monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+        for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
+            monkeypatch.delenv(name)
 
         held = {"live pid": ({"pid": live.pid, "pid_start_ticks": _process_start_ticks(live.pid)}, "wait for it"),
                 "another host": ({"host": "another-node", "pid": 1}, "if that run is no longer running, delete")}

@@ -3,12 +3,13 @@
 Rank 0 of a training run creates the lock file before anything is built and removes it when the run ends (also on
 an exception or a SIGTERM/SIGINT stop). It is JSON naming its holder: host, pid (and that process's start time, so a
 recycled pid is not taken for the holder), the time the run started, its run directory and, under torchrun, the
-job's rendezvous id and restart count.
+job's rendezvous id and restart count (under SLURM, the job id and its restart count).
 
 A second run on the same ``checkpoint.dir`` is refused in one line naming the holder. A lock left by a run that is
 gone is taken over with a warning: on the holder's host, when its pid is no longer running (``kill -9``, a crash);
 on any host, when it was written by an earlier attempt of the same torchrun job (``--max-restarts``: torchrun stops
-every worker of an attempt before it starts the next). A lock held from another host by another job cannot be
+every worker of an attempt before it starts the next) or by an earlier run of the same SLURM job (requeued: a
+job's steps have ended before it runs again). A lock held from another host by another job cannot be
 checked from here: the refusal says to delete the file if that run is gone.
 
 The file is created with its content in one step (a hard link of a written temporary file), so a reader never sees
@@ -57,6 +58,8 @@ def _this_process(run_dir: Optional[str]) -> dict:
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "run_dir": run_dir,
             "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
             "torchelastic_restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
             "token": uuid.uuid4().hex}
 
 
@@ -85,6 +88,10 @@ def why_stale(holder: dict, me: dict) -> Optional[str]:
     if (job and job not in ("none", "") and job == me.get("torchelastic_run_id")
             and int(holder.get("torchelastic_restart_count") or 0) < me["torchelastic_restart_count"]):
         return f"it was written by restart {holder.get('torchelastic_restart_count')} of this torchrun job"
+    slurm_job = holder.get("slurm_job_id")
+    if (slurm_job and slurm_job == me.get("slurm_job_id")
+            and int(holder.get("slurm_restart_count") or 0) < me["slurm_restart_count"]):
+        return f"it was written before requeue {me['slurm_restart_count']} of this SLURM job"
     if holder.get("host") != me["host"]:
         return None
     pid = int(holder["pid"])
