@@ -25,7 +25,8 @@ write one ``step_NNNNNNNN.tmp``; and it starts only where its saves cannot mix w
 All ranks must see the same ``checkpoint.dir`` (a shared file system across nodes).
 
 Trust: ``extra_rank*.pt`` is read with ``weights_only=True`` (a tampered one is refused, naming what it holds), but
-DCP reads ``.metadata`` with ``pickle``: resume, generate from or export only checkpoints you wrote or trust.
+DCP reads ``.metadata`` with ``pickle`` and the shards' non-tensor values with ``torch.load(weights_only=False)``:
+resume, generate from or export only checkpoints you wrote or trust.
 """
 
 from __future__ import annotations
