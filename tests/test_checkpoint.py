@@ -102,14 +102,14 @@ def test_tmp_dirs_are_never_resumed(tmp_path):
 def test_crashed_save_leaves_only_tmp_and_resume_starts_fresh(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path, schedule={"name": "canonical"}, steps=2,
                       checkpoint={"every": 1, "dir": str(tmp_path / "ckpt")})
-    real_save = checkpoint_mod._save_extra
+    real_save = checkpoint_mod.save_extra
 
     def crash_on_step_2(extra, path):
         if "step_00000002" in str(path):
             raise OSError("disk full")
         return real_save(extra, path)
 
-    monkeypatch.setattr(checkpoint_mod, "_save_extra", crash_on_step_2)
+    monkeypatch.setattr(checkpoint_mod, "save_extra", crash_on_step_2)
     with pytest.raises(OSError, match="disk full"):
         Trainer(cfg).train()
     monkeypatch.undo()

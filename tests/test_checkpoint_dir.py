@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from dist_utils import run_distributed, tiny_config
-from fsdp_speedloader.app.checkpoint import list_checkpoints, read_extra
+from fsdp_speedloader.app.checkpoint import list_checkpoints
+from fsdp_speedloader.app.checkpoint_extra import read_extra
 from fsdp_speedloader.app.checkpoint_lock import LOCK_FILE, CheckpointDirLock, _process_start_ticks
 from fsdp_speedloader.app.trainer import Trainer
 from launch_utils import TINY_OVERRIDES, clean_env, tail

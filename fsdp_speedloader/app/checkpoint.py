@@ -5,7 +5,7 @@ One checkpoint is one directory ``<checkpoint.dir>/step_NNNNNNNN/``:
 - DCP files (``.metadata``, ``*.distcp``): the model and optimizer state as each rank's shards
   (``get_model_state_dict`` and the optimizers' ``state_dict()``, DCP's layout keyed by parameter name), so a
   checkpoint loads on another world size too;
-- ``extra_rank{r}.pt`` (``torch.save`` of tensors and plain values only: it is read back with
+- ``extra_rank{r}.pt`` (``app/checkpoint_extra.py``: tensors and plain values only, read back with
   ``torch.load(weights_only=True)``), per rank: step, LR scheduler, data loader state, the RNG states (torch CPU,
   CUDA when present, numpy, python ``random``; numpy's and python's as tensors and plain values) and, on rank 0,
   the run's W&B id (``wandb_run_id``, None without W&B);
@@ -32,19 +32,15 @@ resume, generate from or export only checkpoints you wrote or trust.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import os
-import pickle
-import random
 import re
 import shutil
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -54,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdp_speedloader.app.checkpoint_async import AsyncSaver
+from fsdp_speedloader.app.checkpoint_extra import EXTRA_FILE, read_extra, rng_state, save_extra, set_rng_state
 from fsdp_speedloader.app.checkpoint_lock import CheckpointDirLock
 from fsdp_speedloader.app.config import CheckpointConfig
 from fsdp_speedloader.app.data import build_tokenizer
@@ -248,41 +245,6 @@ def claim_checkpoint_dir(directory: str | os.PathLike, *, resume_path: Optional[
         log.warning("checkpoint.overwrite=true: deleted %s (another run's)", path)
 
 
-EXTRA_FILE = "extra_rank{rank}.pt"
-
-
-def _numpy_array_globals() -> list:
-    """What ``torch.load(weights_only=True)`` must allow to read a numpy array (the RNG state of the older format):
-    numpy's array reconstruction and dtypes, which build data, never call anything else."""
-    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
-    return [multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-
-
-def read_extra(path: str | os.PathLike) -> dict:
-    """An ``extra_rank*.pt`` file, read with ``torch.load(weights_only=True)``: tensors and plain values only.
-
-    The older format (numpy's RNG state as a numpy array, python's as a tuple) is read with numpy's array globals
-    allowed as well (they build data and run no code) and a warning. Anything else, such as a class whose
-    unpickling would run code, is refused: ValueError naming the file and what it holds.
-    """
-    path = Path(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as first:
-        try:
-            with torch.serialization.safe_globals(_numpy_array_globals()):
-                extra = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(first))
-            what = f"the global {found.group(1)}" if found else str(first).strip().splitlines()[-1]
-            raise ValueError(f"checkpoint: {str(path)!r} holds more than tensors and plain values ({what}); refused, "
-                             "since loading it could run code: resume only checkpoints written by this project, and "
-                             "only from people you trust (docs/checkpoints.md#trust)") from None
-        log.warning("%s is in the older format (numpy's RNG state as a numpy array); read with numpy's array types "
-                    "allowed, the next save writes the current format", path)
-        return extra
-
-
 def _shape(size) -> str:
     return "(" + ", ".join(str(d) for d in size) + ")"
 
@@ -319,34 +281,6 @@ def check_checkpoint_fits(path: str | os.PathLike, model: nn.Module) -> None:
                          f"model ({len(extra)} such); {fix}")
 
 
-def _rng_state(device: torch.device) -> dict:
-    """Every RNG's state as tensors and plain values (``torch.load(weights_only=True)`` reads them)."""
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    state = {"torch": torch.get_rng_state(),
-             "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-             "python": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
-                        "gauss_next": gauss_next}}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    numpy_state, python_state = state["numpy"], state["python"]
-    if isinstance(numpy_state, dict):
-        numpy_state = (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
-                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
-    if isinstance(python_state, dict):
-        python_state = (python_state["version"], tuple(python_state["internal"].tolist()), python_state["gauss_next"])
-    np.random.set_state(numpy_state)  # the older format held numpy's and python's own tuples
-    random.setstate(tuple(python_state))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -369,21 +303,6 @@ def _root_cause(error: BaseException) -> str:
         cause = failure[0] if isinstance(failure, tuple) else failure
         return f"rank {rank}: {type(cause).__name__}: {cause}"
     return f"{type(error).__name__}: {error}"
-
-
-def _save_extra(extra: dict, path: Path) -> None:
-    """``torch.save`` of ``extra``, checked first to read back with ``weights_only=True`` (a value that would not, such
-    as a data loader state holding an object, fails this save rather than the resume that needs it)."""
-    buffer = io.BytesIO()
-    torch.save(extra, buffer)
-    buffer.seek(0)
-    try:
-        torch.load(buffer, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        raise TypeError(f"checkpoint: {path.name} would not load with weights_only=True "
-                        f"({found.group(1) if found else e}); keep its states to tensors and plain values") from None
-    path.write_bytes(buffer.getvalue())
 
 
 class Checkpointer:
@@ -452,8 +371,8 @@ class Checkpointer:
         # The small files first: once DCP's files are written (an asynchronous save's coordinator knows it), so are
         # every rank's.
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                 "rng": _rng_state(self.device), "wandb_run_id": self.wandb_run_id if self.rank == 0 else None}
-        _save_extra(extra, tmp / EXTRA_FILE.format(rank=self.rank))
+                 "rng": rng_state(self.device), "wandb_run_id": self.wandb_run_id if self.rank == 0 else None}
+        save_extra(extra, tmp / EXTRA_FILE.format(rank=self.rank))
         if self.rank == 0:
             self._write_model_files(tmp, model)
         state = {"model": get_model_state_dict(model), "optim": optimizer.state_dict()}
@@ -556,7 +475,7 @@ class Checkpointer:
         scheduler.load_state_dict(extra["scheduler"])
         loader.load_state_dict(extra["loader"])
         if same_world:
-            _set_rng_state(extra["rng"], self.device)
+            set_rng_state(extra["rng"], self.device)
         elif self.rank == 0:
             log.warning("checkpoint %s was saved on another world size: RNG states are not restored", path)
         return int(extra["step"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions

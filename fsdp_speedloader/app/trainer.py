@@ -43,8 +43,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_speedloader import parallel
-from fsdp_speedloader.app.checkpoint import EXTRA_FILE, Checkpointer, check_checkpoint_fits, claim_checkpoint_dir, \
-    read_extra, resolve_resume_path
+from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits, claim_checkpoint_dir, \
+    resolve_resume_path
+from fsdp_speedloader.app.checkpoint_extra import EXTRA_FILE, read_extra
 from fsdp_speedloader.app.checkpoint_lock import CheckpointDirLock
 from fsdp_speedloader.app.config import TrainConfig
 from fsdp_speedloader.app.data import build_loader, validate_data
