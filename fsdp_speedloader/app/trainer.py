@@ -18,9 +18,10 @@ began (the clock starts after the model, optimizer, data and logger are built); 
 metrics carry ``elapsed_s`` on that clock.
 
 Work is never lost to a stop: checkpoints are written every ``checkpoint.every`` steps and every
-``checkpoint.every_minutes``, and a SIGTERM or SIGINT seen by any rank makes every rank save after the step in
-flight and stop (``launch.TrainingInterrupted``: exit status 128 + the signal). Rank 0 shows a progress bar on a
-terminal (``logger.StepProgress``).
+``checkpoint.every_minutes`` (asynchronously with ``checkpoint.async_save``), and a SIGTERM or SIGINT seen by any
+rank makes every rank save after the step in flight and stop (``launch.TrainingInterrupted``: exit status 128 + the
+signal). Rank 0 holds ``checkpoint.dir``'s lock from setup to the end of ``train()`` (``app/checkpoint_lock.py``: one
+run per directory). Rank 0 shows a progress bar on a terminal (``logger.StepProgress``).
 
 Library code: no Hydra, no W&B (``logger.build_logger`` imports W&B only when asked to).
 """
@@ -123,7 +124,7 @@ def check_host_memory_plan(model: torch.nn.Module, cfg: TrainConfig, mesh: Devic
     parameters every tier of ``app.host_memory`` (parameter shards, gradients, optimizer states, activations,
     transfer copies; ValueError in one line naming what each setting frees), else the activation slots of one step
     (U + 1 slots of N x n x s x h) in the pinned arena. The arena checks its own slots again at the first step, to
-    the byte."""
+    the byte. ``checkpoint.async_save``'s staging copy is a tier of the offloaded plan, else checked alone."""
     engine = speedloader_engine(model, missing_ok=True)
     if cfg.checkpoint.async_save and not (engine is not None and engine.options.offload_params):
         check_async_staging(model, cfg, shards=parallel.shard_size(mesh))  # offloaded: a tier of the plan below
@@ -477,6 +478,7 @@ class Trainer:
                         self._info("time_budget_s=%g reached: stopping after step %d (%.1f s into the loop, %d "
                                    "tokens)", budget, self.step, elapsed, metrics["tokens"])
                         break
+                self.checkpointer.wait()  # an asynchronous save in flight, while repeated signals are still ignored
         finally:
             try:
                 self.checkpointer.close()  # an asynchronous save in flight finishes and becomes complete
