@@ -102,14 +102,14 @@ def test_tmp_dirs_are_never_resumed(tmp_path):
 def test_crashed_save_leaves_only_tmp_and_resume_starts_fresh(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path, schedule={"name": "canonical"}, steps=2,
                       checkpoint={"every": 1, "dir": str(tmp_path / "ckpt")})
-    real_save = torch.save
+    real_save = checkpoint_mod.save_extra
 
-    def crash_on_step_2(obj, f, *args, **kwargs):
-        if "step_00000002" in str(f):
+    def crash_on_step_2(extra, path):
+        if "step_00000002" in str(path):
             raise OSError("disk full")
-        return real_save(obj, f, *args, **kwargs)
+        return real_save(extra, path)
 
-    monkeypatch.setattr(checkpoint_mod.torch, "save", crash_on_step_2)
+    monkeypatch.setattr(checkpoint_mod, "save_extra", crash_on_step_2)
     with pytest.raises(OSError, match="disk full"):
         Trainer(cfg).train()
     monkeypatch.undo()
@@ -147,7 +147,12 @@ def test_default_checkpoint_dir_is_under_output_dir(tmp_path):
 
 def _save_previous_layout(trainer: Trainer, step_dir: Path) -> None:
     """What the Checkpointer wrote before ``OptimizersContainer``: ``get_state_dict`` of the one optimizer (of an
-    overlapped optimizer's list of inner optimizers), and the LR scheduler's own state (``{"schedulers": [...]}``)."""
+    overlapped optimizer's list of inner optimizers), and the LR scheduler's own state (``{"schedulers": [...]}``);
+    the RNG states as they were then too: numpy's and python's own tuples (numpy's key a numpy array)."""
+    import random
+
+    import numpy as np
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -155,8 +160,9 @@ def _save_previous_layout(trainer: Trainer, step_dir: Path) -> None:
     model_state, optim_state = get_state_dict(trainer.model, inner[0] if len(inner) == 1 else inner)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(step_dir))
     schedulers = [s.state_dict() for s in trainer.scheduler.schedulers]
-    torch.save({"step": trainer.step, "scheduler": schedulers[0] if len(schedulers) == 1 else {"schedulers": schedulers},
-                "loader": trainer.loader.state_dict(), "rng": checkpoint_mod._rng_state(trainer.device)},
+    scheduler = schedulers[0] if len(schedulers) == 1 else {"schedulers": schedulers}
+    torch.save({"step": trainer.step, "scheduler": scheduler, "loader": trainer.loader.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}},
                step_dir / "extra_rank0.pt")
 
 
@@ -166,7 +172,8 @@ OVERLAPPED = {"schedule": {"name": "speedloader"}, "offload": {"params": True},
 
 @pytest.mark.parametrize("run", [{"schedule": {"name": "canonical"}}, {"schedule": {"name": "speedloader"}},
                                  OVERLAPPED], ids=["canonical", "speedloader", "overlapped"])
-def test_checkpoint_of_the_previous_layout_resumes_exactly(tmp_path, run):
+def test_checkpoint_of_the_previous_layout_resumes_exactly(tmp_path, run, caplog):
+    caplog.set_level("WARNING")
     def config(out, **checkpoint):
         return tiny_config(out, steps=4, model={"dropout": 0.1},
                            checkpoint={"every": 0, "save_final": False, "dir": str(tmp_path / "ckpt"), **checkpoint},
@@ -178,6 +185,7 @@ def test_checkpoint_of_the_previous_layout_resumes_exactly(tmp_path, run):
     _save_previous_layout(interrupted, tmp_path / "ckpt" / "step_00000002")
     resumed = Trainer(config(tmp_path / "c", resume="auto"))
     assert resumed.step == 2
+    assert "older format" in caplog.text  # read without weights_only=False, said so
     history = resumed.train()
     for key in ("loss", "lr"):
         assert [m[key] for m in history] == pytest.approx([m[key] for m in uninterrupted[2:]], rel=1e-6), key

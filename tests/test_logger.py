@@ -1,9 +1,13 @@
 """The metric logger's W&B side, with the real wandb library: run names for every kind of run, and
 ``logger.mode=auto`` logging offline within seconds when the server does not answer."""
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_speedloader.app.config import LoggerConfig, TrainConfig
 from fsdp_speedloader.app.logger import WANDB_PROBE_TIMEOUT_S, build_logger, default_run_name, resolve_wandb_mode
@@ -49,3 +53,43 @@ def test_auto_mode_with_an_unreachable_server_logs_offline_within_seconds(wandb_
         logger.finish()
     # the probe's timeout plus an offline wandb.init (a local service process), not W&B's 90 s init timeout
     assert time.perf_counter() - start < WANDB_PROBE_TIMEOUT_S + 30
+
+
+def _wandb_runs(run_dir: Path) -> dict[str, bytes]:
+    """The offline W&B run directories under ``run_dir``: {directory name: its transaction log's bytes}."""
+    return {d.name: next(d.glob("run-*.wandb")).read_bytes() for d in (run_dir / "wandb").glob("offline-run-*")}
+
+
+@pytest.mark.slow
+def test_a_resumed_job_logs_on_into_its_wandb_run_quietly(tmp_path):
+    """The real entry point with the real wandb library (offline): the W&B run id is saved in the checkpoint and a
+    resumed run logs on into that run; W&B's run summary is not printed, and a CPU run logs no MFU to W&B."""
+    from launch_utils import TINY_OVERRIDES, clean_env, tail
+
+    env = clean_env(tmp_path)
+    del env["WANDB_SILENT"]  # what a user sees
+    ckpt = tmp_path / "ckpt"
+
+    def train(name: str, *extra: str) -> str:
+        cmd = [sys.executable, "-m", "fsdp_speedloader.app.train", *TINY_OVERRIDES, "logger=wandb",
+               "logger.mode=offline", "schedule=canonical", f"checkpoint.dir={ckpt}", "checkpoint.every=1",
+               f"hydra.run.dir={tmp_path / name}", *extra]
+        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, tail(done.stdout + done.stderr)
+        return done.stdout + done.stderr
+
+    first_out = train("first", "steps=2")
+    (first_name, first_log), = _wandb_runs(tmp_path / "first").items()
+    run_id = first_name.rsplit("-", 1)[1]
+    assert torch.load(ckpt / "step_00000002" / "extra_rank0.pt", weights_only=True)["wandb_run_id"] == run_id
+    second_out = train("second", "steps=4", "checkpoint.resume=auto")
+    (second_name, second_log), = _wandb_runs(tmp_path / "second").items()
+    assert second_name.endswith(f"-{run_id}") and second_name != first_name  # W&B's directory per process, one id
+    assert f"(id {run_id}, resumed, mode offline)" in second_out
+    assert torch.load(ckpt / "step_00000004" / "extra_rank0.pt", weights_only=True)["wandb_run_id"] == run_id
+    for out in (first_out, second_out):
+        assert "Run summary" not in out and "Run history" not in out, tail(out)
+        assert sum(line.startswith("wandb:") for line in out.splitlines()) <= 4, tail(out)
+    # History keys in W&B's protobuf log are length-prefixed strings: b"\x04loss" is the key "loss".
+    for log_bytes in (first_log, second_log):
+        assert b"\x04loss" in log_bytes and b"\x03mfu" not in log_bytes and b"\x03hfu" not in log_bytes

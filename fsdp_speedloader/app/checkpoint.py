@@ -5,8 +5,10 @@ One checkpoint is one directory ``<checkpoint.dir>/step_NNNNNNNN/``:
 - DCP files (``.metadata``, ``*.distcp``): the model and optimizer state as each rank's shards
   (``get_model_state_dict`` and the optimizers' ``state_dict()``, DCP's layout keyed by parameter name), so a
   checkpoint loads on another world size too;
-- ``extra_rank{r}.pt`` (``torch.save``), per rank: step, LR scheduler, data loader state and the RNG
-  states (torch CPU, CUDA when present, numpy, python ``random``);
+- ``extra_rank{r}.pt`` (``app/checkpoint_extra.py``: tensors and plain values only, read back with
+  ``torch.load(weights_only=True)``), per rank: step, LR scheduler, data loader state, the RNG states (torch CPU,
+  CUDA when present, numpy, python ``random``; numpy's and python's as tensors and plain values) and, on rank 0,
+  the run's W&B id (``wandb_run_id``, None without W&B);
 - what rebuilds the model without the run's config (``app/export.py``: generation from a checkpoint,
   export to Hugging Face): ``config.json`` (the model's Hugging Face config), ``model_config.json``
   (the run's ``ModelConfig`` as a dict and its tokenizer) and ``tokenizer/`` (the run's Hugging Face
@@ -17,8 +19,14 @@ Every rank writes into ``step_NNNNNNNN.tmp/``; after a barrier rank 0 renames it
 ever considers names ``step_`` + 8 digits, never ``*.tmp``, and only once :func:`verify_checkpoint` found every file
 its ``.metadata`` names at its full length (a checkpoint cut short by a full disk or a copy is skipped, named, for
 the newest complete one). Older step directories beyond ``keep_last`` are deleted only after the new one is
-complete; nothing else is ever deleted.
+complete. A run holds the directory's lock (``app/checkpoint_lock.py``) from setup to exit, so no two runs ever
+write one ``step_NNNNNNNN.tmp``; and it starts only where its saves cannot mix with another run's steps
+(:func:`steps_of_other_runs`): ``checkpoint.overwrite=true`` deletes those first, nothing else is ever deleted.
 All ranks must see the same ``checkpoint.dir`` (a shared file system across nodes).
+
+Trust: ``extra_rank*.pt`` is read with ``weights_only=True`` (a tampered one is refused, naming what it holds), but
+DCP reads ``.metadata`` with ``pickle`` and the shards' non-tensor values with ``torch.load(weights_only=False)``:
+resume, generate from or export only checkpoints you wrote or trust.
 """
 
 from __future__ import annotations
@@ -27,28 +35,32 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fsdp_speedloader.app.checkpoint_async import AsyncSaver
+from fsdp_speedloader.app.checkpoint_extra import EXTRA_FILE, read_extra, rng_state, save_extra, set_rng_state
+from fsdp_speedloader.app.checkpoint_lock import CheckpointDirLock
 from fsdp_speedloader.app.config import CheckpointConfig
 from fsdp_speedloader.app.data import build_tokenizer
+from fsdp_speedloader.app.launch import UserError
 from fsdp_speedloader.models import ModelConfig
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_STEP_TMP = re.compile(r"^step_\d{8}(\.replaced)?\.tmp$")
 _DCP_METADATA = ".metadata"
 HF_CONFIG_FILE = "config.json"
 """In every step directory: the model's Hugging Face config (``PretrainedConfig.to_json_file``)."""
@@ -183,6 +195,56 @@ def resolve_resume_path(cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike
                      "previous run, 'auto' (latest complete one in checkpoint.dir, fresh start if none) or null")
 
 
+def steps_of_other_runs(directory: str | os.PathLike, resume_path: Optional[Path], resume_step: int) -> list[Path]:
+    """Step directories in ``directory`` that the saves of a run starting at ``resume_step`` from ``resume_path``
+    (None: a fresh start) would mix with, oldest first.
+
+    A fresh start, or a resume from a step directory elsewhere: every ``step_NNNNNNNN`` directory, complete or not.
+    A resume from a step of ``directory``: the complete ones numbered above it (another branch of the run: resume=auto
+    would take them after a crash); incomplete newer ones are passed over by resume (it names them) and replaced when
+    the run reaches their step. Unfinished saves (``*.tmp``) never count: they are never resumed.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    if resume_path is None or Path(resume_path).resolve().parent != d.resolve():
+        return [p for _, p in steps]
+    return [p for step, p in steps if step > resume_step and verify_checkpoint(p) is None]
+
+
+def claim_checkpoint_dir(directory: str | os.PathLike, *, resume_path: Optional[Path], resume_step: int,
+                         overwrite: bool) -> None:
+    """Refuses (ValueError, one line) a run whose saves would mix with another run's steps in ``directory``
+    (:func:`steps_of_other_runs`), unless ``overwrite``: then deletes those step directories (and, for a fresh start
+    or a resume from elsewhere, the unfinished ``*.tmp`` saves), each one named in a warning. Nothing else in
+    ``directory`` is touched. Rank 0 calls this while it holds the directory's lock."""
+    d = Path(directory)
+    others = steps_of_other_runs(d, resume_path, resume_step)
+    inside = resume_path is not None and Path(resume_path).resolve().parent == d.resolve()
+    if others and not overwrite:
+        names = ", ".join(p.name for p in others[-3:])
+        names = f"{len(others)} step directories, the newest {names}" if len(others) > 3 else names
+        fix = "or set checkpoint.overwrite=true to delete them first"
+        if resume_path is None:
+            raise ValueError(f"checkpoint.dir: {str(d)!r} already holds another run's checkpoints ({names}) and this "
+                             f"run starts fresh; resume them (checkpoint.resume=auto), give this run another "
+                             f"checkpoint.dir, {fix}")
+        if inside:
+            raise ValueError(f"checkpoint.dir: {str(d)!r} holds checkpoints newer than {Path(resume_path).name}, "
+                             f"which this run resumes from ({names}), and its saves would mix with them; resume the "
+                             f"newest (checkpoint.resume=auto), give this run another checkpoint.dir, {fix}")
+        raise ValueError(f"checkpoint.dir: {str(d)!r} already holds another run's checkpoints ({names}) and this run "
+                         f"resumes from {str(resume_path)!r}; give this run another checkpoint.dir, {fix}")
+    if not overwrite:
+        return
+    if not inside and d.is_dir():
+        others += sorted(p for p in d.iterdir() if _STEP_TMP.match(p.name) and p.is_dir())
+    for path in others:
+        shutil.rmtree(path)
+        log.warning("checkpoint.overwrite=true: deleted %s (another run's)", path)
+
+
 def _shape(size) -> str:
     return "(" + ", ".join(str(d) for d in size) + ")"
 
@@ -219,24 +281,28 @@ def check_checkpoint_fits(path: str | os.PathLike, model: nn.Module) -> None:
                          f"model ({len(extra)} such); {fix}")
 
 
-def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a sync point, like a barrier)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _root_cause(error: BaseException) -> str:
+    """``Type: message`` of what made a DCP save fail (a ``CheckpointException`` wraps each rank's error)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        rank, failure = sorted(failures.items())[0]
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(cause).__name__}: {cause}"
+    return f"{type(error).__name__}: {error}"
 
 
 class Checkpointer:
@@ -247,11 +313,26 @@ class Checkpointer:
         checkpoint_dir: ``cfg.dir`` or ``<output_dir>/checkpoints``.
         rank: this process's global rank (rank 0 renames and prunes).
         device: the compute device (its CUDA RNG is saved).
+        lock: rank 0's lock of ``checkpoint_dir``: every save first checks that it still holds it.
+        pin_staging: an asynchronous save stages into page-locked memory (states on the GPU: a fast device-to-host
+            copy; states already in host memory gain nothing from it).
+
+    ``wandb_run_id`` (set by the trainer once its logger has a W&B run) is saved with every step, on rank 0.
+
+    With ``cfg.async_save``, :meth:`save` returns once this rank's state is staged in host memory; DCP writes it in
+    the background into ``step_NNNNNNNN.tmp/``, which rank 0 renames to ``step_NNNNNNNN/`` only once the write has
+    finished (:meth:`poll` at every step boundary, :meth:`wait`), so a save cut short never looks complete. The next
+    save, and :meth:`close` at the end of the run, wait for the one in flight.
     """
 
     def __init__(self, cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike, *, rank: int,
-                 device: torch.device, model_config: Optional[ModelConfig] = None, tokenizer: str = "bytes") -> None:
+                 device: torch.device, model_config: Optional[ModelConfig] = None, tokenizer: str = "bytes",
+                 lock: Optional[CheckpointDirLock] = None, pin_staging: bool = False) -> None:
         self.cfg = cfg
+        self.lock = lock
+        self.wandb_run_id: Optional[str] = None
+        self._async = AsyncSaver(pin_memory=pin_staging) if cfg.async_save else None
+        self._pending: Optional[tuple[int, Path, Path]] = None  # (step, tmp, final) of the save in flight
         self.dir = Path(checkpoint_dir)
         self.rank = rank
         self.device = torch.device(device)
@@ -270,35 +351,89 @@ class Checkpointer:
         return bool(self.cfg.every_minutes) and seconds_since_save >= 60.0 * self.cfg.every_minutes
 
     def save(self, step: int, *, model: nn.Module, optimizer: Stateful, scheduler: Stateful, loader: Stateful) -> Path:
-        """Writes ``step_NNNNNNNN/`` (all ranks call this); returns its path."""
+        """Writes ``step_NNNNNNNN/`` (all ranks call this); returns its path. Asynchronously (``cfg.async_save``) the
+        directory is complete only later (:meth:`poll`, :meth:`wait`); until then it is ``step_NNNNNNNN.tmp/``."""
+        self.wait()  # the save in flight first: one at a time, each complete before the next starts
         final = self.dir / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
+        lost = None
         if self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left by a save that crashed: never complete, safe to clear
-                shutil.rmtree(tmp)
-        _barrier()
-        dcp.save({"model": get_model_state_dict(model), "optim": optimizer.state_dict()}, checkpoint_id=str(tmp))
+            lost = self.lock.check() if self.lock is not None else None
+            if lost is None:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():  # left by a save that crashed (this run holds the lock): never complete, safe to clear
+                    shutil.rmtree(tmp)
+                tmp.mkdir()
+        if (lost := _from_rank0(lost)) is not None:  # every rank stops here, none waits on the others
+            raise UserError(f"checkpoint.dir: not saving step {step} into {str(self.dir)!r}: this run no longer holds "
+                            f"the directory ({lost}); another run may be writing there: give each run its own "
+                            "checkpoint.dir")
+        # The small files first: once DCP's files are written (an asynchronous save's coordinator knows it), so are
+        # every rank's.
         extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                 "rng": _rng_state(self.device)}
-        torch.save(extra, tmp / f"extra_rank{self.rank}.pt")
+                 "rng": rng_state(self.device), "wandb_run_id": self.wandb_run_id if self.rank == 0 else None}
+        save_extra(extra, tmp / EXTRA_FILE.format(rank=self.rank))
         if self.rank == 0:
             self._write_model_files(tmp, model)
+        state = {"model": get_model_state_dict(model), "optim": optimizer.state_dict()}
+        if self._async is not None:
+            self._async.start(state, str(tmp))  # returns once the state is staged in host memory
+            self._pending = (step, tmp, final)
+            return final
+        dcp.save(state, checkpoint_id=str(tmp))
         _barrier()  # every rank's files are in tmp
         if self.rank == 0:
-            if final.exists():  # same step saved before (an earlier run in this dir): replace it
-                stale = final.with_name(final.name + ".replaced.tmp")
-                if stale.exists():
-                    shutil.rmtree(stale)
-                os.rename(final, stale)
-                os.rename(tmp, final)
-                shutil.rmtree(stale)
-            else:
-                os.rename(tmp, final)
-            self._prune(step)
-            log.info("saved checkpoint %s", final)
+            self._complete(step, tmp, final)
         _barrier()  # nobody reads the directory before the rename
         return final
+
+    def poll(self) -> None:
+        """At a step boundary: an asynchronous save that has finished becomes complete now (rank 0 renames it);
+        its error, if it failed, is raised. No collective: each rank looks at its own save only."""
+        if self._async is not None and self._async.done():
+            self._finish_pending()
+
+    def wait(self) -> None:
+        """Waits for the asynchronous save in flight, if any, and makes it complete (its error is raised)."""
+        if self._async is not None and self._async.in_flight:
+            if self.rank == 0 and not self._async.done():
+                log.info("waiting for the asynchronous save of step %d to finish", self._pending[0])
+            self._finish_pending()
+
+    def close(self) -> None:
+        """The end of the run: waits for the save in flight (complete afterwards), frees the staging copy."""
+        if self._async is not None:
+            try:
+                self.wait()
+            finally:
+                self._async.close()
+                self._async = None
+
+    def _finish_pending(self) -> None:
+        step, tmp, final = self._pending
+        self._pending = None
+        try:
+            self._async.result()
+        except (Exception, CheckpointException) as e:  # (a BaseException) the save stays *.tmp: never resumed
+            raise RuntimeError(f"checkpoint: the asynchronous save of step {step} failed ({_root_cause(e)}); "
+                               f"{str(tmp)!r} is left unfinished and is never resumed") from e
+        if self.rank == 0:  # the coordinator's save has finished: every rank's files are written
+            self._complete(step, tmp, final)
+
+    def _complete(self, step: int, tmp: Path, final: Path) -> None:
+        """Rank 0: ``tmp`` (every rank's files written) becomes ``final``; older steps beyond keep_last go."""
+        if final.exists():  # same step saved before (an earlier run in this dir): replace it
+            stale = final.with_name(final.name + ".replaced.tmp")
+            if stale.exists():
+                shutil.rmtree(stale)
+            os.rename(final, stale)
+            os.rename(tmp, final)
+            shutil.rmtree(stale)
+        else:
+            os.rename(tmp, final)
+        self._prune(step)
+        log.info("saved checkpoint %s", final)
+
 
     def _write_model_files(self, step_dir: Path, model: nn.Module) -> None:
         """What rebuilds the model from this step alone: config.json, model_config.json, tokenizer/."""
@@ -332,16 +467,15 @@ class Checkpointer:
                              "another step directory, or start fresh: checkpoint.resume=null") from e
         set_model_state_dict(model, state["model"])
         optimizer.load_state_dict(state["optim"])
-        extra_file = path / f"extra_rank{self.rank}.pt"
+        extra_file = path / EXTRA_FILE.format(rank=self.rank)
         same_world = extra_file.is_file()
         if not same_world:  # saved on fewer ranks: step, scheduler and loader are the same on every rank
-            extra_file = path / "extra_rank0.pt"
-        # weights_only=False: the RNG states hold numpy arrays and tuples; we wrote this file ourselves.
-        extra = torch.load(extra_file, map_location="cpu", weights_only=False)
+            extra_file = path / EXTRA_FILE.format(rank=0)
+        extra = read_extra(extra_file)
         scheduler.load_state_dict(extra["scheduler"])
         loader.load_state_dict(extra["loader"])
         if same_world:
-            _set_rng_state(extra["rng"], self.device)
+            set_rng_state(extra["rng"], self.device)
         elif self.rank == 0:
             log.warning("checkpoint %s was saved on another world size: RNG states are not restored", path)
         return int(extra["step"])

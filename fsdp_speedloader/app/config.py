@@ -330,6 +330,15 @@ class CheckpointConfig:
     """How many step checkpoints to keep (older ones are deleted after a successful save)."""
     save_final: bool = True
     """Save after the last step."""
+    async_save: bool = False
+    """Save asynchronously (DCP's ``async_save``): training stalls only while this rank's model and optimizer state
+    is copied into host memory (a whole checkpoint of it, counted in the host-memory plan); the files are written in
+    the background and the step directory becomes complete once they are. The key is ``async_save``, not ``async``
+    (a Python keyword: the config keys are the dataclass's fields)."""
+    overwrite: bool = False
+    """Let a run start where its saves would mix with another run's steps in ``dir`` (a fresh start into a directory
+    holding step directories, or a resume from an older step than the directory's newest): delete those step
+    directories (and unfinished ``*.tmp`` saves) first, each named in a warning. False: such a run is refused."""
 
     def __post_init__(self) -> None:
         check_positive(self.every, "checkpoint.every", allow_zero=True)

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from fsdp_speedloader.app.config import TrainConfig
-from fsdp_speedloader.memory.arena import HostMemoryBudget
+from fsdp_speedloader.memory.arena import GIB, HostMemoryBudget
 from fsdp_speedloader.memory.bf16_master import MASTER_BYTES_PER_PARAM
-from fsdp_speedloader.memory.host_plan import HostPlan, Shard, check_host_plan, plan_host_memory, savings_of, \
-    shard_numels
+from fsdp_speedloader.memory.host_plan import HostPlan, Shard, check_host_plan, checkpoint_staging_bytes, \
+    plan_host_memory, savings_of, shard_numels
 from fsdp_speedloader.models import get_adapter
 
 _SMALLER_STATES = {"fp32": ("bf16", "int8"), "bf16": ("int8",), "int8": ()}
@@ -55,7 +55,8 @@ def _activations_on_host(cfg: TrainConfig) -> bool:
 def plan_for(cfg: TrainConfig, units: list[list[Shard]], root: list[Shard], *, hidden_size: int,
              activation_itemsize: int = 2) -> HostPlan:
     """The host plan of ``cfg`` for these shards (activation slots: U + 1 of N x n x s x h; units 1 ..
-    ``offload.device_units`` keep their states on the GPU)."""
+    ``offload.device_units`` keep their states on the GPU; ``checkpoint.async_save``: the staging copy of all of
+    them)."""
     sched = cfg.schedule
     activations = ((len(units) + 1) * sched.num_sub_batches * sched.sub_batch_size * cfg.data.seq_len * hidden_size
                    * activation_itemsize) if _activations_on_host(cfg) else 0
@@ -63,7 +64,16 @@ def plan_for(cfg: TrainConfig, units: list[list[Shard]], root: list[Shard], *, h
                             grad_slots_in_flight=cfg.optim.grad_slots_in_flight if _uses_ring(cfg) else 0,
                             state_dtype=cfg.optim.state_dtype, activation_bytes=activations,
                             transfer_itemsize=2 if cfg.offload.param_transfer_dtype else 0,
-                            param_itemsize=MASTER_BYTES_PER_PARAM[cfg.optim.master_dtype])
+                            param_itemsize=MASTER_BYTES_PER_PARAM[cfg.optim.master_dtype],
+                            checkpoint_staging_bytes=async_staging_bytes(cfg, units, root))
+
+
+def async_staging_bytes(cfg: TrainConfig, units: list[list[Shard]], root: list[Shard]) -> int:
+    """``checkpoint.async_save``'s staging copy on this rank (every unit's and the root's shards), else 0."""
+    if not cfg.checkpoint.async_save:
+        return 0
+    return checkpoint_staging_bytes([s for unit in units for s in unit] + list(root), state_dtype=cfg.optim.state_dtype,
+                                    param_itemsize=MASTER_BYTES_PER_PARAM[cfg.optim.master_dtype])
 
 
 def _with(cfg: TrainConfig, **sections) -> Optional[TrainConfig]:
@@ -105,6 +115,9 @@ def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activat
     if cfg.offload.root:
         alternatives.append(("offload.root=false (the root's states on the GPU)",
                              plan(_with(cfg, offload={"root": False}))))
+    if cfg.checkpoint.async_save:
+        alternatives.append(("checkpoint.async_save=false (no staging copy; each save then stalls for its write)",
+                             plan(_with(cfg, checkpoint={"async_save": False}))))
     if cfg.offload.param_transfer_dtype:
         alternatives.append(("offload.param_transfer_dtype=null",
                              plan(_with(cfg, offload={"param_transfer_dtype": None}))))
@@ -136,3 +149,18 @@ def check_host_memory(model: nn.Module, cfg: TrainConfig, *, shards: int, activa
             "the parameter shards shrink only with more ranks")
     check_host_plan(plan, budget or HostMemoryBudget.detect(), savings=savings_of(plan, alternatives), hint=hint)
     return plan
+
+
+def check_async_staging(model: nn.Module, cfg: TrainConfig, *, shards: int,
+                        budget: Optional[HostMemoryBudget] = None) -> int:
+    """``checkpoint.async_save`` without offloaded parameters (the states live on the GPU, the staging copy is the
+    host's part): ``ValueError`` in one line when rank 0's copy exceeds the host budget. Returns its bytes."""
+    units, root = unit_and_root_shards(model, blocks_per_unit=cfg.schedule.blocks_per_unit, shards=shards)
+    need = async_staging_bytes(cfg, units, root)
+    budget = budget or HostMemoryBudget.detect()
+    if need > budget.available_bytes:
+        raise ValueError(f"checkpoint.async_save=true: its staging copy (this rank's parameters and optimizer states) "
+                         f"needs {need / GIB:.2f} GiB of host memory: {budget.describe()}; set "
+                         "checkpoint.async_save=false (each save then stalls for its write), or run on more ranks "
+                         "(the copy shrinks with the shards)")
+    return need

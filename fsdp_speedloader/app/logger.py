@@ -30,6 +30,8 @@ from fsdp_speedloader.app.config import LoggerConfig
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+PEAK_RELATIVE_METRICS = ("mfu", "mfu_no_attention", "hfu")
+"""Fractions of ``peak_tflops`` (an accelerator's): left out of the console and W&B on a CPU."""
 
 
 class MetricLogger:
@@ -56,7 +58,7 @@ def format_metrics(metrics: dict, step: int, *, show_mfu: bool = True) -> str:
     fmt = {"loss": "loss {:.4f}", "lr": "lr {:.2e}", "grad_norm": "grad_norm {:.3f}",
            "tokens_per_s": "{:,.0f} tok/s", "mfu": "mfu {:.1%}", "step_time_s": "{:.3f} s/step",
            "data_wait_s": "data {:.3f} s", "tokens": "{:,} tokens", "epoch": "epoch {:.3f}",
-           "val_loss": "val_loss {:.4f}", "val_ppl": "val_ppl {:.2f}"}
+           "val_loss": "val_loss {:.4f}", "val_ppl": "val_ppl {:.2f}", "checkpoint_stall_s": "checkpoint stall {:.3f} s"}
     if not show_mfu:
         del fmt["mfu"]
     for key, spec in fmt.items():
@@ -72,7 +74,9 @@ def format_metrics(metrics: dict, step: int, *, show_mfu: bool = True) -> str:
 
 
 class Rank0Logger(MetricLogger):
-    """Console line + ``<output_dir>/metrics.jsonl`` + an optional W&B run."""
+    """Console line + ``<output_dir>/metrics.jsonl`` + an optional W&B run. ``show_mfu=False`` (a CPU run) leaves
+    MFU (:data:`PEAK_RELATIVE_METRICS`) out of the console line and the W&B run (``metrics.jsonl`` keeps every
+    figure)."""
 
     def __init__(self, output_dir: str | os.PathLike, wandb_run: Any = None, *, show_mfu: bool = True) -> None:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -86,7 +90,13 @@ class Rank0Logger(MetricLogger):
         record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=step)
+            self.wandb_run.log(metrics if self.show_mfu else
+                               {k: v for k, v in metrics.items() if k not in PEAK_RELATIVE_METRICS}, step=step)
+
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        """The W&B run's id (None without one): saved in every checkpoint, so a resumed job logs on into this run."""
+        return self.wandb_run.id if self.wandb_run is not None else None
 
     def finish(self) -> None:
         if not self._file.closed:
@@ -171,11 +181,14 @@ def resolve_wandb_mode(mode: str) -> str:
 
 
 def build_logger(cfg: LoggerConfig, run_config: dict, output_dir: str | os.PathLike,
-                 rank: int, *, show_mfu: bool = True) -> MetricLogger:
+                 rank: int, *, show_mfu: bool = True, wandb_run_id: Optional[str] = None) -> MetricLogger:
     """The metric logger of this rank: rank 0 logs, every other rank gets a no-op logger.
 
     ``run_config`` (the full resolved config) goes to ``wandb.init(config=...)``. ``show_mfu``: MFU in the
-    console line (False on a CPU; ``metrics.jsonl`` and W&B keep it).
+    console line and the W&B run (False on a CPU, whose MFU against an accelerator's peak means nothing;
+    ``metrics.jsonl`` keeps it). ``wandb_run_id``: the W&B run to log on into (a resumed job's, from its checkpoint:
+    ``wandb.init(id=..., resume="allow")``); None starts a new run. W&B prints its start lines but not its run
+    summary (``quiet``): the console's own lines already show the figures.
     """
     if rank != 0:
         return MetricLogger()
@@ -187,17 +200,19 @@ def build_logger(cfg: LoggerConfig, run_config: dict, output_dir: str | os.PathL
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         init = functools.partial(wandb.init, project=cfg.project, entity=cfg.entity, group=cfg.group,
                                  name=cfg.name or default_run_name(run_config), tags=list(cfg.tags) or None,
-                                 dir=str(output_dir), config=run_config)
+                                 dir=str(output_dir), config=run_config, id=wandb_run_id,
+                                 resume="allow" if wandb_run_id else None)
         try:
-            wandb_run = init(mode=mode, settings=wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT_S))
+            wandb_run = init(mode=mode, settings=wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT_S, quiet=True))
         except wandb.errors.CommError as e:
             if cfg.mode != "auto":
                 raise ValueError(f"logger.mode={cfg.mode}: W&B could not start a run ({str(e).splitlines()[0]}); "
                                  "check WANDB_API_KEY / WANDB_BASE_URL, or set logger.mode=offline") from None
             log.warning("W&B: online init failed (%s); logging offline", str(e).splitlines()[0])
             mode = "offline"
-            wandb_run = init(mode=mode)
-        log.info("W&B run %s (mode %s) in %s", wandb_run.name, mode, output_dir)
+            wandb_run = init(mode=mode, settings=wandb.Settings(quiet=True))
+        log.info("W&B run %s (id %s%s, mode %s) in %s", wandb_run.name, wandb_run.id,
+                 ", resumed" if wandb_run_id else "", mode, output_dir)
     return Rank0Logger(output_dir, wandb_run, show_mfu=show_mfu)
 
 

@@ -18,15 +18,17 @@ began (the clock starts after the model, optimizer, data and logger are built); 
 metrics carry ``elapsed_s`` on that clock.
 
 Work is never lost to a stop: checkpoints are written every ``checkpoint.every`` steps and every
-``checkpoint.every_minutes``, and a SIGTERM or SIGINT seen by any rank makes every rank save after the step in
-flight and stop (``launch.TrainingInterrupted``: exit status 128 + the signal). Rank 0 shows a progress bar on a
-terminal (``logger.StepProgress``).
+``checkpoint.every_minutes`` (asynchronously with ``checkpoint.async_save``), and a SIGTERM or SIGINT seen by any
+rank makes every rank save after the step in flight and stop (``launch.TrainingInterrupted``: exit status 128 + the
+signal). Rank 0 holds ``checkpoint.dir``'s lock from setup to the end of ``train()`` (``app/checkpoint_lock.py``: one
+run per directory). Rank 0 shows a progress bar on a terminal (``logger.StepProgress``).
 
 Library code: no Hydra, no W&B (``logger.build_logger`` imports W&B only when asked to).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -42,12 +44,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_speedloader import parallel
-from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits, resolve_resume_path
+from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits, claim_checkpoint_dir, \
+    resolve_resume_path
+from fsdp_speedloader.app.checkpoint_extra import EXTRA_FILE, read_extra
+from fsdp_speedloader.app.checkpoint_lock import CheckpointDirLock
 from fsdp_speedloader.app.config import TrainConfig
 from fsdp_speedloader.app.data import apply_document_mask, build_loader, check_held_out, eos_token_id, \
     load_val_tokens, val_batches, validate_data
 from fsdp_speedloader.app.faults import fault_from_env
-from fsdp_speedloader.app.host_memory import check_host_memory
+from fsdp_speedloader.app.host_memory import check_async_staging, check_host_memory
 from fsdp_speedloader.app.launch import TrainingInterrupted, UserError, check_writable_dir
 from fsdp_speedloader.app.launch import rank as launch_rank
 from fsdp_speedloader.app.logger import MetricLogger, StepProgress, build_logger, check_wandb_credentials, \
@@ -121,8 +126,10 @@ def check_host_memory_plan(model: torch.nn.Module, cfg: TrainConfig, mesh: Devic
     parameters every tier of ``app.host_memory`` (parameter shards, gradients, optimizer states, activations,
     transfer copies; ValueError in one line naming what each setting frees), else the activation slots of one step
     (U + 1 slots of N x n x s x h) in the pinned arena. The arena checks its own slots again at the first step, to
-    the byte."""
+    the byte. ``checkpoint.async_save``'s staging copy is a tier of the offloaded plan, else checked alone."""
     engine = speedloader_engine(model, missing_ok=True)
+    if cfg.checkpoint.async_save and not (engine is not None and engine.options.offload_params):
+        check_async_staging(model, cfg, shards=parallel.shard_size(mesh))  # offloaded: a tier of the plan below
     if engine is not None and engine.options.offload_params:
         # Every tier (parameter shards, gradients, optimizer states, activations, transfer copies): memory/host_plan.py
         check_host_memory(model, cfg, shards=parallel.shard_size(mesh), activation_dtype=param_dtype)
@@ -202,6 +209,14 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, *, logger: Optional[MetricLogger] = None,
                  run_config: Optional[dict] = None) -> None:
+        self._checkpoint_lock: Optional[CheckpointDirLock] = None  # rank 0's, from setup to the end of train()
+        try:
+            self._setup(cfg, logger=logger, run_config=run_config)
+        except BaseException:
+            self.release_checkpoint_dir()
+            raise
+
+    def _setup(self, cfg: TrainConfig, *, logger: Optional[MetricLogger], run_config: Optional[dict]) -> None:
         self.cfg = cfg
         sched = cfg.schedule
 
@@ -230,6 +245,15 @@ class Trainer:
             self._warning("checkpoint.resume=%s: skipped %s: %s", cfg.checkpoint.resume, path, why)
         if resume_path is not None:  # another model's checkpoint fails here, from its metadata, before any allocation
             check_checkpoint_fits(resume_path, build_model(cfg.model, device="meta"))
+        resume_step, saved_wandb_run_id = 0, None
+        if resume_path is not None:  # weights_only: a tampered extra file is refused here, before anything is built
+            saved = read_extra(resume_path / EXTRA_FILE.format(rank=0))
+            resume_step, saved_wandb_run_id = int(saved["step"]), saved.get("wandb_run_id")
+            if cfg.steps <= resume_step:
+                raise ValueError(f"steps={cfg.steps}: the checkpoint {str(resume_path)!r} is at step {resume_step} "
+                                 f"already, so there is nothing left to train; set steps above {resume_step} (e.g. "
+                                 f"steps={2 * resume_step}) to train on from it")
+        self._claim_checkpoint_dir(checkpoint_dir, resume_path, resume_step)
         self._fault = fault_from_env(rank=self.rank, batch_size=sched.batch_size)  # tests of fault tolerance
         # Same seed on every rank; ranks differ through their data, and weights come from named seeds.
         seed_everything(cfg.seed)
@@ -286,7 +310,9 @@ class Trainer:
                                    peak_tflops=cfg.peak_tflops,
                                    attention_flops_per_token=self.adapter.attention_flops_per_token(cfg.data.seq_len))
         self.checkpointer = Checkpointer(cfg.checkpoint, checkpoint_dir, rank=self.rank, device=self.device,
-                                         model_config=cfg.model, tokenizer=cfg.data.tokenizer)
+                                         model_config=cfg.model, tokenizer=cfg.data.tokenizer,
+                                         lock=self._checkpoint_lock,
+                                         pin_staging=self.device.type == "cuda" and not cfg.offload.params)
         self.step = 0
         if resume_path is not None:
             self.step = self.checkpointer.load(resume_path, model=model, optimizer=self.optimizer,
@@ -298,7 +324,9 @@ class Trainer:
             self._info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", checkpoint_dir)
         self.logger = logger if logger is not None else build_logger(
             cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg), cfg.output_dir, self.rank,
-            show_mfu=self.device.type != "cpu")  # peak_tflops is an accelerator's: no MFU on a CPU console
+            show_mfu=self.device.type != "cpu",  # peak_tflops is an accelerator's: no MFU on a CPU
+            wandb_run_id=saved_wandb_run_id)  # a resumed job logs on into its W&B run
+        self.checkpointer.wandb_run_id = getattr(self.logger, "wandb_run_id", None)
         if self.tune_plan is not None:
             self.logger.log(self.tune_plan.as_metrics(), step=self.step)
         self._info("%s schedule: %s params, %d rank(s) on %s, mesh %s, param_dtype %s, batch %d x %d x %d tokens, "
@@ -307,6 +335,27 @@ class Trainer:
                    sched.num_sub_batches, sched.sub_batch_size, cfg.data.seq_len, cfg.steps)
         if sched.compile_blocks:
             self._info("schedule.compile_blocks: the first step compiles the blocks (minutes for a large model)")
+
+    def _claim_checkpoint_dir(self, checkpoint_dir: Path, resume_path: Optional[Path], resume_step: int) -> None:
+        """Rank 0 takes ``checkpoint_dir``'s lock and checks that this run's saves cannot mix with another run's
+        steps (``claim_checkpoint_dir``: deletes them with ``checkpoint.overwrite=true``); every rank gets the outcome,
+        so a refusal ends all of them at once (ValueError), none waiting on the others."""
+        error = None
+        if self.rank == 0:
+            try:
+                self._checkpoint_lock = CheckpointDirLock.acquire(checkpoint_dir, run_dir=self.cfg.output_dir)
+                atexit.register(self._checkpoint_lock.release)  # a Trainer that never trains: released at exit
+                claim_checkpoint_dir(checkpoint_dir, resume_path=resume_path, resume_step=resume_step,
+                                     overwrite=self.cfg.checkpoint.overwrite)
+            except ValueError as e:
+                error = e
+        if (message := self._agree(None if error is None else str(error))) is not None:
+            raise error if error is not None else ValueError(message)
+
+    def release_checkpoint_dir(self) -> None:
+        """Removes rank 0's lock of the checkpoint directory (``train()`` does, at its end); idempotent."""
+        if self._checkpoint_lock is not None:
+            self._checkpoint_lock.release()
 
     def _info(self, msg: str, *args: Any) -> None:
         if self.rank == 0:
@@ -455,7 +504,10 @@ class Trainer:
         record, which is then logged whatever ``log_every`` is.
 
         Saves checkpoints on ``checkpoint.every``, every ``checkpoint.every_minutes`` and after the last step
-        (``checkpoint.save_final``; a run stopped by its time budget saves then too), logs the final step
+        (``checkpoint.save_final``; a run stopped by its time budget saves then too); a step that saves is logged
+        whatever ``log_every`` is, with ``checkpoint_stall_s`` (the seconds the save held the loop). An asynchronous
+        save in flight (``checkpoint.async_save``) becomes complete at the first step boundary after its write, and
+        the loop's end waits for it. Logs the final step
         (``cfg.steps``, or the one that crossed the budget) whatever ``log_every`` is, finishes the logger and
         stops an overlapped optimizer's worker once its last steps are applied: a Trainer trains once.
 
@@ -498,17 +550,20 @@ class Trainer:
                     evaluated = self._evaluation_due(last=self.step == self.cfg.steps or bool(out_of_time))
                     if evaluated:  # in this step's record; its time shows in the next step's elapsed_s
                         metrics.update(self.evaluate())
+                    diverged = not math.isfinite(metrics["loss"]) and not metrics["step_skipped"]
+                    self.checkpointer.poll()  # an asynchronous save that has finished becomes complete
+                    if not diverged and (self.checkpointer.should_save(self.step, self.cfg.steps) or save_due
+                                         or stopped_by or out_of_time and self.cfg.checkpoint.save_final):
+                        self.save_checkpoint()  # before the step's record: it carries the save's stall
+                        metrics["checkpoint_stall_s"] = self.last_checkpoint_stall_s
+                        last_save = time.perf_counter()
                     if (self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps or out_of_time
-                            or stopped_by or evaluated):
+                            or stopped_by or evaluated or "checkpoint_stall_s" in metrics):
                         self.logger.log({k: v for k, v in metrics.items() if k != "step"}, step=self.step)
                     progress.update(self.step, metrics)
-                    if not math.isfinite(metrics["loss"]) and not metrics["step_skipped"]:
+                    if diverged:
                         raise RuntimeError(f"loss is {metrics['loss']} at step {self.step}; "
                                            "lower optim.lr or check the data")
-                    if (self.checkpointer.should_save(self.step, self.cfg.steps) or save_due or stopped_by
-                            or out_of_time and self.cfg.checkpoint.save_final):
-                        self.save_checkpoint()
-                        last_save = time.perf_counter()
                     if stopped_by:
                         self._info("%s: saved step %d in %s; stopping (checkpoint.resume=auto with the same "
                                    "checkpoint.dir goes on from there)", signal.Signals(stopped_by).name, self.step,
@@ -518,9 +573,14 @@ class Trainer:
                         self._info("time_budget_s=%g reached: stopping after step %d (%.1f s into the loop, %d "
                                    "tokens)", budget, self.step, elapsed, metrics["tokens"])
                         break
+                self.checkpointer.wait()  # an asynchronous save in flight, while repeated signals are still ignored
         finally:
-            self.logger.finish()
-            self.optimizer.close()  # an overlapped optimizer's worker thread
+            try:
+                self.checkpointer.close()  # an asynchronous save in flight finishes and becomes complete
+            finally:
+                self.logger.finish()
+                self.optimizer.close()  # an overlapped optimizer's worker thread
+                self.release_checkpoint_dir()
         if stopped_by:
             raise TrainingInterrupted(stopped_by)
         return history
@@ -573,9 +633,14 @@ class Trainer:
         return tuple(int(v) for v in box.tolist())
 
     def save_checkpoint(self) -> Path:
+        """Saves this step (all ranks); ``last_checkpoint_stall_s``: the seconds the save held the training loop (the
+        whole write; asynchronously, the wait for the previous save and the staging copy)."""
         self.optimizer.wait()  # an overlapped optimizer's deferred steps: the parameters are read before its state
-        return self.checkpointer.save(self.step, model=self.model, optimizer=self.optimizer,
+        start = time.perf_counter()
+        path = self.checkpointer.save(self.step, model=self.model, optimizer=self.optimizer,
                                       scheduler=self.scheduler, loader=self.loader)
+        self.last_checkpoint_stall_s = time.perf_counter() - start
+        return path
 
 
 class StopSignals:

@@ -8,6 +8,8 @@ Tiers, per rank, with parameters offloaded (``offload_params``):
     optimizer_states  AdamW's two moments of every host-resident shard: 8 B/param fp32, 4 bf16, ~2 int8 (pageable)
     activations       the block-boundary activations of all N sub-batches (host activation store only)
     param_transfer    the bf16 transfer copies of the shards (``param_transfer_dtype``)
+    checkpoint_staging  an asynchronous checkpoint's host copy of this rank's whole state (parameters and optimizer
+                      states, device-resident ones too), held while the save is written
 
 ``plan_host_memory`` adds them up from shard sizes (no model, no allocation); ``check_host_plan`` refuses a plan over
 the host budget in one line that names what each option would free. The trainer calls both before the model is
@@ -24,7 +26,7 @@ from typing import Optional, Sequence, Union
 from fsdp_speedloader.memory.arena import ALIGNMENT, GIB, LIMIT_ENV, HostMemoryBudget
 from fsdp_speedloader.memory.compressed_adamw import num_state_bytes
 
-TIERS = ("param_shards", "grads", "optimizer_states", "activations", "param_transfer")
+TIERS = ("param_shards", "grads", "optimizer_states", "activations", "param_transfer", "checkpoint_staging")
 ARENA_TIERS = ("param_shards", "grads", "activations", "param_transfer")  # page-locked; the states are pageable
 
 Shard = tuple[int, int]
@@ -56,6 +58,7 @@ class HostPlan:
     activations: int
     param_transfer: int
     num_params: int
+    checkpoint_staging: int = 0
 
     @property
     def total(self) -> int:
@@ -76,13 +79,15 @@ class HostPlan:
 
     def describe(self) -> str:
         names = {"param_shards": "parameter shards", "grads": "gradients", "optimizer_states": "optimizer states",
-                 "activations": "activations", "param_transfer": "transfer copies"}
+                 "activations": "activations", "param_transfer": "transfer copies",
+                 "checkpoint_staging": "checkpoint staging copy"}
         return ", ".join(f"{names[t]} {getattr(self, t) / GIB:.2f}" for t in TIERS if getattr(self, t))
 
 
 def plan_host_memory(*, units: Sequence[Sequence[Shard]], root: Sequence[Shard], root_on_host: bool = True,
                      grad_slots_in_flight: int = 0, state_dtype: str = "fp32", activation_bytes: int = 0,
-                     transfer_itemsize: int = 0, param_itemsize: int = 4) -> HostPlan:
+                     transfer_itemsize: int = 0, param_itemsize: int = 4, checkpoint_staging_bytes: int = 0
+                     ) -> HostPlan:
     """The tiers of one rank whose parameters are offloaded.
 
     Args:
@@ -94,6 +99,7 @@ def plan_host_memory(*, units: Sequence[Sequence[Shard]], root: Sequence[Shard],
         activation_bytes: the host activation store's slots (0 when the activations stay on the device).
         transfer_itemsize: bytes per element of the transfer copies (2 for bf16; 0: none).
         param_itemsize: bytes per element of the parameter shards and gradients (4: fp32).
+        checkpoint_staging_bytes: an asynchronous checkpoint's staging copy (:func:`checkpoint_staging_bytes`).
     """
     host_root = list(root) if root_on_host else []
     shards = [s for unit in units for s in unit] + host_root
@@ -109,7 +115,13 @@ def plan_host_memory(*, units: Sequence[Sequence[Shard]], root: Sequence[Shard],
                     activations=_aligned(activation_bytes) if activation_bytes else 0,
                     param_transfer=sum(_aligned(p * transfer_itemsize) for p, _ in shards) if transfer_itemsize
                     else 0,
-                    num_params=sum(local for _, local in shards))
+                    num_params=sum(local for _, local in shards), checkpoint_staging=checkpoint_staging_bytes)
+
+
+def checkpoint_staging_bytes(shards: Sequence[Shard], *, state_dtype: str = "fp32", param_itemsize: int = 4) -> int:
+    """Host bytes of an asynchronous checkpoint's staging copy on one rank: every parameter shard it saves
+    (``shards``: all of them, device-resident or not) at ``param_itemsize`` and its optimizer states."""
+    return sum(local * param_itemsize + num_state_bytes(local, state_dtype) for _, local in shards)
 
 
 Saving = tuple[str, int]
