@@ -224,15 +224,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.link_gbit is None:
         record["link"] = None
         return measure(None)
-    try:
-        with slow_link.open_link(args.link_gbit, args.link_delay_ms, modes) as link:
-            record["link"] = link.describe()
-            print(f"allreduce_bw: link {record['link']['mode']}: {record['link']['meaning']}", flush=True)
-            return measure(link)
-    except slow_link.LinkUnavailable as err:
-        print(f"allreduce_bw: {err}\n  (--link-modes netns,lo,sockets allows the fallbacks; tools/slow_link.py says "
-              "what each means)", file=sys.stderr)
-        return 2
+
+    def measure_over(link) -> int:
+        record["link"] = link.describe()
+        return measure(link)
+
+    return slow_link.run_over_link("allreduce_bw", args.link_gbit, args.link_delay_ms, modes, measure_over)
 
 
 def table(rows: Sequence[dict]) -> str:

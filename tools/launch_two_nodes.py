@@ -37,7 +37,6 @@ notice through the rendezvous, then terminated).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
@@ -223,14 +222,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return launch(None)
     if args.dry_run:
         return launch(slow_link.plan_link(modes[0], args.link_gbit, args.link_delay_ms))
-    try:
-        with slow_link.open_link(args.link_gbit, args.link_delay_ms, modes) as link:
-            print(f"launch_two_nodes: link {json.dumps(link.describe())}", flush=True)
-            return launch(link)
-    except slow_link.LinkUnavailable as err:
-        print(f"launch_two_nodes: {err}\n  (--link-modes netns,lo,sockets allows the fallbacks; "
-              "tools/slow_link.py says what each means)", file=sys.stderr)
-        return 2
+    return slow_link.run_over_link("launch_two_nodes", args.link_gbit, args.link_delay_ms, modes, launch)
 
 
 if __name__ == "__main__":

@@ -338,6 +338,19 @@ def open_link(gbit: Optional[float], delay_ms: float = 0.0, modes: Sequence[str]
             signal.signal(signal.SIGTERM, previous)
 
 
+def run_over_link(tool: str, gbit: float, delay_ms: float, modes, run) -> int:
+    """``run(link)`` inside a link opened by :func:`open_link` (its description printed first), or 2 with one line
+    saying why none of ``modes`` could be made: what every tool that takes ``--link-gbit`` does."""
+    try:
+        with open_link(gbit, delay_ms, modes) as link:
+            print(f"{tool}: link {json.dumps(link.describe())}", flush=True)
+            return run(link)
+    except LinkUnavailable as err:
+        print(f"{tool}: {err}\n  (--link-modes netns,lo,sockets allows the fallbacks; tools/slow_link.py says what "
+              "each means)", file=sys.stderr)
+        return 2
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
