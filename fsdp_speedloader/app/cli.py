@@ -15,12 +15,23 @@ the groups of that entry point's defaults list (not every group in ``conf/``), r
 
 from __future__ import annotations
 
+import importlib.util
 import textwrap
+from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_speedloader.validation import closest_names, did_you_mean, suggestion
+
+
+def config_path() -> str:
+    """Where the entry points' configs are. Installed: the package fsdp_speedloader.conf; from a source checkout
+    that is not installed, the conf/ directory next to the package."""
+    if importlib.util.find_spec("fsdp_speedloader.conf") is not None:
+        return "pkg://fsdp_speedloader.conf"
+    return str(Path(__file__).resolve().parents[2] / "conf")
+
 
 HELP_GROUPS_RESOLVER = "fsdp_speedloader.help_groups"
 
@@ -56,10 +67,9 @@ def check_command_line(config_name: str, argv: Sequence[str]) -> None:
 
 
 def _initialize():
-    """Hydra's compose API on the configs the entry points use (``launch.config_path``)."""
+    """Hydra's compose API on the configs the entry points use (:func:`config_path`)."""
     from hydra import initialize_config_dir, initialize_config_module
 
-    from fsdp_speedloader.app.launch import config_path
 
     path = config_path()
     if path.startswith("pkg://"):

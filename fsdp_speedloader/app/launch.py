@@ -16,7 +16,6 @@ traceback too. A run stopped by SIGTERM/SIGINT saves a checkpoint and exits with
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import sys
@@ -29,7 +28,7 @@ from typing import Any, Callable, NoReturn, Optional
 import torch.distributed as dist
 
 from fsdp_speedloader import parallel
-from fsdp_speedloader.app.cli import check_command_line
+from fsdp_speedloader.app.cli import check_command_line, config_path  # noqa: F401 (config_path: the entry points')
 
 RUN_STAMP_ENV = "FSDP_SPEEDLOADER_RUN_STAMP"
 """Read by ``hydra.run.dir`` / ``hydra.sweep.dir`` in conf/config.yaml; set by :func:`main`."""
@@ -55,14 +54,6 @@ class TrainingInterrupted(SystemExit):
 # Overrides for every rank but 0: no .hydra/ files, no log file (Hydra's job and own logging off).
 _NON_ZERO_RANK_OVERRIDES = {"hydra.output_subdir": "null", "hydra/job_logging": "none",
                             "hydra/hydra_logging": "none"}
-
-
-def config_path() -> str:
-    # Installed: the package fsdp_speedloader.conf. From a source checkout that is not installed,
-    # the conf/ directory next to the package.
-    if importlib.util.find_spec("fsdp_speedloader.conf") is not None:
-        return "pkg://fsdp_speedloader.conf"
-    return str(Path(__file__).resolve().parents[2] / "conf")
 
 
 def world_size() -> int:
