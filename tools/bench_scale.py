@@ -272,8 +272,9 @@ def targets(results: Sequence[dict]) -> dict:
         out["ethernet_speedloader_over_each"] = {
             contender: best / r["tokens_per_s"] for (contender, case), r in ok.items()
             if case.endswith("-ethernet") and family(contender) != "speedloader"}
-    out["goals"] = {"weak_scaling_per_gpu_4_over_1 (speedloader)": ">= 1.0",
-                    "ethernet_speedloader_over fsdp2-offload": ">= 5", "ethernet_speedloader_over deepspeed-offload": ">= 3"}
+    out["goals"] = {"weak_scaling_per_gpu_4_over_1 (speedloader)": ">= 0.95 (issue 43; 8 GPUs: >= 0.93)",
+                    "ethernet_speedloader_over fsdp2-offload": ">= 4 over 10 Gbit/s, each at its best micro-batch",
+                    "ethernet_speedloader_over deepspeed-offload": ">= 4 over 10 Gbit/s, each at its best micro-batch"}
     return out
 
 
