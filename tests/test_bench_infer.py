@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
 import bench_infer  # noqa: E402
 
 
@@ -110,3 +111,21 @@ def test_dummy_init_fills_every_parameter_in_threaded_chunks(monkeypatch):
     first = params[0].detach().view(-1)
     assert not torch.equal(first[:1000].float(), first[1000:2000].float())  # a generator per chunk
     assert torch.equal(params[3], torch.zeros(5, dtype=torch.int64))  # not floating point: untouched
+
+
+def test_an_appended_record_divides_no_rows_of_different_invocations(tmp_path):
+    """bench_infer --append merges rows of separate commands into one record, but its speedup divides only the rows
+    of one invocation (docs/benchmarking.md: rows of different invocations are never divided into a ratio)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    base = [sys.executable, str(REPO / "tools" / "bench_infer.py"), "--device", "cpu", "--model", "opt_tiny", "--layers",
+            "2", "--prompt-len", "8", "--gen-len", "2", "--name", "r", "--out-dir", str(tmp_path)]
+    for contender, append in (("speedloader:4x2", []), ("accelerate:4", ["--append"])):
+        proc = subprocess.run([*base, "--contender", contender, *append], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert [r["status"] for r in record["results"]] == ["ok", "ok"]
+    assert "speedup" not in record  # the speedloader row came from the first command

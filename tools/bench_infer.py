@@ -683,8 +683,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "output_tail"}), flush=True)
         mine = {r["contender"] for r in rows}
         record["results"] = [r for r in earlier if r["contender"] not in mine] + rows
-        ok = {}  # the best setting of each contender
-        for r in record["results"]:
+        ok = {}  # the best setting of each contender, of this invocation only (rows --append merged came from
+        for r in rows:  # other processes, commits or machines: never divided into a ratio, docs/benchmarking.md)
             if _ok(r):
                 short = r["contender"].partition(":")[0]
                 ok[short] = max(ok.get(short, 0.0), r["generated_tokens_per_s"])
