@@ -158,6 +158,13 @@ def perplexity(loss: float) -> float:
         return math.inf
 
 
+def micro_batches(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor],
+                  size: int) -> list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+    """(input_ids, labels, position_ids or None) of each micro-batch of ``size`` sequences, in order."""
+    positions = [None] * -(-len(input_ids) // size) if position_ids is None else position_ids.split(size)
+    return list(zip(input_ids.split(size), labels.split(size), positions))
+
+
 def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *,
                                sub_batch_size: int, num_tokens: int, gradient_sync: str = "every",
                                reshard_after_forward: bool = True,
@@ -171,11 +178,9 @@ def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, 
     (``apply_schedule``'s) covers the backward too: activation checkpointing recomputes the blocks there.
     ``position_ids`` (packed documents, ``data.document_mask``) are split with the micro-batches."""
     total = torch.zeros((), device=input_ids.device)
-    positions = [None] * len(input_ids.split(sub_batch_size)) if position_ids is None else \
-        position_ids.split(sub_batch_size)
-    micro_batches = list(zip(input_ids.split(sub_batch_size), labels.split(sub_batch_size), positions))
-    for k, (ids, lab, pos) in enumerate(micro_batches):
-        last = k == len(micro_batches) - 1
+    pieces = micro_batches(input_ids, labels, position_ids, sub_batch_size)
+    for k, (ids, lab, pos) in enumerate(pieces):
+        last = k == len(pieces) - 1
         if gradient_sync == "last":  # no reduce-scatter until the last micro-batch's backward
             model.set_requires_gradient_sync(last)
         if not reshard_after_forward:  # the next micro-batch's forward finds its parameters gathered
@@ -469,12 +474,9 @@ class Trainer:
                       position_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """The mean token cross-entropy of one batch, forward only (call under ``torch.no_grad``)."""
         sched = self.cfg.schedule
-        if sched.name == "speedloader":
-            pieces = [(input_ids, labels, position_ids)]  # the layer-major forward runs its sub-batches itself
-        else:
-            positions = position_ids.split(sched.sub_batch_size) if position_ids is not None else \
-                [None] * len(input_ids.split(sched.sub_batch_size))
-            pieces = list(zip(input_ids.split(sched.sub_batch_size), labels.split(sched.sub_batch_size), positions))
+        # The layer-major forward runs its sub-batches itself; the canonical schedule runs micro-batches.
+        pieces = [(input_ids, labels, position_ids)] if sched.name == "speedloader" else \
+            micro_batches(input_ids, labels, position_ids, sched.sub_batch_size)
         total = torch.zeros((), device=input_ids.device)
         for ids, lab, pos in pieces:
             with self.kernel_scope():
