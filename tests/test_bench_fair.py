@@ -102,6 +102,38 @@ def test_summary_ratios_medians_overlap_and_binding_caps():
     assert s["ratios"]["best_peer"] == "fsdp2-offload"
 
 
+def test_another_setting_has_its_own_summary_row_with_its_phases():
+    """--also: a second layer-major setting (a lever's A/B) is summarized under its spec, the sweep's best under the
+    family; the step phases' medians are in both; ratios stay those of the families' best points."""
+    lm, alt, fs = ("speedloader-overlap:1x8:root=device:dev=1:keep=53",
+                   "speedloader-overlap:1x8:root=device:dev=1:keep=53:threads=12", "fsdp2-offload:4x2:root=device:dev=1")
+    sweep = [{**_row(lm, 300.0, 1), "family": "layer-major"}, {**_row(fs, 200.0, 4), "family": "fsdp2-offload"}]
+    invocations = [{"index": i, "rows": [{**_row(lm, 300.0 + i, 1), "fwd_bwd_s": 1.0 + i, "host_thread_cpu_s": 0.5},
+                                         {**_row(alt, 330.0, 1), "fwd_bwd_s": 0.9},
+                                         _row(fs, 200.0, 4)]} for i in range(3)]
+    fam = bench_fair.summarize({"sweep": sweep, "invocations": invocations}, T40)
+    assert fam["families"]["layer-major"]["spec"] == lm and fam["families"][alt]["median"] == 330.0
+    assert fam["families"]["layer-major"]["fwd_bwd_s_median"] == 2.0
+    assert fam["families"]["layer-major"]["host_thread_cpu_s_median"] == 0.5
+    assert "host_thread_cpu_s_median" not in fam["families"][alt]
+    assert fam["ratios"]["layer-major/fsdp2-offload"]["ratio"] == pytest.approx(301.0 / 200.0)
+    assert f"layer-major/{alt}" in fam["ratios"]  # shown, but never a peer: best_peer stays a canonical peer
+    assert fam["ratios"]["best_peer"] == "fsdp2-offload"
+
+
+def test_a_record_of_another_gpu_model_is_not_extended(tmp_path):
+    """The rows of one table come from one GPU model: resuming a record measured elsewhere is refused."""
+    table = bench_fair.TABLES["cpu_check"]
+    path = tmp_path / "fair_cpu_check.json"
+    args = _args(quick=True, invocations=3)
+    record = bench_fair.load_record(table, args, path)
+    path.write_text(json.dumps({**record, "device": "NVIDIA H200"}))
+    with pytest.raises(SystemExit, match="measured on NVIDIA H200"):
+        bench_fair.load_record(table, args, path)
+    path.write_text(json.dumps(record))
+    assert len(bench_fair.load_record(table, args, path)["commands"]) == 2  # same machine: appended
+
+
 def test_family_of_every_spec():
     assert bench_fair.family_of("speedloader-overlap:1x8:keep=3") == "layer-major"
     assert bench_fair.family_of("speedloader-overlap:1x8:keep=3:eager") == "layer-major-eager"
@@ -145,13 +177,15 @@ def test_a_whole_table_on_the_cpu(tmp_path):
     specs = [r["spec"] for r in record["sweep"]]
     assert specs[0].startswith("speedloader-overlap:1x2") and any(s.startswith("fsdp2-offload:2x1") for s in specs)
     assert all(r["status"] == "ok" for r in record["sweep"]), [r.get("error") for r in record["sweep"]]
-    assert bench_fair.main([*argv, "--part", "repeat"]) == 0
+    best = bench_fair.best_specs(record, bench_fair.TABLES["cpu_check"], ["layer-major"])["layer-major"]
+    assert bench_fair.main([*argv, "--part", "repeat", "--also", best + ":threads=1"]) == 0
     record = json.loads(path.read_text())
     assert len(record["commands"]) == 2 and len(record["invocations"]) == 2
     first, second = (inv["order"] for inv in record["invocations"])
-    assert second == list(reversed(first))
+    assert second == list(reversed(first)) and len(first) == 3
     fam = record["summary"]["families"]
-    assert fam["layer-major"]["n"] == 2 and fam["fsdp2-offload"]["n"] == 2
+    assert fam["layer-major"]["n"] == 2 and fam["fsdp2-offload"]["n"] == 2 and fam[best + ":threads=1"]["n"] == 2
+    assert fam["layer-major"]["host_thread_cpu_s_median"] > 0
     assert "layer-major/fsdp2-offload" in record["summary"]["ratios"]
     row = record["invocations"][0]["rows"][0]
     assert len(row["step_times_s"]) == 2 and row["tokens_per_s"] > 0

@@ -131,6 +131,7 @@ def test_the_overlapped_contender_may_compress_its_optimizer_states():
     assert bench_train.parse_contender("speedloader-overlap:2x4:states=int8", None).states == "int8"
     assert bench_train.parse_contender("speedloader-overlap:2x4", None).states == "fp32"
     assert bench_train.parse_contender("speedloader-overlap:2x4:threads=12", None).threads == 12
+    assert bench_train.parse_contender("speedloader-overlap:2x4:nice=10", None).nice == 10
     default = bench_train.parse_contender("speedloader-overlap:2x4", None)
     assert (default.slots, default.adamw) == (2, "local")  # the trainer's defaults
     tuned = bench_train.parse_contender("speedloader-overlap:2x4:slots=0:adamw=torch", None)
@@ -138,7 +139,7 @@ def test_the_overlapped_contender_may_compress_its_optimizer_states():
     for bad in ("speedloader:2x4:states=bf16", "fsdp2-offload:2x4:states=bf16", "speedloader-overlap:2x4:states=fp8",
                 "speedloader-overlap:2x4:threads=0", "speedloader:2x4:threads=4", "speedloader:2x4:slots=2",
                 "speedloader-overlap:2x4:slots=-1", "speedloader-overlap:2x4:adamw=dtensor",
-                "fsdp2-offload:2x4:adamw=local"):
+                "fsdp2-offload:2x4:adamw=local", "speedloader-overlap:2x4:nice=20", "ondevice:1x8:nice=5"):
         with pytest.raises(ValueError, match="states"):
             bench_train.parse_contender(bad, None)
 
@@ -169,6 +170,28 @@ def test_a_traced_step_is_summarised_with_its_timeline(tmp_path):
     assert summary["timeline"] == pytest.approx({"compute_and_copies_s": 20e-6, "compute_only_s": 40e-6,
                                                  "copies_only_s": 20e-6, "gpu_idle_s": 20e-6})
     assert summary["top_host_cuda_calls_s"] == pytest.approx({"cudaEventSynchronize": 30e-6})
+    # the compute stream's kernels 0-40 and 60-80 us: one gap of 20 us, below the 50 us a launch gap counts from
+    assert summary["compute_launch_gaps"] == pytest.approx({"count": 1, "total_s": 20e-6, "long_count": 0,
+                                                            "long_total_s": 0.0, "long_us": 50.0})
+
+
+def test_launch_gaps_count_the_idle_time_between_kernels():
+    """Overlapping kernels merge; of the gaps 30 and 100 us only the second is longer than 50 us."""
+    gaps = bench_train.launch_gaps([(0, 10), (5, 20), (50, 60), (160, 170)])
+    assert gaps == pytest.approx({"count": 2, "total_s": 130e-6, "long_count": 1, "long_total_s": 100e-6,
+                                  "long_us": 50.0})
+    assert bench_train.launch_gaps([])["count"] == 0
+
+
+def test_the_host_thread_usage_counts_this_threads_cpu_time():
+    import time
+
+    cpu0, switches0 = bench_train.host_thread_usage()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.05:  # 50 ms of this thread's work
+        pass
+    cpu1, switches1 = bench_train.host_thread_usage()
+    assert 0.02 < cpu1 - cpu0 < 1.0 and switches1 >= switches0
 
 
 def test_an_fsdp2_contender_may_skip_the_recompute():

@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 import math
+import os
 import threading
 import time
 
@@ -454,6 +455,36 @@ def test_worker_threads_must_be_a_count():
         OverlappedOptimizer(model, _adamw, worker_threads=-1)
 
 
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread niceness is Linux's")
+def test_worker_nice_lowers_the_workers_priority_only():
+    """``worker_nice=5``: the worker thread (and so the CPU threads it starts) runs 5 nicer than the process; the
+    main thread keeps its priority; the parameters equal those of a worker at the process's priority (exact)."""
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    results = []
+    for nice in (0, 5):
+        model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
+        overlapped = OverlappedOptimizer(model, _adamw, max_norm=CLIPS, worker_nice=nice)
+        seen = []
+        for opt in overlapped.optimizers:
+            def noted_step(step=opt.step):
+                seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+                step()
+            opt.step = noted_step
+        try:
+            ids, labels = batch(NUM_SUB, seed=0)
+            model(input_ids=ids, labels=labels).loss.backward()
+            overlapped.step()
+            overlapped.wait()
+        finally:
+            overlapped.close()
+        assert set(seen) == {min(19, main_nice + nice)}, seen
+        results.append([_full(p).clone() for p in model.parameters()])
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    with pytest.raises(ValueError, match="worker_nice"):
+        OverlappedOptimizer(model, _adamw, worker_nice=20)
+
+
 def test_the_trainer_passes_worker_threads_to_the_overlapped_optimizer(tmp_path):
     """``optim.worker_threads`` through the config: the same losses as torch's default thread count (exact)."""
     def losses(threads: int) -> list[float]:
@@ -466,3 +497,5 @@ def test_the_trainer_passes_worker_threads_to_the_overlapped_optimizer(tmp_path)
     assert losses(1) == losses(0)
     with pytest.raises(ValueError, match="optim.worker_threads"):
         tiny_config(tmp_path, optim={"worker_threads": -2})
+    with pytest.raises(ValueError, match="optim.worker_nice"):
+        tiny_config(tmp_path, optim={"worker_nice": 25})

@@ -312,7 +312,7 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
         assert engine.is_gradient_accumulation_boundary()
         return loss_sum / num_sub  # equal token counts: the mean over the whole batch, as the others report
 
-    fb_times, opt_times, losses, profile = bt.time_steps(
+    fb_times, opt_times, losses, profile, host = bt.time_steps(
         fwd_bwd, engine.step,  # the boundary step: DeepSpeedCPUAdam on the host, updated bf16 partitions
         argparse.Namespace(**{**vars(args), "profile": args.profile and cuda}), sync=sync,
         reset_peak=torch.cuda.reset_peak_memory_stats if cuda else (lambda: None))
@@ -322,6 +322,7 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
         **protocol.step_figures(fb_times, opt_times, losses, tokens=ids.numel(), flops_per_token=flops_per_token,
                                 peak_tflops=args.peak_tflops, attention_flops_per_token=attention_flops_per_token,
                                 recomputed=1.0, host_peak_rss_gib=harness.host_peak_rss_gib()),
+        **host,
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / GIB if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else 0.0,
         "deepspeed": {"version": deepspeed.__version__, "zero_optimization": ds_config["zero_optimization"],

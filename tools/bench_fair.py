@@ -54,6 +54,9 @@ PEERS = ("fsdp2-offload", "deepspeed-offload")  # the canonical offloading peers
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
 GPU_MARGIN_GIB = 4.0  # the allocator's workspace, the compiled blocks' buffers, two gathered units in flight
 KEEP_TIERS = 4  # layer-major: kept-pair counts tried per micro-batch, each an eighth of the pairs fewer
+# A worker's step phases summarized per row: forward+backward, optimizer, the main thread's CPU time in forward+backward
+# and the overlapped optimizer worker's busy time (bench_train's fields).
+PHASES = ("fwd_bwd_s", "optimizer_s", "host_thread_cpu_s", "optimizer_busy_s")
 
 
 @dataclass(frozen=True)
@@ -281,7 +284,7 @@ def worker_command(table: Table, spec: str, args: argparse.Namespace) -> list[st
                "--layers", str(layers), "--seq-len", str(table.seq_len), "--max-gpu-memory-gib",
                f"{table.cap_gib:g}", "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--device", args.device]
-        return cmd + (["--compile"] if table.compiled else [])
+        return cmd + (["--compile"] if table.compiled else []) + (["--profile"] if args.profile else [])
     cmd = [sys.executable, str(REPO / "tools" / "bench_infer.py"), "--worker", spec, "--model", table.model,
            "--prompt-len", str(table.seq_len), "--gen-len", str(table.gen_len), "--gpu-memory-gib",
            f"{table.cap_gib:g}", "--device", args.device]
@@ -338,7 +341,7 @@ def best_specs(record: dict, table: Table, families: Sequence[str]) -> dict[str,
     """{family: its best sweep point's spec}; with DeepSpeed among them, layer-major's best eager too."""
     best = {}
     for family in families:
-        row = protocol.best_point([r for r in record["sweep"] if r["family"] == family], key=table.figure)
+        row = protocol.best_point([r for r in record.get("sweep", []) if r["family"] == family], key=table.figure)
         if row is not None:
             best[family] = row["spec"]
     if "deepspeed-offload" in best and LAYER_MAJOR in best:
@@ -350,7 +353,7 @@ def repeat(table: Table, families: Sequence[str], args: argparse.Namespace, reco
     best = best_specs(record, table, families)
     if not best:
         raise SystemExit(f"{table.name}: no sweep point ran in {path}; run --part sweep first")
-    specs = list(best.values())
+    specs = list(best.values()) + [spec for spec in args.also if spec not in best.values()]
     first = len(record["invocations"])
     for i in range(first, first + args.invocations):
         order = protocol.run_order(specs, i)
@@ -370,6 +373,7 @@ def summarize(record: dict, table: Table) -> dict:
     for inv in record["invocations"]:
         for row in inv["rows"]:
             by_spec.setdefault(row["spec"], []).append(row)
+    best = best_specs(record, table, table.families)
     families = {}
     for spec, rows in by_spec.items():
         stats = protocol.summarize(rows, key=table.figure)
@@ -379,7 +383,13 @@ def summarize(record: dict, table: Table) -> dict:
             entry.update(sub_batch_size=ok[0].get("sub_batch_size"), num_sub_batches=ok[0].get("num_sub_batches"),
                          mfu_median=protocol.spread(r["mfu"] for r in ok)["median"],
                          peak_hbm_gib_max=max(r.get("peak_hbm_gib", 0.0) for r in ok))
-        families[family_of(spec)] = entry
+            for key in PHASES:  # where the step's time went (issue 40), medians over the invocations
+                values = [r[key] for r in ok if r.get(key) is not None]
+                if values:
+                    entry[f"{key}_median"] = protocol.spread(values)["median"]
+        # a family's best point is the family's row; another setting of it (--also) is a row of its own
+        family = family_of(spec)
+        families[family if best.get(family, spec) == spec else spec] = entry
     ours_name = LAYER_MAJOR if table.kind == "train" else "speedloader-int4"
     ratios = {}
     ours = families.get(ours_name)
@@ -435,6 +445,9 @@ def load_record(table: Table, args: argparse.Namespace, path: Path) -> dict:
         record = json.loads(path.read_text())
         if record["table"] != json.loads(json.dumps(dataclasses.asdict(table))):
             raise SystemExit(f"{path} holds another definition of {table.name}: move it away or use another --out-dir")
+        if record["device"] != header["device"] and not args.dry_run:
+            raise SystemExit(f"{path} was measured on {record['device']}, this machine is {header['device']}: the rows "
+                             "of one table come from one GPU model (docs/benchmarking.md); use another --out-dir")
         record["commands"].append({k: header[k] for k in ("command", "commit", "device", "timestamp")})
         return record
     return {**header, "commands": [{k: header[k] for k in ("command", "commit", "device", "timestamp")}],
@@ -457,6 +470,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--host-busy", type=int, default=0, help="busy-loop processes beside every worker")
     parser.add_argument("--host-copy", type=int, default=0, help="memory-copy processes beside every worker")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per worker")
+    parser.add_argument("--also", action="append", default=[], metavar="SPEC",
+                        help="repeat: another setting beside the best points (a lever's A/B), its own summary row")
+    parser.add_argument("--profile", action="store_true",
+                        help="training workers trace one extra step (stream busy time, launch gaps, copies)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a check of the code path (tests); no figure means anything")
     parser.add_argument("--dry-run", action="store_true", help="print the worker commands, launch nothing")

@@ -135,6 +135,27 @@ def timeline(step_s: float, compute: list, copies: list) -> dict:
             "gpu_idle_s": idle}
 
 
+def launch_gaps(spans: list, *, long_us: float = 50.0) -> dict:
+    """Idle gaps between consecutive kernels of one stream (µs spans): their count, total seconds, and those longer
+    than ``long_us`` (the stream waited for the host to launch, or for a copy or event, not for a kernel's tail)."""
+    merged = _merged(spans)
+    gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
+    long = [g for g in gaps if g > long_us]
+    return {"count": len(gaps), "total_s": sum(gaps) / 1e6, "long_count": len(long), "long_total_s": sum(long) / 1e6,
+            "long_us": long_us}
+
+
+def host_thread_usage() -> tuple[float, int]:
+    """The calling thread's CPU seconds and involuntary context switches so far (Linux: RUSAGE_THREAD; elsewhere
+    the process's): a step whose thread CPU time is near its wall time is bound by the host thread, and switches
+    that grow under host load are the thread being preempted."""
+    import resource
+
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    usage = resource.getrusage(who)
+    return time.thread_time(), usage.ru_nivcsw
+
+
 def summarize_trace(path: str, step_s: float) -> dict:
     """One profiled step: busy time per CUDA stream, copies by direction, top kernels.
 
@@ -172,24 +193,28 @@ def summarize_trace(path: str, step_s: float) -> dict:
         "copies": {k: {"gib": v["bytes"] / 2**30, "busy_s": _union_s(v["spans"])} for k, v in copies.items()},
         "top_kernels_s": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:15]),
         "timeline": timeline(step_s, compute_spans, [span for c in copies.values() for span in c["spans"]]),
+        "compute_launch_gaps": launch_gaps(compute_spans),
         "top_host_cuda_calls_s": dict(sorted(host_calls.items(), key=lambda kv: -kv[1])[:8]),
     }
 
 
 def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Namespace, *, sync: Callable,
-               reset_peak: Callable) -> tuple[list, list, list, Optional[dict]]:
+               reset_peak: Callable) -> tuple[list, list, list, Optional[dict], dict]:
     """Warm-up, then ``args.steps`` timed steps (fwd+bwd and optimizer timed apart, synchronised at
     the phase boundaries), then with ``args.profile`` one traced step summarized by ``summarize_trace``.
 
-    Returns (fwd+bwd seconds, optimizer seconds, losses) of the timed steps and the profile summary.
+    Returns (fwd+bwd seconds, optimizer seconds, losses) of the timed steps, the profile summary, and the main
+    thread's median CPU seconds and involuntary context switches per timed forward+backward.
     """
-    fb_times, opt_times, losses = [], [], []
+    fb_times, opt_times, losses, host_cpu, switches = [], [], [], [], []
     for step in range(args.warmup + args.steps):
         sync()
+        cpu0, sw0 = host_thread_usage()
         t0 = time.perf_counter()
         loss = fwd_bwd()
         sync()
         t1 = time.perf_counter()
+        cpu1, sw1 = host_thread_usage()
         optimizer_step()
         sync()
         t2 = time.perf_counter()
@@ -199,6 +224,8 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
             fb_times.append(t1 - t0)
             opt_times.append(t2 - t1)
             losses.append(float(loss))
+            host_cpu.append(cpu1 - cpu0)
+            switches.append(sw1 - sw0)
 
     def traced_step() -> float:
         sync()
@@ -209,7 +236,9 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
         return time.perf_counter() - t0
 
     profile = harness.profile_summary(traced_step, summarize_trace) if args.profile else None  # one more step
-    return fb_times, opt_times, losses, profile
+    host = {"host_thread_cpu_s": statistics.median(host_cpu) if host_cpu else None,
+            "host_thread_involuntary_switches": statistics.median(switches) if switches else None}
+    return fb_times, opt_times, losses, profile, host
 
 
 class Contender(NamedTuple):
@@ -231,12 +260,13 @@ class Contender(NamedTuple):
     recompute: bool = True  # FSDP2 contenders: every block recomputed in backward (schedule.activation_checkpointing)
     sync: Optional[str] = None  # FSDP2 contenders: schedule.gradient_sync ('every', 'last'); None: the contender's own
     reshard: bool = True  # FSDP2 contenders: schedule.reshard_after_forward (False: gathered once per step)
+    nice: int = 0  # speedloader-overlap: the optimizer worker's niceness raised by this much (optim.worker_nice)
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
     """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K][:sdpa=B][:liger]
     [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|torch][:dev=K][:recompute=off]
-    [:sync=every|last][:reshard=off]'
+    [:sync=every|last][:reshard=off][:nice=K]'
     -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
@@ -246,7 +276,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     (every contender but DeepSpeed; ``fsdp_speedloader.kernels``): ``sdpa`` the attention backend (auto, cudnn,
     flash, efficient, math), ``liger`` Liger's kernels, ``fp8`` torchao float8 linears (tensorwise unless a recipe
     is named). ``states`` and ``threads`` (speedloader-overlap): the host optimizer's moments (``optim.state_dtype``)
-    and its worker's CPU threads (``optim.worker_threads``); ``slots`` its in-flight host gradient slots
+    and its worker's CPU threads (``optim.worker_threads``), ``nice`` that worker's niceness raised by K
+    (``optim.worker_nice``); ``slots`` its in-flight host gradient slots
     (``optim.grad_slots_in_flight``, 0: one per parameter); ``adamw`` its fp32 AdamW, the trainer's
     ``LocalShardAdamW`` (default) or ``torch.optim.AdamW`` on the DTensors. Every other contender steps
     ``torch.optim.AdamW`` (fused). ``dev`` (speedloader and FSDP2-offload contenders): units 1 .. K keep their
@@ -264,7 +295,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
     states, threads, slots, adamw, dev = "fp32", 0, 2, "local", 0
-    recompute, sync, reshard = True, None, True
+    recompute, sync, reshard, nice = True, None, True, 0
     fsdp2 = name in ("ondevice", "fsdp2-offload", "fsdp2-offload-rs")
     kernels_ok = name != "deepspeed-offload"
     for option in options:
@@ -290,6 +321,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             states = value
         elif key == "threads" and value.isdigit() and int(value) > 0 and name == "speedloader-overlap":
             threads = int(value)
+        elif key == "nice" and value.isdigit() and 0 < int(value) <= 19 and name == "speedloader-overlap":
+            nice = int(value)
         elif key == "slots" and value.isdigit() and name == "speedloader-overlap":
             slots = int(value)
         elif key == "adamw" and value in ("local", "torch") and name == "speedloader-overlap":
@@ -313,7 +346,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
                              "':recompute=on|off', ':sync=every|last' and ':reshard=on|off' (ondevice and "
                              "fsdp2-offload contenders)")
     return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads,
-                     slots, adamw, dev, recompute, sync, reshard)
+                     slots, adamw, dev, recompute, sync, reshard, nice)
 
 
 def _positive_float(text: str) -> bool:
@@ -426,7 +459,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
 
         optim = OverlappedOptimizer(model, build_adamw, worker_threads=contender.threads,
-                                    grad_slots_in_flight=contender.slots)
+                                    grad_slots_in_flight=contender.slots, worker_nice=contender.nice)
     else:
         optim = build_adamw(model.parameters())
     gen = torch.Generator().manual_seed(0)
@@ -459,7 +492,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     pairs = len(engine.units) * num_sub if layer_major else 0
     recomputed = 1.0 - min(contender.keep, pairs) / pairs if layer_major else float(checkpointed)
 
-    fb_times, opt_times, losses, profile = time_steps(
+    fb_times, opt_times, losses, profile, host = time_steps(
         fwd_bwd, optimizer_step, argparse.Namespace(**{**vars(args), "profile": args.profile and cuda}),
         sync=torch.cuda.synchronize if cuda else (lambda: None),
         reset_peak=torch.cuda.reset_peak_memory_stats if cuda else (lambda: None))
@@ -474,6 +507,7 @@ def run_worker(args: argparse.Namespace) -> dict:
                                 flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops,
                                 attention_flops_per_token=adapter.attention_flops_per_token(args.seq_len),
                                 recomputed=recomputed, host_peak_rss_gib=harness.host_peak_rss_gib()),
+        **host,  # the main thread's CPU seconds and preemptions per forward+backward (issue 40)
         "recompute": layer_major or checkpointed, "gradient_sync": gradient_sync, "reshard_after_forward": reshard,
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
@@ -486,6 +520,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         timed = overlap_stats[args.warmup:args.warmup + args.steps]
         result["optimizer_states"] = contender.states
         result["optimizer_worker_threads"] = contender.threads or torch.get_num_threads()
+        result["optimizer_worker_nice"] = contender.nice
         result["optimizer_adamw"] = contender.adamw
         result["grad_slots_in_flight"] = contender.slots
         result["uses_grad_ring"] = optim.uses_grad_ring

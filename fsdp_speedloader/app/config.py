@@ -128,6 +128,10 @@ class OptimConfig:
     memory/threads.py); 0: torch's default (every core). Meant to leave the thread that launches the GPU's work a
     core while the step runs beside the backward; measured on the MoE step it gave no gain (docs/results.md).
     Exact either way."""
+    worker_nice: int = 0
+    """With overlap_with_backward: raise the worker's niceness (and its CPU threads') by this much (0..19, Linux),
+    so that on a busy host the scheduler prefers the thread that launches the GPU's work (docs/results.md, issue
+    40's busy-host curve). Exact either way."""
     state_dtype: str = "fp32"
     """AdamW's moments: 'fp32' (torch.optim.AdamW, 8 B/param, exact: the default); 'bf16' (4 B/param, rounded to
     nearest after each step) or 'int8' (8-bit blockwise, 2 B/param): fsdp_speedloader's CompressedAdamW, torch's
@@ -150,6 +154,8 @@ class OptimConfig:
         check(self.grad_clip >= 0, "optim.grad_clip", f"got {self.grad_clip}; use 0 to turn clipping off")
         check_positive(self.grad_slots_in_flight, "optim.grad_slots_in_flight", allow_zero=True)
         check_positive(self.worker_threads, "optim.worker_threads", allow_zero=True)
+        check(isinstance(self.worker_nice, int) and 0 <= self.worker_nice <= 19, "optim.worker_nice",
+              f"got {self.worker_nice}; use an integer in 0..19 (0: the process's priority)")
         check_choice(self.state_dtype, "optim.state_dtype", ("fp32", "bf16", "int8"))
         check_choice(self.master_dtype, "optim.master_dtype", ("fp32", "bf16"))
         check(self.master_dtype == "fp32" or self.state_dtype != "fp32", "optim.master_dtype",

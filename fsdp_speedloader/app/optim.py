@@ -41,7 +41,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, seed: int = 0) 
     skip = cfg.skip_nonfinite and cfg.grad_clip > 0
     if cfg.overlap_with_backward:
         return OverlappedOptimizer(model, build, max_norm=cfg.grad_clip, skip_nonfinite=skip,
-                                   grad_slots_in_flight=cfg.grad_slots_in_flight, worker_threads=cfg.worker_threads)
+                                   grad_slots_in_flight=cfg.grad_slots_in_flight, worker_threads=cfg.worker_threads,
+                                   worker_nice=cfg.worker_nice)
     return OptimizersContainer(model, build, max_norm=cfg.grad_clip, skip_nonfinite=skip)
 
 

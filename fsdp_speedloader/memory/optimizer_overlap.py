@@ -43,6 +43,7 @@ before FSDP2 queues its copies (``num_grad_ring_waits``). The same copies into o
 from __future__ import annotations
 
 import functools
+import os
 import queue
 import threading
 import time
@@ -200,11 +201,13 @@ class OverlappedOptimizer(OptimizersContainer):
     slots of this many units, reused in turn, instead of one per parameter (the arena's gradients shrink from the
     units' whole size to R units'); 0: one per parameter. Each unit's ``.grad`` is None once its step ran.
     ``worker_threads``: the worker thread's CPU threads (that thread's only: ``memory/threads.py``); 0: torch's
-    default.
+    default. ``worker_nice``: the worker's niceness, raised by this much (Linux: per thread; its CPU threads, made
+    after, inherit it), so that on a loaded host the scheduler prefers the thread that launches the GPU's work.
     """
 
     def __init__(self, model: nn.Module, build: BuildOptimizer, *, max_norm: float = 0.0,
-                 skip_nonfinite: bool = False, grad_slots_in_flight: int = 2, worker_threads: int = 0) -> None:
+                 skip_nonfinite: bool = False, grad_slots_in_flight: int = 2, worker_threads: int = 0,
+                 worker_nice: int = 0) -> None:
         if speedloader_engine(model, missing_ok=True) is None:
             raise ValueError("OverlappedOptimizer needs a model prepared with apply_speedloader")
         if not (isinstance(grad_slots_in_flight, int) and grad_slots_in_flight >= 0):
@@ -212,8 +215,11 @@ class OverlappedOptimizer(OptimizersContainer):
                              "gradient slots, or 0 for one slot per parameter")
         if not (isinstance(worker_threads, int) and worker_threads >= 0):
             raise ValueError(f"worker_threads={worker_threads!r}: use an integer >= 1, or 0 for torch's default")
+        if not (isinstance(worker_nice, int) and 0 <= worker_nice <= 19):
+            raise ValueError(f"worker_nice={worker_nice!r}: use an integer in 0..19 (0: the process's priority)")
         super().__init__(model, build, max_norm=max_norm, skip_nonfinite=skip_nonfinite)
         self._worker_threads = worker_threads
+        self._worker_nice = worker_nice
         self._units = [module for module, _ in self._engine.units]
         self._deferred = self.needs_grad_norm
         # The inner optimizers the worker steps in deferred mode: those over host parameters. The others (the
@@ -381,6 +387,9 @@ class OverlappedOptimizer(OptimizersContainer):
 
     # --- the worker's side -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._worker_nice and hasattr(os, "setpriority"):  # before its CPU threads exist: they inherit it
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self._worker_nice)
         if self._worker_threads:
             set_thread_num_threads(self._worker_threads)  # this thread's only: the CPU steps' arithmetic
         while (item := self._queue.get()) is not None:
