@@ -19,8 +19,8 @@ fp32 states, 75.3 GiB of staging on top of 108.7 GiB; both modes run the same co
     python tools/bench_checkpoint.py --name checkpoint_stall_cpu --every 2 -- \\
         experiment=tiny_cpu steps=6 logger=none                  # CPU: the code path
 
-``checkpoint.dir`` (given or not) gets one sub-directory per mode, deleted after its run unless ``--keep``. Writes
-bench/results/<name>.json (tools/harness.py's header) and prints one line per mode and the ratio.
+``checkpoint.dir`` (given or not) gets one sub-directory per mode, deleted after its run unless ``--keep`` (so a disk
+holds one mode's checkpoints at a time). Writes --out-dir (default bench/results)/<name>.json (tools/harness.py's header) and prints one line per mode and the ratio.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def run_mode(mode: str, overrides: list[str], *, every: int, root: Path, timeout: float) -> dict:
+def run_mode(mode: str, overrides: list[str], *, every: int, root: Path, timeout: float, keep: bool = False) -> dict:
     ckpt_root = next((Path(o.split("=", 1)[1]) for o in overrides if o.startswith("checkpoint.dir=")), root)
     ckpt = ckpt_root / f"bench_{mode}"
     run_dir = root / f"run_{mode}"
@@ -53,7 +53,16 @@ def run_mode(mode: str, overrides: list[str], *, every: int, root: Path, timeout
     cmd = [sys.executable, "-m", "fsdp_speedloader.app.train", *args, f"checkpoint.async_save={MODES[mode]}",
            f"checkpoint.every={every}", "checkpoint.every_minutes=0", "checkpoint.keep_last=1",
            "checkpoint.save_final=false", f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}", "log_every=1"]
-    done = harness.run_process(cmd, cwd=REPO, timeout=timeout, echo=lambda line: print(f"[{mode}] {line}", end=""))
+    try:
+        done = harness.run_process(cmd, cwd=REPO, timeout=timeout, echo=lambda line: print(f"[{mode}] {line}", end=""))
+        row = _row(mode, cmd, done, run_dir, ckpt)
+    finally:  # before the next mode writes its own: a disk holds one run's checkpoints at a time
+        if not keep:
+            shutil.rmtree(ckpt, ignore_errors=True)
+    return row
+
+
+def _row(mode: str, cmd: list[str], done, run_dir: Path, ckpt: Path) -> dict:
     if done.returncode != 0:
         status, error = done.failure()
         return {"mode": mode, "status": status, "error": error, "command": cmd}
@@ -79,25 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=2, help="checkpoint.every (saves at these steps)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints written")
+    p.add_argument("--out-dir", default=str(REPO / "bench" / "results"), help="where the record is written")
     p.add_argument("overrides", nargs="*", help="training overrides (after --)")
     args = p.parse_args(argv)
     record = harness.record_header("checkpoint_stall", __file__, argv)
     record["overrides"] = args.overrides
     record["every"] = args.every
     with tempfile.TemporaryDirectory(prefix="bench_checkpoint_") as tmp:
-        rows = [run_mode(mode, args.overrides, every=args.every, root=Path(tmp), timeout=args.timeout)
+        rows = [run_mode(mode, args.overrides, every=args.every, root=Path(tmp), timeout=args.timeout, keep=args.keep)
                 for mode in MODES]
-        if not args.keep:
-            for o in args.overrides:
-                if o.startswith("checkpoint.dir="):
-                    for mode in MODES:
-                        shutil.rmtree(Path(o.split("=", 1)[1]) / f"bench_{mode}", ignore_errors=True)
     record["runs"] = rows
     by_mode = {r["mode"]: r for r in rows}
     sync, asynchronous = (by_mode[m].get("median_stall_after_first_s") or by_mode[m].get("median_stall_s")
                           for m in ("sync", "async"))
     record["async_over_sync_stall"] = asynchronous / sync if sync and asynchronous is not None else None
-    path = harness.write_record(REPO / "bench" / "results" / f"{args.name}.json", record)
+    path = harness.write_record(Path(args.out_dir) / f"{args.name}.json", record)
     for r in rows:
         print(f"{r['mode']}: {r['status']}, stall per save {r.get('checkpoint_stall_s')} s"
               + (f" ({r['error']})" if r["status"] != "ok" else ""))
