@@ -1,9 +1,12 @@
 """Asynchronous DCP saves (``checkpoint.async_save=true``): the training loop stalls only while this rank's state is
 copied into host memory (the staging copy); the files are written by DCP's upload thread while training goes on.
 
-- ``torch.distributed.checkpoint.async_save`` with a ``DefaultStager`` that stages synchronously (the copy is taken
-  before ``start`` returns, so the next optimizer step cannot change what is saved), into pinned host memory on a
-  GPU (reused from one save to the next) and pageable memory on a CPU.
+- ``torch.distributed.checkpoint.async_save`` with :class:`ShardStager`, which stages synchronously (the copy is taken
+  before ``start`` returns, so the next optimizer step cannot change what is saved) into host buffers reused from one
+  save to the next, page-locked on a GPU (the device-to-host copy runs at full speed), pageable on a CPU. Each
+  DTensor's local shard is copied and wrapped again: torch's ``DefaultStager`` copies a tensor's storage and
+  takes a DTensor wrapper whose shard sits at an offset into a larger buffer (the pinned host arena's) for a tensor
+  with storage of its own, and fails (torch 2.11-2.13: ``copy_() on an invalid python storage``).
 - The upload's collectives run on a gloo group of their own: in a thread beside the training loop's, they must
   never interleave with the training's collectives on the default group (and async_save needs a CPU backend).
 - The staging copy holds a whole checkpoint of this rank (model and optimizer state) in host memory while it is
@@ -12,12 +15,60 @@ copied into host memory (the staging copy); the files are written by DCP's uploa
 
 from __future__ import annotations
 
+import copy
 from concurrent.futures import Future
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
+
+
+class ShardStager(AsyncStager):
+    """Stages a state dict into host buffers of its own, one per entry, kept from one save to the next: tensors are
+    copied; DTensors are their local shard copied and wrapped again (same mesh, placements, global shape and
+    stride); anything else is deep-copied. ``pin_memory``: page-locked buffers (on a GPU)."""
+
+    _synchronize_after_execute = False  # stage() returns with the copy done
+
+    def __init__(self, *, pin_memory: bool) -> None:
+        self._pin = pin_memory
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        staged = self._stage(state_dict, ())
+        if self._pin and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the device-to-host copies are done before the next step changes the state
+        return staged
+
+    def _stage(self, value: Any, path: tuple) -> Any:
+        if isinstance(value, DTensor):
+            return DTensor.from_local(self._copy(value.to_local(), path), value.device_mesh, value.placements,
+                                      shape=value.shape, stride=value.stride(), run_check=False)
+        if isinstance(value, torch.Tensor):
+            return self._copy(value, path)
+        if isinstance(value, dict):
+            return {k: self._stage(v, (*path, k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(self._stage(v, (*path, i)) for i, v in enumerate(value))
+        return copy.deepcopy(value)
+
+    def _copy(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+        buffer = self._buffers.get(path)
+        if buffer is None or (buffer.shape, buffer.stride(), buffer.dtype) != (tensor.shape, tensor.stride(),
+                                                                                tensor.dtype):
+            buffer = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu",
+                                         pin_memory=self._pin and torch.cuda.is_available())
+            self._buffers[path] = buffer
+        return buffer.copy_(tensor.detach(), non_blocking=buffer.is_pinned())
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._buffers.clear()
 
 
 class AsyncSaver:
@@ -30,8 +81,7 @@ class AsyncSaver:
     def __init__(self, *, pin_memory: bool) -> None:
         # Every rank constructs this at the same point (new_group is a collective).
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=pin_memory, use_shared_memory=False,
-                                                    use_async_staging=False, use_non_blocking_copy=False))
+        self._stager = ShardStager(pin_memory=pin_memory)
         self._future: Optional[Future] = None
 
     @property
