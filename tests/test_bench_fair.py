@@ -134,6 +134,28 @@ def test_a_record_of_another_gpu_model_is_not_extended(tmp_path):
     assert len(bench_fair.load_record(table, args, path)["commands"]) == 2  # same machine: appended
 
 
+def test_points_from_another_record_are_marked_and_repeated(tmp_path, monkeypatch):
+    """--points-from: the other record's sweep rows of the chosen families, marked with their source; the repeat
+    runs their best points; a record of another table is refused."""
+    lm, fs = "speedloader-overlap:1x2", "fsdp2-offload:2x1"
+    table = bench_fair.TABLES["cpu_check"]
+    source = {"table": bench_fair.dataclasses.asdict(table), "device": "NVIDIA H200", "commit": "abc",
+              "sweep": [{**_row(lm, 3.0), "family": "layer-major"}, {**_row(fs, 2.0), "family": "fsdp2-offload"}]}
+    (tmp_path / "src.json").write_text(json.dumps(source))
+    ran = []
+    monkeypatch.setattr(bench_fair, "run_point", lambda t, spec, a, **f: ran.append(spec) or _row(spec, 1.0))
+    assert bench_fair.main(["cpu_check", "--out-dir", str(tmp_path / "out"), "--device", "cpu", "--part", "repeat",
+                            "--family", "layer-major", "--points-from", str(tmp_path / "src.json")]) == 0
+    record = json.loads((tmp_path / "out" / "fair_cpu_check.json").read_text())
+    assert [r["spec"] for r in record["sweep"]] == [lm] and record["sweep"][0]["from_record"]["device"] == "NVIDIA H200"
+    assert ran == [lm] * 3 and record["points_from"][0]["device"] == "NVIDIA H200"
+    source["table"]["batch"] = 4
+    (tmp_path / "src.json").write_text(json.dumps(source))
+    with pytest.raises(SystemExit, match="another definition"):
+        bench_fair.main(["cpu_check", "--out-dir", str(tmp_path / "o2"), "--device", "cpu", "--part", "repeat",
+                         "--points-from", str(tmp_path / "src.json")])
+
+
 def test_family_of_every_spec():
     assert bench_fair.family_of("speedloader-overlap:1x8:keep=3") == "layer-major"
     assert bench_fair.family_of("speedloader-overlap:1x8:keep=3:eager") == "layer-major-eager"

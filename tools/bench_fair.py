@@ -349,6 +349,18 @@ def best_specs(record: dict, table: Table, families: Sequence[str]) -> dict[str,
     return best
 
 
+def take_points(record: dict, table: Table, families: Sequence[str], source: Path) -> None:
+    """The sweep rows of ``families`` from another record of the same table (another GPU model, say), marked with
+    where they came from: the repeat then runs their best points here without a sweep of its own."""
+    other = json.loads(source.read_text())
+    if other["table"] != json.loads(json.dumps(dataclasses.asdict(table))):
+        raise SystemExit(f"{source} holds another definition of {table.name}: its points do not apply")
+    taken = [{**r, "from_record": {"path": str(source), "device": other["device"], "commit": other["commit"]}}
+             for r in other["sweep"] if r["family"] in families and r["spec"] not in {s["spec"] for s in record["sweep"]}]
+    record["sweep"].extend(taken)
+    record.setdefault("points_from", []).append({"path": str(source), "device": other["device"]})
+
+
 def repeat(table: Table, families: Sequence[str], args: argparse.Namespace, record: dict, path: Path) -> None:
     best = best_specs(record, table, families)
     if not best:
@@ -472,6 +484,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=240, help="seconds per worker")
     parser.add_argument("--also", action="append", default=[], metavar="SPEC",
                         help="repeat: another setting beside the best points (a lever's A/B), its own summary row")
+    parser.add_argument("--points-from", default=None, metavar="RECORD",
+                        help="take the sweep points from another record of this table (marked), instead of a sweep")
     parser.add_argument("--profile", action="store_true",
                         help="training workers trace one extra step (stream busy time, launch gaps, copies)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -500,6 +514,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     record = load_record(table, args, path)
     if args.quick:
         record["protocol"] = False
+    if args.points_from:
+        take_points(record, table, families, Path(args.points_from))
     if args.part in ("sweep", "all"):
         sweep(table, families, args, record, path)
     if args.part in ("repeat", "all") and not args.dry_run:
