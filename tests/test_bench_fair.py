@@ -149,6 +149,10 @@ def test_points_from_another_record_are_marked_and_repeated(tmp_path, monkeypatc
     record = json.loads((tmp_path / "out" / "fair_cpu_check.json").read_text())
     assert [r["spec"] for r in record["sweep"]] == [lm] and record["sweep"][0]["from_record"]["device"] == "NVIDIA H200"
     assert ran == [lm] * 3 and record["points_from"][0]["device"] == "NVIDIA H200"
+    del source["table"]["levers"]  # a record from before Table had the field: its default
+    (tmp_path / "src.json").write_text(json.dumps(source))
+    assert bench_fair.main(["cpu_check", "--out-dir", str(tmp_path / "o1"), "--device", "cpu", "--part", "repeat",
+                            "--family", "layer-major", "--points-from", str(tmp_path / "src.json")]) == 0
     source["table"]["batch"] = 4
     (tmp_path / "src.json").write_text(json.dumps(source))
     with pytest.raises(SystemExit, match="another definition"):

@@ -349,11 +349,18 @@ def best_specs(record: dict, table: Table, families: Sequence[str]) -> dict[str,
     return best
 
 
+def same_table(recorded: dict, table: Table) -> bool:
+    """Whether a record's table is ``table``: a field added to Table since the record was written counts as its
+    default (the work it defines is unchanged)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Table) if f.default is not dataclasses.MISSING}
+    return json.loads(json.dumps({**defaults, **recorded})) == json.loads(json.dumps(dataclasses.asdict(table)))
+
+
 def take_points(record: dict, table: Table, families: Sequence[str], source: Path) -> None:
     """The sweep rows of ``families`` from another record of the same table (another GPU model, say), marked with
     where they came from: the repeat then runs their best points here without a sweep of its own."""
     other = json.loads(source.read_text())
-    if other["table"] != json.loads(json.dumps(dataclasses.asdict(table))):
+    if not same_table(other["table"], table):
         raise SystemExit(f"{source} holds another definition of {table.name}: its points do not apply")
     taken = [{**r, "from_record": {"path": str(source), "device": other["device"], "commit": other["commit"]}}
              for r in other["sweep"] if r["family"] in families and r["spec"] not in {s["spec"] for s in record["sweep"]}]
@@ -455,7 +462,7 @@ def load_record(table: Table, args: argparse.Namespace, path: Path) -> dict:
     header = harness.record_header("fair", __file__, device=harness.cpu_name() if args.device == "cpu" else None)
     if path.is_file():
         record = json.loads(path.read_text())
-        if record["table"] != json.loads(json.dumps(dataclasses.asdict(table))):
+        if not same_table(record["table"], table):
             raise SystemExit(f"{path} holds another definition of {table.name}: move it away or use another --out-dir")
         if record["device"] != header["device"] and not args.dry_run:
             raise SystemExit(f"{path} was measured on {record['device']}, this machine is {header['device']}: the rows "
