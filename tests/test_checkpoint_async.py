@@ -172,3 +172,44 @@ def test_the_staging_copy_is_in_the_host_plan_and_refused_when_it_does_not_fit(t
                                          r"optimizer states\) needs 0\.00 GiB of host memory: .*set "
                                          r"checkpoint.async_save=false"):
         check_async_staging(model, on_device, shards=1, budget=HostMemoryBudget(limit_bytes=1024, used_bytes=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_async_save_on_the_gpu_from_the_pinned_arena(tmp_path):
+    """The full-7B run's layout, small: the root and unit 1 on the GPU, the other units' shards in the pinned host
+    arena. The staged copies are page-locked and equal the state at staging time; the state changed after ``start``
+    (the next step) does not reach the files; DCP loads back what was staged."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from fsdp_speedloader import apply_speedloader
+    from fsdp_speedloader.app.config import ModelConfig
+    from fsdp_speedloader.models import materialize_model
+    from fsdp_speedloader.parallel import maybe_init_process_group
+
+    maybe_init_process_group("cuda")
+    cfg = ModelConfig(hidden_size=256, num_layers=3, num_heads=4, intermediate_size=704, vocab_size=1024,
+                      max_position_embeddings=512)
+    model = build_model(cfg, device="meta")
+    apply_speedloader(model, num_sub_batches=2, param_dtype=torch.bfloat16, offload_params=True, offload_root=False,
+                      device_units=1)
+    materialize_model(model, cfg, device=torch.device("cuda"), seed=0, param_device=torch.device("cpu"))
+    assert {p.device.type for p in model.parameters()} == {"cpu", "cuda"}
+    state = get_model_state_dict(model)
+    before = {k: v.to_local().cpu().clone() for k, v in state.items()}
+    staged = checkpoint_async.ShardStager(pin_memory=True).stage(state)
+    for key, value in staged.items():
+        assert value.to_local().is_pinned() and torch.equal(value.to_local(), before[key]), key
+    saver = checkpoint_async.AsyncSaver(pin_memory=True)
+    try:
+        saver.start(get_model_state_dict(model), str(tmp_path / "ckpt"))
+        with torch.no_grad():  # the next step changes every parameter while the upload thread writes
+            for p in model.parameters():
+                p.to_local().add_(1.0)
+        saver.result()
+    finally:
+        saver.close()
+    target = get_model_state_dict(model)
+    checkpoint_async.dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"))
+    for key, value in target.items():
+        assert torch.equal(value.to_local().cpu(), before[key]), key

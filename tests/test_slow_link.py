@@ -242,3 +242,23 @@ def test_nccl_all_reduce_over_a_10_gbit_link(tmp_path, netns_link):
     assert largest["busbw_gbit_s"] <= 10.5, largest
     assert all(0.99 <= sent / largest["expected_bytes_per_direction"] < 1.25 for sent in largest["link_bytes_per_node"])
     assert set(slow_link.leftovers()) <= netns_link
+
+
+def test_carried_iproute2_goes_on_path_only_where_the_machine_has_none(tmp_path, monkeypatch):
+    """tools/fetch_iproute2.sh's unpacked root: its sbin and libraries join PATH and LD_LIBRARY_PATH when `ip` or `tc`
+    is missing; a machine with both keeps its own; an empty root changes nothing."""
+    root = tmp_path / "root"
+    (root / "sbin").mkdir(parents=True)
+    (root / "lib" / "x86_64-linux-gnu").mkdir(parents=True)
+    (root / "sbin" / "ip").write_text("")
+    monkeypatch.setenv("PATH", "/usr/bin")
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    monkeypatch.setattr(slow_link.shutil, "which", lambda name: "/usr/sbin/ip" if name == "ip" else None)
+    assert slow_link.use_carried_iproute2(root) is True
+    assert os.environ["PATH"] == f"{root / 'sbin'}{os.pathsep}/usr/bin"
+    assert os.environ["LD_LIBRARY_PATH"] == str(root / "lib" / "x86_64-linux-gnu")
+    monkeypatch.setenv("PATH", "/usr/bin")
+    monkeypatch.setattr(slow_link.shutil, "which", lambda name: f"/usr/sbin/{name}")
+    assert slow_link.use_carried_iproute2(root) is False and os.environ["PATH"] == "/usr/bin"
+    monkeypatch.setattr(slow_link.shutil, "which", lambda name: None)
+    assert slow_link.use_carried_iproute2(tmp_path / "nothing") is False

@@ -27,7 +27,9 @@
 # only) are the fallbacks, each record's "link" says which one ran; FSL_LINK_MODES=netns refuses them.
 # FSL_SLOW_LINK_SHAPE (default 2x32) and FSL_SLOW_LINK_CONTENDERS (comma-separated, tools/bench_scale.py's
 # syntax) change the training parts' batch and contenders. NCCL_* variables set by the caller reach every run.
-# Carry .wheels (tools/device_wheels.sh: hydra, wandb) and .whl (tools/build_deepspeed_wheels.sh: DeepSpeed).
+# Carry .wheels (tools/device_wheels.sh: hydra, wandb) and .whl (tools/build_deepspeed_wheels.sh: DeepSpeed), and
+# .iproute2 (tools/fetch_iproute2.sh) for a machine without `ip`/`tc`: the lent 2-GPU H100 machine had neither on
+# 2026-11-27, so every part fell back to the unshaped socket path (the records' "link" says so).
 # FSL_BENCH_DRY_RUN=1 prints the commands instead (no installs, no GPU, no link).
 set -uo pipefail
 source "$(dirname "$0")/bench_lib.sh"

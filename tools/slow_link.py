@@ -61,6 +61,22 @@ LO_MARKER_DIR = Path("/run/fsl_slow_link")
 """lo mode writes a file here naming its pid: cleanup removes lo's qdisc only when its owner is gone."""
 
 
+CARRIED_IPROUTE2 = Path(__file__).resolve().parents[1] / ".iproute2" / "root"
+"""iproute2 unpacked by tools/fetch_iproute2.sh and carried to a machine that has none (the lent 2-GPU machines had
+neither `ip` nor `tc` on 2026-11-27)."""
+
+
+def use_carried_iproute2(root: Path = CARRIED_IPROUTE2) -> bool:
+    """Where this machine has no `ip` or `tc` and ``root`` holds carried ones: puts them, and the libraries they load,
+    on this process's PATH and LD_LIBRARY_PATH (its children inherit both). Returns whether it did."""
+    if (shutil.which("ip") and shutil.which("tc")) or not (root / "sbin" / "ip").is_file():
+        return False
+    os.environ["PATH"] = os.pathsep.join([str(root / "sbin"), os.environ.get("PATH", "")])
+    libs = [str(root / d) for d in ("lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu") if (root / d).is_dir()]
+    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
+    return True
+
+
 class LinkUnavailable(RuntimeError):
     """No requested mode can be built here; the message has one line per mode tried."""
 
@@ -200,7 +216,7 @@ def plan_link(mode: str, gbit: Optional[float], delay_ms: float = 0.0, tag: Opti
 
 def _build_netns(tag: str, gbit: float, delay_ms: float) -> Link:
     if not shutil.which("ip") or not shutil.which("tc"):
-        raise _CommandFailed("`ip` or `tc` not found (install iproute2)")
+        raise _CommandFailed("`ip` or `tc` not found (install iproute2, or carry it: tools/fetch_iproute2.sh)")
     link = plan_link("netns", gbit, delay_ms, tag)
     namespaces, veths = link.namespaces, link.interfaces
     try:
@@ -254,7 +270,7 @@ def _lo_root_kind() -> Optional[str]:
 
 def _build_lo(tag: str, gbit: float, delay_ms: float) -> Link:
     if not shutil.which("tc"):
-        raise _CommandFailed("`tc` not found (install iproute2)")
+        raise _CommandFailed("`tc` not found (install iproute2, or carry it: tools/fetch_iproute2.sh)")
     kind = _lo_root_kind()
     if kind not in (None, "noqueue"):
         raise _CommandFailed(f"lo already has a root qdisc ({kind}): not touching it")
@@ -296,6 +312,7 @@ def build_link(gbit: Optional[float], delay_ms: float = 0.0, modes: Sequence[str
         raise ValueError(f"link rate {gbit} Gbit/s: give a positive rate")
     if delay_ms < 0:
         raise ValueError(f"link delay {delay_ms} ms: give 0 or more")
+    use_carried_iproute2()
     tag = tag or str(os.getpid())
     tried = []
     for mode in modes:
@@ -366,6 +383,7 @@ def _alive(pid: int) -> bool:
 
 def cleanup_leftovers() -> list[str]:
     """Removes the namespaces and lo qdisc of links whose process is gone; returns what it removed."""
+    use_carried_iproute2()
     removed = []
     if shutil.which("ip"):
         for name in _run(["ip", "netns", "list"], check=False).stdout.split():
@@ -383,6 +401,7 @@ def cleanup_leftovers() -> list[str]:
 
 def leftovers() -> list[str]:
     """Namespaces of this tool that still exist, and lo's root qdisc if it is not the default one."""
+    use_carried_iproute2()
     names = _run(["ip", "netns", "list"], check=False).stdout.split() if shutil.which("ip") else []
     found = [f"netns {n}" for n in names if _NAME.match(n)]
     if shutil.which("tc") and _lo_root_kind() not in (None, "noqueue"):
