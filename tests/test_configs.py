@@ -159,6 +159,25 @@ def test_llama2_7b_offload_experiment():
     assert (tc.schedule.name, tc.schedule.sub_batch_size, tc.schedule.num_sub_batches) == ("speedloader", 1, 8)
 
 
+def test_llama2_70b_fits_a_4_gpu_node_host():
+    """experiment=llama2_70b_4gpu: the host-memory plan of 4 ranks (each holding a quarter of the shards) stays under
+    the 512 GiB of the lent 4-GPU machine with room to spare, and the settings it names are what frees it: fp32
+    moments, or int8 moments with the activations on the host, would not fit."""
+    from fsdp_speedloader.app.host_memory import host_memory_plan
+    from fsdp_speedloader.models import build_model
+
+    def four_ranks_gib(overrides: list[str]) -> float:
+        tc = to_train_config(compose_cfg(["experiment=llama2_70b_4gpu", *overrides]))
+        plan, _ = host_memory_plan(build_model(tc.model, device="meta"), tc, shards=4)
+        return 4 * plan.total / 2**30
+
+    tc = to_train_config(compose_cfg(["experiment=llama2_70b_4gpu"]))
+    assert (tc.model.name, tc.model.num_layers, tc.data.source) == ("llama2_70b", 80, "default")
+    assert four_ranks_gib([]) < 420
+    assert four_ranks_gib(["optim.state_dtype=fp32"]) > 512
+    assert four_ranks_gib(["schedule.activation_store=host"]) > 512
+
+
 def test_command_line_overrides_beat_experiments():
     tc = to_train_config(compose_cfg(["experiment=llama2_7b_offload", "schedule.num_sub_batches=4"]))
     assert tc.schedule.num_sub_batches == 4
