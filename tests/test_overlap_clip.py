@@ -420,30 +420,38 @@ def test_trainer_skips_a_nonfinite_step_and_goes_on(tmp_path, caplog):
     _assert_same_run(plain, overlapped, _run(plain, bad_step=2), history)
 
 
+def _one_overlapped_step(probe, **worker) -> tuple[list, list]:
+    """One step of a fresh offloaded model under an OverlappedOptimizer(``worker``): what ``probe()`` returned in
+    each inner optimizer's step (on whichever thread ran it), and the parameters after it."""
+    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
+    overlapped = OverlappedOptimizer(model, _adamw, max_norm=CLIPS, **worker)
+    seen = []
+    for opt in overlapped.optimizers:
+        def probed_step(step=opt.step):
+            seen.append(probe())
+            step()
+        opt.step = probed_step
+    try:
+        ids, labels = batch(NUM_SUB, seed=0)
+        model(input_ids=ids, labels=labels).loss.backward()
+        overlapped.step()
+        overlapped.wait()
+    finally:
+        overlapped.close()
+    return seen, [_full(p).clone() for p in model.parameters()]
+
+
 def test_worker_threads_sets_the_cpu_threads_of_the_optimizer_worker_only():
     """``worker_threads=1``: the inner steps run on the worker thread with one CPU thread, the same parameters as
     with torch's default (exact), and the main thread keeps its own thread count."""
     main_threads, adopted = torch.get_num_threads(), adopted_num_threads()
     results = []
     for threads in (0, 1):
-        model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
-        overlapped = OverlappedOptimizer(model, _adamw, max_norm=CLIPS, worker_threads=threads)
-        seen = []
-        for opt in overlapped.optimizers:
-            def counted_step(step=opt.step):
-                seen.append((threading.current_thread().name, torch.get_num_threads()))
-                step()
-            opt.step = counted_step
-        try:
-            ids, labels = batch(NUM_SUB, seed=0)
-            model(input_ids=ids, labels=labels).loss.backward()
-            overlapped.step()
-            overlapped.wait()
-        finally:
-            overlapped.close()
+        seen, params = _one_overlapped_step(lambda: (threading.current_thread().name, torch.get_num_threads()),
+                                            worker_threads=threads)
         on_worker = {n for name, n in seen if name == "fsdp_speedloader-optimizer"}
         assert on_worker == ({1} if threads else {main_threads}), seen
-        results.append([_full(p).clone() for p in model.parameters()])
+        results.append(params)
     assert torch.get_num_threads() == main_threads
     assert adopted_num_threads() == adopted  # threads started later keep torch's count, not the worker's
     assert all(torch.equal(a, b) for a, b in zip(*results))
@@ -459,28 +467,18 @@ def test_worker_threads_must_be_a_count():
 def test_worker_nice_lowers_the_workers_priority_only():
     """``worker_nice=5``: the worker thread (and so the CPU threads it starts) runs 5 nicer than the process; the
     main thread keeps its priority; the parameters equal those of a worker at the process's priority (exact)."""
-    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    main_nice = niceness()
     results = []
     for nice in (0, 5):
-        model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
-        overlapped = OverlappedOptimizer(model, _adamw, max_norm=CLIPS, worker_nice=nice)
-        seen = []
-        for opt in overlapped.optimizers:
-            def noted_step(step=opt.step):
-                seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-                step()
-            opt.step = noted_step
-        try:
-            ids, labels = batch(NUM_SUB, seed=0)
-            model(input_ids=ids, labels=labels).loss.backward()
-            overlapped.step()
-            overlapped.wait()
-        finally:
-            overlapped.close()
+        seen, params = _one_overlapped_step(niceness, worker_nice=nice)
         assert set(seen) == {min(19, main_nice + nice)}, seen
-        results.append([_full(p).clone() for p in model.parameters()])
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice
+        results.append(params)
+    assert niceness() == main_nice
     assert all(torch.equal(a, b) for a, b in zip(*results))
+    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
     with pytest.raises(ValueError, match="worker_nice"):
         OverlappedOptimizer(model, _adamw, worker_nice=20)
 
