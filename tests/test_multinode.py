@@ -270,6 +270,54 @@ def test_bench_scale_runs_cases_and_records_them_on_cpu(tmp_path):
     assert has_matplotlib or "pip install matplotlib" in proc.stderr
 
 
+def test_bench_scale_medians_over_invocations():
+    """Each (contender, case)'s rates are its median invocation's; the spread is kept; failed runs do not count."""
+    def run(contender, tps, status="ok"):
+        return {"contender": contender, "case": "2x1-ethernet", "status": status, "tokens_per_s": tps,
+                "tokens_per_s_per_gpu": tps / 2 if tps else None}
+
+    results = [run("speedloader", 300.0), run("speedloader", 360.0), run("speedloader", 330.0),
+               run("fsdp2-offload:16x4", 100.0), run("fsdp2-offload:16x4", 120.0), run("fsdp2-offload:16x4", None, "oom")]
+    med = bench_scale.medians(results)
+    assert med[("speedloader", "2x1-ethernet")]["tokens_per_s"] == 330.0
+    assert med[("speedloader", "2x1-ethernet")]["tokens_per_s_per_gpu"] == 165.0
+    assert med[("speedloader", "2x1-ethernet")]["spread"]["n"] == 3
+    assert med[("fsdp2-offload:16x4", "2x1-ethernet")]["tokens_per_s"] == 110.0
+    t = bench_scale.targets(results)
+    assert t["ethernet_speedloader_over"]["fsdp2-offload"] == pytest.approx(3.0)
+    assert t["repeats"]["speedloader 2x1-ethernet"]["min"] == 300.0
+
+
+def test_bench_scale_invocations_alternate_and_append(tmp_path):
+    """--invocations 2 runs every (contender, case) twice, the order reversed the second time; a later command with
+    the same work appends a third invocation to the same record; other settings are refused, not merged."""
+    fake = tmp_path / "fake_worker.py"
+    fake.write_text(FAKE_WORKER)
+    base = [sys.executable, str(TOOLS / "bench_scale.py"), "--device", "cpu", "--worker-script", str(fake),
+            "--gpus", "", "--ethernet", "2x1", "--contenders", "speedloader,fsdp2-offload", "--threads-per-rank", "1",
+            "--out-dir", str(tmp_path / "results"), "--name", "rep", "--budget-s", "240"]
+
+    def bench(*extra):
+        return subprocess.run([*base, *extra], cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True,
+                              timeout=300)
+
+    proc = bench("--invocations", "2")
+    assert proc.returncode == 0, tail(proc.stdout + proc.stderr)
+    proc = bench("--invocations", "1", "--budget-s", "200")
+    assert proc.returncode == 0, tail(proc.stdout + proc.stderr)
+    import json
+
+    record = json.loads((tmp_path / "results" / "rep.json").read_text())
+    order = [(r["invocation"], r["contender"]) for r in record["results"]]
+    assert order == [(0, "speedloader"), (0, "fsdp2-offload"), (1, "fsdp2-offload"), (1, "speedloader"),
+                     (2, "speedloader"), (2, "fsdp2-offload")]
+    assert len(record["commands"]) == 2
+    assert all(r["status"] == "ok" for r in record["results"]), [(r["status"], r.get("error")) for r in record["results"]]
+    assert record["targets"]["repeats"]["speedloader 2x1-ethernet"]["n"] == 3
+    proc = bench("--invocations", "1", "--shape", "2x4")
+    assert proc.returncode != 0 and "holds another measurement" in proc.stderr and "shape" in proc.stderr
+
+
 @pytest.mark.slow
 def test_bench_scale_real_workers_on_cpu(tmp_path):
     """bench_train's real workers under real torchrun on the CPU (gloo), 1 and 2 ranks: ``--device`` reaches the

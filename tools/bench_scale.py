@@ -60,6 +60,7 @@ TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))  # tools/ is not a package: its modules import by name
 import harness  # noqa: E402
 import launch_two_nodes  # noqa: E402
+import protocol  # noqa: E402
 import slow_link  # noqa: E402
 from bench_train import parse_contender  # noqa: E402
 
@@ -248,11 +249,29 @@ def run_case(contender: str, case: Case, args: argparse.Namespace, work_dir: Pat
 # ---------------------------------------------------------------------------------------------
 
 
+RATES = ("tokens_per_s", "tokens_per_s_per_gpu")
+
+
+def medians(results: Sequence[dict]) -> dict:
+    """{(contender, case): its median invocation}: each ok run's rates replaced by their median over the
+    invocations of that (contender, case), with their spread (``protocol.spread`` of tokens/s) under ``spread``."""
+    runs: dict = {}
+    for r in results:
+        if r.get("status") == "ok":
+            runs.setdefault((r["contender"], r["case"]), []).append(r)
+    out = {}
+    for key, rs in runs.items():
+        out[key] = {**rs[0], **{rate: statistics.median(r[rate] for r in rs) for rate in RATES if rate in rs[0]},
+                    "spread": protocol.spread(r["tokens_per_s"] for r in rs)}
+    return out
+
+
 def targets(results: Sequence[dict]) -> dict:
     """The issue's targets from the measured runs (None where a run is missing). Weak scaling per contender
     as given (with its options); over Ethernet, each contender's fastest variant (``ethernet_variants``)."""
-    ok = {(r["contender"], r["case"]): r for r in results if r.get("status") == "ok"}
-    out: dict = {"weak_scaling_per_gpu_4_over_1": {}, "ethernet_speedloader_over": {}, "ethernet_variants": {}}
+    ok = medians(results)
+    out: dict = {"weak_scaling_per_gpu_4_over_1": {}, "ethernet_speedloader_over": {}, "ethernet_variants": {},
+                 "repeats": {f"{c} {case}": r["spread"] for (c, case), r in ok.items()}}
     for contender in dict.fromkeys([*CONTENDERS, *(r["contender"] for r in results)]):
         one, four = ok.get((contender, "1gpu")), ok.get((contender, "4gpu"))
         out["weak_scaling_per_gpu_4_over_1"][contender] = (
@@ -356,6 +375,26 @@ def plot(record: dict, path: Path) -> Optional[Path]:
     return harness.save_figure(fig, path)
 
 
+# What may differ between the commands that append to one record: the budget, limits and where it is written.
+RESUME_FREE = ("budget_s", "timeout", "invocations", "out_dir", "name", "dry_run")
+
+
+def resumed(record: dict, path: Path) -> dict:
+    """``record``, or the one already at ``path`` when it measured the same work on the same machine kind: its
+    results kept, this command appended (the next invocations continue its numbering). Anything else is refused."""
+    if not path.is_file():
+        return {**record, "commands": [{k: record[k] for k in ("command", "commit", "timestamp")}]}
+    old = json.loads(path.read_text())
+    mine = {k: v for k, v in record["config"].items() if k not in RESUME_FREE}
+    theirs = {k: v for k, v in old["config"].items() if k not in RESUME_FREE}
+    if old["device"] != record["device"] or mine != theirs:
+        diff = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
+        raise SystemExit(f"{path} holds another measurement (device {old['device']!r}, settings {diff} differ): "
+                         "use another --name or --out-dir")
+    old.setdefault("commands", []).append({k: record[k] for k in ("command", "commit", "timestamp")})
+    return old
+
+
 def _gpu_ids(device: str, given: Optional[str]) -> list[str]:
     if device != "cuda":
         return []
@@ -394,6 +433,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--threads-per-rank", type=int, default=None,
                         help="OMP_NUM_THREADS of every rank (default: CPU cores / the largest case's ranks)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole invocation")
+    parser.add_argument("--invocations", type=int, default=1,
+                        help="repeat every run this many times, the order reversed every other time (the protocol: "
+                             "3, over one or more commands appending to the same record)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per run")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--gpu-ids", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: every visible one)")
@@ -471,6 +513,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "config": {k: v for k, v in vars(args).items() if k not in ("worker_script", "plot_only")},
               "results": []}
     out_dir = Path(args.out_dir)
+    record = resumed(record, out_dir / f"{name}.json")
+    first = 1 + max((r.get("invocation", 0) for r in record["results"]), default=-1)
     with contextlib.ExitStack() as stack:  # the link, when asked for: built once, removed after the last run
         link = None
         if args.link_gbit is not None:
@@ -483,8 +527,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             record["link"] = link.describe()
             print(f"bench_scale: link {record['link']['mode']}: {record['link']['meaning']}", flush=True)
         start = time.monotonic()
+        runs = [(i, contender, case) for i in range(first, first + args.invocations)
+                for contender, case in protocol.run_order(run_order(contenders, cases), i)]
         with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
-            for contender, case in run_order(contenders, cases):
+            for invocation, contender, case in runs:
                 left = args.budget_s - (time.monotonic() - start)
                 no_deepspeed = not has_deepspeed and args.worker_script is None
                 if split_contender(contender)[0] == "deepspeed-offload" and no_deepspeed:
@@ -495,13 +541,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               "status": "skipped",
                               "error": f"budget: {left:.0f} s of --budget-s {args.budget_s:.0f} left"}
                 else:
-                    print(f"bench_scale: {contender} {case.name} ...", end=" ", flush=True)
-                    result = run_case(contender, case, args, Path(tmp), timeout_s=min(args.timeout, left),
+                    print(f"bench_scale: [{invocation}] {contender} {case.name} ...", end=" ", flush=True)
+                    # each invocation its own log directories: a rank's result file is never read twice
+                    result = run_case(contender, case, args, Path(tmp, f"invocation{invocation}"),
+                                      timeout_s=min(args.timeout, left),
                                       link=link)
                     print(result["status"] + (f", {result['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
                                               f"({result['wall_s']:.0f} s)" if result["status"] == "ok" else
                                               f": {result.get('error', '')[:300]}"), flush=True)
-                record["results"].append(result)
+                record["results"].append({**result, "invocation": invocation})
                 record["targets"] = targets(record["results"])
                 harness.write_record(out_dir / f"{name}.json", record)  # after every run
     print("\n" + markdown(record["results"]))

@@ -26,7 +26,10 @@
 # loopback: the rate shared by both directions) and sockets (no tc: NCCL narrowed to one socket, rate measured
 # only) are the fallbacks, each record's "link" says which one ran; FSL_LINK_MODES=netns refuses them.
 # FSL_SLOW_LINK_SHAPE (default 2x32) and FSL_SLOW_LINK_CONTENDERS (comma-separated, tools/bench_scale.py's
-# syntax) change the training parts' batch and contenders. NCCL_* variables set by the caller reach every run.
+# syntax) change the training parts' batch and contenders; FSL_SLOW_LINK_STEPS / _WARMUP (default 5 / 2) the timed
+# and warm-up steps; FSL_SLOW_LINK_INVOCATIONS (default 1) the invocations per command. A part run again with the
+# same settings appends its invocations to the same record (the protocol's 3 over several device commands).
+# NCCL_* variables set by the caller reach every run.
 # Carry .wheels (tools/device_wheels.sh: hydra, wandb) and .whl (tools/build_deepspeed_wheels.sh: DeepSpeed), and
 # .iproute2 (tools/fetch_iproute2.sh) for a machine without `ip`/`tc`: the lent 2-GPU H100 machine had neither on
 # 2026-11-27, so every part fell back to the unshaped socket path (the records' "link" says so).
@@ -37,6 +40,7 @@ bench_start "bench_slow_link.sh OUT_DIR [bw] [hsdp] [fsdp] [hsdp25]" "bw hsdp" b
 bench_install deepspeed
 modes=${FSL_LINK_MODES:-netns,lo,sockets}
 shape=${FSL_SLOW_LINK_SHAPE:-2x32}
+steps=${FSL_SLOW_LINK_STEPS:-5}; warmup=${FSL_SLOW_LINK_WARMUP:-2}  # the protocol's minimums (docs/benchmarking.md)
 # Layer-major at its best (compiled, root on the GPU); the peers at the micro-batch that was their best over
 # emulated Ethernet on 4 GPUs (bench/results/scale_llama2_7b_L4_s4096_64seq_micro_batches*.json), then smaller ones.
 contenders=${FSL_SLOW_LINK_CONTENDERS:-speedloader:compile:root=device,fsdp2-offload:16x4:compile,deepspeed-offload:16x4,fsdp2-offload:8x8:compile,deepspeed-offload:32x2,fsdp2-offload:compile}
@@ -64,7 +68,8 @@ train() {  # train PART RATE DP_REPLICATE NAME: one bench_scale invocation in wh
   local left=$((budget - SECONDS - 20))
   bench_run "$key" "$name" 60 0 python3 tools/bench_scale.py --model llama2_7b --layers 4 --seq-len 4096 \
     --shape "$shape" --gpus '' --ethernet 2x1 --gpu-ids 0,1 --dp-replicate "$replicate" --link-gbit "$rate" \
-    --link-modes "$modes" --contenders "$contenders" --steps 2 --warmup 1 --timeout 240 --budget-s "$left" \
+    --link-modes "$modes" --contenders "$contenders" --steps "$steps" --warmup "$warmup" \
+    --invocations "${FSL_SLOW_LINK_INVOCATIONS:-1}" --timeout 240 --budget-s "$left" \
     --name "$name"
 }
 train hsdp 10 2 "slow_link_hsdp_10g_llama2_7b_L4_s4096_$shape"
