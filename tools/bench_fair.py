@@ -4,6 +4,7 @@ repeated, with its spread.
     python tools/bench_fair.py --list                                  # the tables and their contenders
     python tools/bench_fair.py TABLE --out-dir DIR [--part sweep|repeat|all] [--family F ...]
     python tools/bench_fair.py TABLE --out-dir DIR --dry-run           # the worker commands, nothing launched
+    python tools/bench_fair.py TABLE --out-dir DIR --part repeat --points-from RECORD [--also SPEC] [--profile]
 
 A table fixes the work (model shape, depth, sequence length, effective batch, GPU-memory cap); each contender
 family has its own knobs, swept under the same cap (:func:`train_ladders`, :func:`infer_ladders`):
@@ -19,7 +20,8 @@ family has its own knobs, swept under the same cap (:func:`train_ladders`, :func
   all      sweep, then repeat.
 
 Each part appends to one record, DIR/fair_<table>[_busyK][_copyM].json, written after every worker, so parts can
-be separate device commands. The record's ``summary`` holds, per family, the median and min-max over the repeat
+be separate device commands; a record is never extended on another GPU model (``--points-from`` lends its best
+points to a record of the same table elsewhere; ``--also`` repeats another setting beside them). The record's ``summary`` holds, per family, the median and min-max over the repeat
 invocations and ``ratios`` layer-major over every other family (median over median, ``overlap`` where the ranges
 meet, ``binds`` where the peer's best micro-batch is smaller than the batch). ``--host-busy K`` / ``--host-copy M``
 run K busy-loop and M memory-copy processes beside every worker (tools/host_load.py): the busy-host curve.
