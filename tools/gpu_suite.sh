@@ -13,4 +13,4 @@ python3 -m pip install -q --no-deps --no-build-isolation -e .
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 ulimit -l unlimited 2>/dev/null || true
-python3 -m pytest -q -m gpu -p no:cacheprovider -rf "$@" 2>&1 | tee "$out/pytest_gpu.log" | tail -30
+python3 -m pytest -q -m gpu -p no:cacheprovider -rfs "$@" 2>&1 | tee "$out/pytest_gpu.log" | tail -30
