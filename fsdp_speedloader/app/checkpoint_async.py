@@ -56,6 +56,7 @@ class ShardStager(AsyncStager):
         return copy.deepcopy(value)
 
     def _copy(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+        # Reusing a buffer is safe: AsyncSaver starts a save only once the previous one is written.
         buffer = self._buffers.get(path)
         if buffer is None or (buffer.shape, buffer.stride(), buffer.dtype) != (tensor.shape, tensor.stride(),
                                                                                 tensor.dtype):
