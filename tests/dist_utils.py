@@ -40,12 +40,14 @@ def free_port() -> int:
 
 
 def _worker(rank: int, fn: Callable, world_size: int, port: int, timeout_s: float, result_dir: str,
-            args: tuple) -> None:
+            args: tuple, backend: str = "gloo") -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's Python stack
     torch.set_num_threads(1)  # world_size processes share the CI machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    if "nccl" in backend:
+        torch.cuda.set_device(rank)  # one GPU per rank
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     result = fn(rank, world_size, *args)  # an exception skips the barrier: spawn reports it and kills the rest
     torch.save(result, Path(result_dir) / f"rank{rank}.pt")
     dist.barrier()
@@ -58,10 +60,12 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, timeout_s: floa
     os._exit(0)
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns each rank's return value."""
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    backend: str = "gloo") -> list:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo; or e.g. ``cpu:gloo,cuda:nccl``, one GPU
+    per rank); returns each rank's return value."""
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.spawn(_worker, args=(fn, world_size, free_port(), timeout_s, result_dir, args),
+        mp.spawn(_worker, args=(fn, world_size, free_port(), timeout_s, result_dir, args, backend),
                  nprocs=world_size, join=True)
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 

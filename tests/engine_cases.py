@@ -64,7 +64,7 @@ def assert_grads_close(model: nn.Module, ref_grads: dict, *, rtol: float = 1e-5,
     for name, param in model.named_parameters():
         got, want = full_grad(param), ref_grads[name]
         assert got is not None, f"{name}: no gradient (lost in the chain)"
-        err = (got.float() - want.float()).norm().item()
+        err = (got.float().cpu() - want.float().cpu()).norm().item()
         ref_norm = want.float().norm().item()
         if ref_norm > 1e-6:
             assert err / ref_norm < rtol, f"{name}: relative error {err / ref_norm:.3e} >= {rtol}"
