@@ -59,6 +59,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -149,8 +150,6 @@ def host_thread_usage() -> tuple[float, int]:
     """The calling thread's CPU seconds and involuntary context switches so far (Linux: RUSAGE_THREAD; elsewhere
     the process's): a step whose thread CPU time is near its wall time is bound by the host thread, and switches
     that grow under host load are the thread being preempted."""
-    import resource
-
     who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
     usage = resource.getrusage(who)
     return time.thread_time(), usage.ru_nivcsw

@@ -34,12 +34,12 @@ class ShardStager(AsyncStager):
     _synchronize_after_execute = False  # stage() returns with the copy done
 
     def __init__(self, *, pin_memory: bool) -> None:
-        self._pin = pin_memory
+        self._pin = pin_memory and torch.cuda.is_available()  # page-locking needs CUDA
         self._buffers: dict[tuple, torch.Tensor] = {}
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         staged = self._stage(state_dict, ())
-        if self._pin and torch.cuda.is_available():
+        if self._pin:
             torch.cuda.synchronize()  # the device-to-host copies are done before the next step changes the state
         return staged
 
@@ -61,9 +61,9 @@ class ShardStager(AsyncStager):
         if buffer is None or (buffer.shape, buffer.stride(), buffer.dtype) != (tensor.shape, tensor.stride(),
                                                                                 tensor.dtype):
             buffer = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu",
-                                         pin_memory=self._pin and torch.cuda.is_available())
+                                         pin_memory=self._pin)
             self._buffers[path] = buffer
-        return buffer.copy_(tensor.detach(), non_blocking=buffer.is_pinned())
+        return buffer.copy_(tensor.detach(), non_blocking=self._pin)
 
     def synchronize_staging(self) -> None:
         pass
