@@ -197,9 +197,15 @@ def test_async_save_on_the_gpu_from_the_pinned_arena(tmp_path):
     assert {p.device.type for p in model.parameters()} == {"cpu", "cuda"}
     state = get_model_state_dict(model)
     before = {k: v.to_local().cpu().clone() for k, v in state.items()}
+    allocated = torch.cuda.memory_allocated()
     staged = checkpoint_async.ShardStager(pin_memory=True).stage(state)
+    # Staging adds nothing on the GPU: every copy, of a GPU shard or of a host one, is in page-locked host memory.
+    assert torch.cuda.memory_allocated() == allocated
     for key, value in staged.items():
-        assert value.to_local().is_pinned() and torch.equal(value.to_local(), before[key]), key
+        local = value.to_local()
+        assert local.device.type == "cpu" and local.is_pinned() and torch.equal(local, before[key]), key
+        assert (value.device_mesh, value.placements, value.shape) == (state[key].device_mesh, state[key].placements,
+                                                                      state[key].shape), key
     saver = checkpoint_async.AsyncSaver(pin_memory=True)
     try:
         saver.start(get_model_state_dict(model), str(tmp_path / "ckpt"))

@@ -80,7 +80,10 @@ def _row(mode: str, cmd: list[str], done, run_dir: Path, ckpt: Path) -> dict:
                                           if len(saves) > 1 else None),
            "median_step_time_s_without_save": statistics.median(plain) if plain else None,
            "wall_s": done.wall_s, "checkpoint_bytes": _dir_bytes(steps[-1]) if steps else None,
-           "host_rss_gib_last": records[-1].get("host_rss_gib")}
+           "host_rss_gib_last": records[-1].get("host_rss_gib"),
+           # The staging copy lives in host memory: an asynchronous run's GPU peak equals the synchronous one's.
+           "peak_gpu_mem_allocated_gib": max((r["peak_gpu_mem_allocated_gib"] for r in records
+                                              if "peak_gpu_mem_allocated_gib" in r), default=None)}
     return row
 
 

@@ -4,9 +4,11 @@ copied into host memory (the staging copy); the files are written by DCP's uploa
 - ``torch.distributed.checkpoint.async_save`` with :class:`ShardStager`, which stages synchronously (the copy is taken
   before ``start`` returns, so the next optimizer step cannot change what is saved) into host buffers reused from one
   save to the next, page-locked on a GPU (the device-to-host copy runs at full speed), pageable on a CPU. Each
-  DTensor's local shard is copied and wrapped again: torch's ``DefaultStager`` copies a tensor's storage and
-  takes a DTensor wrapper whose shard sits at an offset into a larger buffer (the pinned host arena's) for a tensor
-  with storage of its own, and fails (torch 2.11-2.13: ``copy_() on an invalid python storage``).
+  DTensor's local shard is copied and wrapped again in the original's spec (FSDP2's own way of wrapping a shard,
+  which leaves it where it is: ``DTensor.from_local`` moves a host tensor to a CUDA mesh's GPU). Torch's
+  ``DefaultStager`` copies a tensor's storage and takes a DTensor wrapper whose shard sits at an offset into a larger
+  buffer (the pinned host arena's) for a tensor with storage of its own, and fails (torch 2.11-2.13: ``copy_() on an
+  invalid python storage``).
 - The upload's collectives run on a gloo group of their own: in a thread beside the training loop's, they must
   never interleave with the training's collectives on the default group (and async_save needs a CPU backend).
 - The staging copy holds a whole checkpoint of this rank (model and optimizer state) in host memory while it is
@@ -45,8 +47,9 @@ class ShardStager(AsyncStager):
 
     def _stage(self, value: Any, path: tuple) -> Any:
         if isinstance(value, DTensor):
-            return DTensor.from_local(self._copy(value.to_local(), path), value.device_mesh, value.placements,
-                                      shape=value.shape, stride=value.stride(), run_check=False)
+            # The copy wrapped in the original's spec, where it is (host memory). DTensor.from_local would move a
+            # host shard of a CUDA mesh to the GPU: a second copy of every offloaded state in GPU memory.
+            return DTensor(self._copy(value.to_local(), path), value._spec, requires_grad=False)
         if isinstance(value, torch.Tensor):
             return self._copy(value, path)
         if isinstance(value, dict):
