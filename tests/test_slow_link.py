@@ -262,3 +262,20 @@ def test_carried_iproute2_goes_on_path_only_where_the_machine_has_none(tmp_path,
     assert slow_link.use_carried_iproute2(root) is False and os.environ["PATH"] == "/usr/bin"
     monkeypatch.setattr(slow_link.shutil, "which", lambda name: None)
     assert slow_link.use_carried_iproute2(tmp_path / "nothing") is False
+
+
+def test_carried_iproute2_is_found_where_its_sbin_link_points_outside_the_tree(tmp_path, monkeypatch):
+    """Debian's sbin/ip is a link to /bin/ip, which a machine without iproute2 lacks: the tree's own bin/ip is used
+    (a dangling link alone is no `ip`)."""
+    root = tmp_path / "root"
+    for d in ("sbin", "bin"):
+        (root / d).mkdir(parents=True)
+    (root / "sbin" / "ip").symlink_to(tmp_path / "missing" / "ip")
+    (root / "sbin" / "tc").write_text("")
+    monkeypatch.setenv("PATH", "/usr/bin")
+    monkeypatch.setattr(slow_link.shutil, "which", lambda name: None)
+    assert slow_link.use_carried_iproute2(root) is False  # no ip in the tree yet: PATH unchanged
+    assert os.environ["PATH"] == "/usr/bin"
+    (root / "bin" / "ip").write_text("")
+    assert slow_link.use_carried_iproute2(root) is True
+    assert os.environ["PATH"] == os.pathsep.join([str(root / "sbin"), str(root / "bin"), "/usr/bin"])

@@ -69,9 +69,13 @@ neither `ip` nor `tc` on 2026-11-27)."""
 def use_carried_iproute2(root: Path = CARRIED_IPROUTE2) -> bool:
     """Where this machine has no `ip` or `tc` and ``root`` holds carried ones: puts them, and the libraries they load,
     on this process's PATH and LD_LIBRARY_PATH (its children inherit both). Returns whether it did."""
-    if (shutil.which("ip") and shutil.which("tc")) or not (root / "sbin" / "ip").is_file():
+    dirs = [root / d for d in ("sbin", "bin")]
+    if shutil.which("ip") and shutil.which("tc"):
         return False
-    os.environ["PATH"] = os.pathsep.join([str(root / "sbin"), os.environ.get("PATH", "")])
+    # is_file follows links: a link out of the tree (Debian's sbin/ip -> /bin/ip) does not count where it dangles
+    if not any((d / "ip").is_file() for d in dirs):
+        return False
+    os.environ["PATH"] = os.pathsep.join([*(str(d) for d in dirs if d.is_dir()), os.environ.get("PATH", "")])
     libs = [str(root / d) for d in ("lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu") if (root / d).is_dir()]
     os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
     return True
