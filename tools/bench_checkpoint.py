@@ -10,14 +10,15 @@ wall time, the checkpoint's size on disk and the host peak resident set of the a
 ``async_over_sync_stall`` compares the median stalls after each run's first save (the first pays one-time costs:
 DCP's planning, the staging buffers), so give it three saves or more.
 
-Usage (the lead's GPU run, full LLaMA-2-7B with every state on the host, saves at steps 1, 2 and 3; bf16 master
+Usage (the lead's GPU run, full LLaMA-2-7B with every state on the host, saves at steps 2 and 4; bf16 master
 weights and int8 AdamW states, so that the staging copy fits a 128 GiB host beside the arena and two checkpoints of
 about 27 GB fit a 64 GB disk: the plan refuses fp32 states, 75.3 GiB of staging on top of 108.7 GiB; both modes run
-the same config; such a step takes about 20 s, so each mode runs about 2 minutes)::
+the same config). Save less often than a checkpoint takes to write, or the next
+asynchronous save waits for the previous one and the stall measures the disk::
 
-    python tools/bench_checkpoint.py --name checkpoint_stall_llama2_7b --every 1 -- \\
+    python tools/bench_checkpoint.py --name checkpoint_stall_llama2_7b --every 2 -- \\
         experiment=llama2_7b_offload optim.state_dtype=int8 optim.master_dtype=bf16 \\
-        optim.overlap_with_backward=true steps=3 checkpoint.dir=/local_nvme/ckpt_bench
+        optim.overlap_with_backward=true steps=4 checkpoint.dir=/local_nvme/ckpt_bench
     python tools/bench_checkpoint.py --name checkpoint_stall_cpu --every 2 -- \\
         experiment=tiny_cpu steps=6 logger=none                  # CPU: the code path
 
