@@ -26,7 +26,9 @@
 # loopback: the rate shared by both directions) and sockets (no tc: NCCL narrowed to one socket, rate measured
 # only) are the fallbacks, each record's "link" says which one ran; FSL_LINK_MODES=netns refuses them.
 # FSL_SLOW_LINK_SHAPE (default 2x32) and FSL_SLOW_LINK_CONTENDERS (comma-separated, tools/bench_scale.py's
-# syntax) change the training parts' batch and contenders; FSL_SLOW_LINK_STEPS / _WARMUP (default 5 / 2) the timed
+# syntax) change the training parts' batch and contenders; FSL_SLOW_LINK_CAP_GIB caps every rank's GPU memory alike
+# (bench_scale --max-gpu-memory-gib: the regime where the peers' best micro-batch is a small part of the batch;
+# the record's name gets _capG); FSL_SLOW_LINK_STEPS / _WARMUP (default 5 / 2) the timed
 # and warm-up steps; FSL_SLOW_LINK_INVOCATIONS (default 1) the invocations per command. A part run again with the
 # same settings appends its invocations to the same record (the protocol's 3 over several device commands).
 # NCCL_* variables set by the caller reach every run.
@@ -41,10 +43,11 @@ bench_install deepspeed
 modes=${FSL_LINK_MODES:-netns,lo,sockets}
 shape=${FSL_SLOW_LINK_SHAPE:-2x32}
 steps=${FSL_SLOW_LINK_STEPS:-5}; warmup=${FSL_SLOW_LINK_WARMUP:-2}  # the protocol's minimums (docs/benchmarking.md)
-# Layer-major at its best (compiled, root on the GPU); the peers at the micro-batch that was their best over
-# emulated Ethernet on 4 GPUs (bench/results/scale_llama2_7b_L4_s4096_64seq_micro_batches*.json), then smaller ones.
-contenders=${FSL_SLOW_LINK_CONTENDERS:-speedloader:compile:root=device,fsdp2-offload:16x4:compile,deepspeed-offload:16x4,fsdp2-offload:8x8:compile,deepspeed-offload:32x2,fsdp2-offload:compile}
-
+# Layer-major at its best (compiled, root on the GPU); the peers at their largest micro-batch first: over a slow link
+# each micro-batch gathers every layer again, so the fewest micro-batches that fit win (DeepSpeed 32 x 2 beat 16 x 4
+# over emulated Ethernet on 4 GPUs, bench/results/scale_llama2_7b_L4_s4096_64seq_micro_batches_eager.json), then
+# smaller ones (under a cap, only those fit).
+contenders=${FSL_SLOW_LINK_CONTENDERS:-speedloader:compile:root=device,deepspeed-offload:32x2,fsdp2-offload:32x2:compile,fsdp2-offload:16x4:compile,deepspeed-offload:16x4,fsdp2-offload:8x8:compile}
 if [ "$dry" != 1 ]; then
   python3 tools/slow_link.py cleanup  # what a command killed on this machine before may have left
   trap 'python3 tools/slow_link.py cleanup' EXIT
@@ -64,12 +67,13 @@ bw 25 slow_link_allreduce_25g_4x4 NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4
 bw 1000 slow_link_allreduce_ceiling
 
 train() {  # train PART RATE DP_REPLICATE NAME: one bench_scale invocation in what is left of the budget
-  local key=$1 rate=$2 replicate=$3 name=$4
+  local key=$1 rate=$2 replicate=$3 name=$4${FSL_SLOW_LINK_CAP_GIB:+_cap$FSL_SLOW_LINK_CAP_GIB}
   local left=$((budget - SECONDS - 20))
   bench_run "$key" "$name" 60 0 python3 tools/bench_scale.py --model llama2_7b --layers 4 --seq-len 4096 \
     --shape "$shape" --gpus '' --ethernet 2x1 --gpu-ids 0,1 --dp-replicate "$replicate" --link-gbit "$rate" \
     --link-modes "$modes" --contenders "$contenders" --steps "$steps" --warmup "$warmup" \
     --invocations "${FSL_SLOW_LINK_INVOCATIONS:-1}" --timeout 240 --budget-s "$left" \
+    ${FSL_SLOW_LINK_CAP_GIB:+--max-gpu-memory-gib "$FSL_SLOW_LINK_CAP_GIB"} \
     --name "$name"
 }
 train hsdp 10 2 "slow_link_hsdp_10g_llama2_7b_L4_s4096_$shape"
