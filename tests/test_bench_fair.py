@@ -100,6 +100,23 @@ def test_summary_ratios_medians_overlap_and_binding_caps():
     assert s["ratios"]["layer-major/deepspeed-offload"]["ratio"] == pytest.approx(3.0)
     assert not s["ratios"]["layer-major/deepspeed-offload"]["binds"]  # its best runs the whole batch at once
     assert s["ratios"]["best_peer"] == "fsdp2-offload"
+    assert "bound" not in r  # no ceiling in this table: no bound
+
+
+def test_the_bound_from_the_ceilings_forward_backward_and_the_targets():
+    """A peer's ratio carries the issue's target for its case and the bound: the ceiling's forward+backward rate
+    (median over its invocations) over the peer's median; a target above the bound is flagged out of reach."""
+    lm, fs, ds, ce = ("speedloader-overlap:4x2", "fsdp2-offload:1x8", "deepspeed-offload:2x4", "ondevice:1x8")
+    invocations = [{"index": i, "rows": [_row(lm, 350.0, 4), _row(fs, 250.0, 1), _row(ds, 100.0, 2),
+                                         {**_row(ce, 400.0, 1), "tokens_per_s_fwd_bwd": rate}]}
+                   for i, rate in enumerate((420.0, 440.0, 400.0))]
+    r = bench_fair.summarize({"invocations": invocations}, T40)["ratios"]
+    fsdp, ds_ = r["layer-major/fsdp2-offload"], r["layer-major/deepspeed-offload"]
+    assert fsdp["eighth_or_less"] and fsdp["target"] == 2.0
+    assert fsdp["bound"] == pytest.approx(420.0 / 250.0) and fsdp["target_within_bound"] is False
+    assert ds_["binds"] and not ds_["eighth_or_less"] and ds_["target"] == 1.3
+    assert ds_["bound"] == pytest.approx(4.2) and ds_["target_within_bound"] is True
+    assert bench_fair.peer_target(False, False) == 1.0
 
 
 def test_another_setting_has_its_own_summary_row_with_its_phases():

@@ -23,7 +23,9 @@ Each part appends to one record, DIR/fair_<table>[_busyK][_copyM].json, written 
 be separate device commands; a record is never extended on another GPU model (``--points-from`` lends its best
 points to a record of the same table elsewhere; ``--also`` repeats another setting beside them). The record's ``summary`` holds, per family, the median and min-max over the repeat
 invocations and ``ratios`` layer-major over every other family (median over median, ``overlap`` where the ranges
-meet, ``binds`` where the peer's best micro-batch is smaller than the batch). ``--host-busy K`` / ``--host-copy M``
+meet, ``binds`` where the peer's best micro-batch is smaller than the batch, ``target`` the issue's ratio for that case,
+``bound`` what the ratio would be if layer-major's whole step took the ceiling's forward+backward: the most any
+schedule of the same kernels can reach, from measured rates; a target above it is out of reach at that point). ``--host-busy K`` / ``--host-copy M``
 run K busy-loop and M memory-copy processes beside every worker (tools/host_load.py): the busy-host curve.
 
 Workers are tools/bench_train.py and tools/bench_infer.py (``--worker SPEC``), each in its own process with a fresh
@@ -386,6 +388,12 @@ def repeat(table: Table, families: Sequence[str], args: argparse.Namespace, reco
 # --- the record ---------------------------------------------------------------------------------------
 
 
+def peer_target(binds: bool, eighth_or_less: bool) -> float:
+    """Issue 39's target for layer-major over a canonical peer: 2x where the peer's best micro-batch is an eighth of
+    the batch or less, 1.3x where the cap binds it at all, else not slower (1x)."""
+    return 2.0 if eighth_or_less else 1.3 if binds else 1.0
+
+
 def summarize(record: dict, table: Table) -> dict:
     """Per family: the spread of its best point over the repeat invocations; ratios of layer-major (and of the
     int4 generation row) over every other family, median over median, with overlap and whether the cap binds
@@ -408,12 +416,18 @@ def summarize(record: dict, table: Table) -> dict:
                 values = [r[key] for r in ok if r.get(key) is not None]
                 if values:
                     entry[f"{key}_median"] = protocol.spread(values)["median"]
+            rates = [r["tokens_per_s_fwd_bwd"] for r in ok if r.get("tokens_per_s_fwd_bwd")]
+            if rates:
+                entry["tokens_per_s_fwd_bwd_median"] = protocol.spread(rates)["median"]
         # a family's best point is the family's row; another setting of it (--also) is a row of its own
         family = family_of(spec)
         families[family if best.get(family, spec) == spec else spec] = entry
     ours_name = LAYER_MAJOR if table.kind == "train" else "speedloader-int4"
     ratios = {}
     ours = families.get(ours_name)
+    # No schedule of the same kernels computes faster than the ceiling's forward+backward (no recompute, no transfer,
+    # its optimizer set aside): over a peer, layer-major can reach at most that rate over the peer's.
+    fastest = families.get("ceiling", {}).get("tokens_per_s_fwd_bwd_median")
     if ours and ours["median"]:
         for name, theirs in families.items():
             if name == ours_name or not theirs["median"]:
@@ -422,6 +436,10 @@ def summarize(record: dict, table: Table) -> dict:
             if table.kind == "train" and name in PEERS and theirs.get("sub_batch_size"):
                 r["binds"] = theirs["sub_batch_size"] < table.batch
                 r["eighth_or_less"] = theirs["sub_batch_size"] * 8 <= table.batch
+                r["target"] = peer_target(r["binds"], r["eighth_or_less"])
+                if fastest:
+                    r["bound"] = fastest / theirs["median"]
+                    r["target_within_bound"] = r["bound"] >= r["target"]
             ratios[f"{ours_name}/{name}"] = r
         peers = [(families[p]["median"], p) for p in PEERS if families.get(p, {}).get("median")]
         if peers:
