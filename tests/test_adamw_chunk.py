@@ -51,6 +51,21 @@ def _values(kind: str, n: int, gen: torch.Generator) -> torch.Tensor:
 KINDS = ["normal", "zeros", "huge", "tiny", "mixed", "normal"]
 
 
+def test_a_chunks_last_elements_round_as_torchs_scalar_loop(kernel_built):
+    """torch's kernel contracts exp_avg_sq's update one way in its vector loop and another in the scalar loop over a
+    chunk's last elements (``torch_arithmetic``). Zero parameters make each step's update the parameter itself, so
+    a different rounding of exp_avg_sq shows in it (bf16 moments: more bits of them carry to the next step)."""
+    n = 2 * 2048 + 29  # the last 29 elements: 16 + 8 + 5, or 3 x 8 + 5
+    gen = torch.Generator().manual_seed(3)
+    state = _state("bf16", n)
+    for step in range(1, 41):
+        p, g = torch.zeros(n), torch.randn(n, generator=gen)
+        kw = dict(lr=1e-2, beta1=0.9, beta2=0.95, weight_decay=0.0, eps=1e-8, step=float(step))
+        ref_p, ref_state = _reference_step(p, g, state, None, "nearest", dict(kw))
+        adamw_chunk.step_chunk(p, g, *state, None, **kw)
+        assert torch.equal(p, ref_p) and all(a is b is None or torch.equal(a, b) for a, b in zip(state, ref_state))
+
+
 def _run(kernel: str, state_dtype: str, dtype: torch.dtype, rounding: str, betas, weight_decay: float):
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(_values(kind if kind != "huge" else "normal", n, gen).to(dtype))
@@ -93,7 +108,7 @@ def _reference_step(p, g, state, bits, rounding, kw) -> tuple:
     else:
         compressed_adamw._decode_signed(m, m_scale, m32)
         compressed_adamw._decode_sqrt(v, v_scale, v32)
-    p32, g32 = p.float(), g.float()
+    p32, g32 = p.to(torch.float32, copy=True), g.to(torch.float32, copy=True)  # (the inputs stay as they are)
     step = kw.pop("step")
     torch._fused_adamw_([p32], [g32], [m32], [v32], [], [torch.tensor(step)], amsgrad=False, maximize=False, **kw)
     kw["step"] = step
@@ -162,6 +177,7 @@ def test_compressed_adamw_steps_as_with_torch_ops(kernel_built, monkeypatch, sta
     fused, fused_opt = _run("fused", state_dtype, dtype, rounding, betas, weight_decay)
     ref, ref_opt = _run("torch", state_dtype, dtype, rounding, betas, weight_decay)
     exact = state_dtype == "bf16"
+    codes_differ = params_differ = 0
     for p, r in zip(fused, ref):
         assert p.dtype == r.dtype == dtype
         a, b = fused_opt.state[p], ref_opt.state[r]
@@ -173,9 +189,11 @@ def test_compressed_adamw_steps_as_with_torch_ops(kernel_built, monkeypatch, sta
             torch.testing.assert_close(a[key], b[key], rtol=2.5e-7, atol=0)
         for key in ("exp_avg", "exp_avg_sq"):
             differ = a[key].int() - b[key].int()
-            assert differ.abs().max() <= 1 and differ.ne(0).float().mean() <= 1e-3, key
-        assert p.ne(r).float().mean() <= 1e-3
+            assert differ.abs().max() <= 1, key
+            codes_differ += int(differ.ne(0).sum())
+        params_differ += int(p.ne(r).sum())
         torch.testing.assert_close(p.float(), r.float(), rtol=0, atol=1e-2)  # lr: no element's path differs much
+    assert codes_differ <= 4 and params_differ <= 4 * len(SIZES)  # of 2 x 11,314 codes and 11,314 parameters
 
 
 def test_the_kernel_checks_its_operands(kernel_built):
@@ -237,10 +255,12 @@ def test_the_kernel_releases_the_interpreter_lock(kernel_built):
     start = time.perf_counter()
     step()
     took = time.perf_counter() - start
-    assert _main_thread_share(step) > 0.3
+    share = _main_thread_share(step)
+    assert share > 0.3, share
     hold = ctypes.PyDLL(None).usleep  # a C function called with the interpreter lock held
     hold.argtypes = [ctypes.c_uint]
-    assert _main_thread_share(lambda: hold(int(took * 1e6))) < 0.1
+    held = _main_thread_share(lambda: hold(int(took * 1e6)))
+    assert held < 0.1, held
 
 
 def test_the_switch(kernel_built, monkeypatch):
