@@ -23,7 +23,7 @@ from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Lengths: no multiple of the block or of torch's vector sizes (16, 8), one shorter than a vector; with chunks of
-# 4096 elements the long ones end in short chunks (13 elements, 904 = 56 x 16 + 8), where torch's scalar loop runs.
+# 4096 elements the long ones end in short chunks (13 elements, 904 = 56 x 16 + 8).
 SIZES = [1, 7, 149, 2048, 4096 + 13, 5000]
 
 
@@ -55,7 +55,7 @@ def test_a_chunks_last_elements_round_as_torchs_scalar_loop(kernel_built):
     """torch's kernel contracts exp_avg_sq's update one way in its vector loop and another in the scalar loop over a
     chunk's last elements (``torch_arithmetic``). Zero parameters make each step's update the parameter itself, so
     a different rounding of exp_avg_sq shows in it (bf16 moments: more bits of them carry to the next step)."""
-    n = 2 * 2048 + 29  # the last 29 elements: 16 + 8 + 5, or 3 x 8 + 5
+    n = 2 * 2048 + 29  # the last 29 elements: 16 + 8 + 5 (AVX512), 3 x 8 + 5 (AVX2): 5 in torch's scalar loop
     gen = torch.Generator().manual_seed(3)
     state = _state("bf16", n)
     for step in range(1, 41):

@@ -113,19 +113,15 @@ def use_kernel(kernel: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def torch_arithmetic() -> tuple[int, int, bool]:
-    """How ``torch._fused_adamw_`` rounds on this CPU, as (vector size, tail vector size, fused multiply-adds): its
-    vector loop takes a chunk's first ``n - n % vector size`` elements, its scalar loop the rest, which the compiler
-    vectorized ``tail vector size`` at a time (0: not); with fused multiply-adds, exp_avg's lerp is one and the two
-    loops contract exp_avg_sq's update differently (``csrc/adamw_chunk.cpp``, ``update``). Read from torch's x86
-    builds (AVX512, AVX2, DEFAULT: ``ATEN_CPU_CAPABILITY``); on other instruction sets the last ``n % 8`` elements of
-    a chunk may differ from torch's in the last bit."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability == "DEFAULT":
-        return 8, 0, False
-    if capability == "AVX512":
-        return 16, 8, True
-    return 8, 0, True
+def torch_arithmetic() -> tuple[int, bool]:
+    """How ``torch._fused_adamw_`` rounds on this CPU, as (scalar tail, fused multiply-adds). With fused
+    multiply-adds (torch's AVX2 and AVX512 builds) exp_avg's lerp is one, and exp_avg_sq's update is contracted one
+    way for a chunk's elements up to the last multiple of the scalar tail and the other way for the rest: torch's
+    vector loop (8 elements wide with AVX2, 16 with AVX512, where the compiler vectorized the scalar loop 8 at a time)
+    and its scalar loop (``csrc/adamw_chunk.cpp``, ``update``). Read from torch's x86 builds (``ATEN_CPU_CAPABILITY``
+    AVX512, AVX2, DEFAULT); on other instruction sets the last ``n % 8`` elements of a chunk may differ from torch's
+    in the last bit."""
+    return 8, torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 
 def step_chunk(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

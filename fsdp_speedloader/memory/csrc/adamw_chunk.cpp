@@ -186,8 +186,9 @@ FSL_INLINE void encode_sqrt(float* x_sqrt, uint8_t* q, float* scale, int64_t cou
 // torch's kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp) writes exp_avg's lerp as a fused multiply-add
 // (vec::fmadd) and its exp_avg_sq update as exp_avg_sq * beta2 + (1 - beta2) * grad * grad, which the compiler of
 // torch's vectorized builds (AVX2, AVX512) contracted into one: fma((1 - beta2) * grad, grad, exp_avg_sq * beta2)
-// in its vector loop, fma(exp_avg_sq, beta2, (1 - beta2) * grad * grad) in the scalar loop over the last elements
-// the vector loop leaves. `kFma` false: torch's build for no vector instructions, every product rounded. The caller
+// in its vector loops, fma(exp_avg_sq, beta2, (1 - beta2) * grad * grad) in its scalar loop, which takes a chunk's
+// last n % 8 elements (AVX512's vector loop is 16 wide, but the compiler vectorized the rest 8 at a time, contracted
+// as the vector loop is). `kFma` false: torch's build for no vector instructions, every product rounded. The caller
 // says which elements torch's scalar loop takes (`kScalarLoop`).
 template <bool kFma, bool kScalarLoop, bool kLerpFromAvg, Param kParam>
 FSL_INLINE void update_loop(void* param, const void* grad, const int32_t* __restrict bits, float* __restrict m,
@@ -249,7 +250,7 @@ struct Chunk {
   float* exp_avg_sq_scale;
   const int32_t* bits;
   int64_t numel;
-  int64_t scalar_loop_from;  // the first element torch's scalar loop steps
+  int64_t scalar_loop_from;  // the first element torch's kernel steps in its scalar loop: n - n % scalar_tail
   bool fma;
   Moments moments;
   Param param_kind;
@@ -348,7 +349,7 @@ void adamw_chunk_(const at::Tensor& param, const at::Tensor& grad, const at::Ten
                   const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& exp_avg_scale,
                   const std::optional<at::Tensor>& exp_avg_sq_scale, const std::optional<at::Tensor>& bits,
                   double lr, double beta1, double beta2, double weight_decay, double eps, double step,
-                  int64_t vector_size, int64_t tail_vector_size, bool fma) {
+                  int64_t scalar_tail, bool fma) {
   const int64_t n = param.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   for (auto [t, name] : {std::pair{&param, "param"}, {&grad, "grad"}, {&exp_avg, "exp_avg"},
@@ -390,16 +391,13 @@ void adamw_chunk_(const at::Tensor& param, const at::Tensor& grad, const at::Ten
   } else {
     a.param_kind = Param::kBf16Nearest;
   }
-  TORCH_CHECK(vector_size > 0 && tail_vector_size >= 0, "adamw_chunk_: vector sizes must be positive");
+  TORCH_CHECK(scalar_tail > 0, "adamw_chunk_: scalar_tail must be positive");
   a.param = param.data_ptr();
   a.grad = grad.data_ptr();
   a.exp_avg = exp_avg.data_ptr();
   a.exp_avg_sq = exp_avg_sq.data_ptr();
   a.numel = n;
-  // torch's vector loop takes the first n - n % vector_size elements; the compiler vectorized its scalar loop over
-  // the rest tail_vector_size at a time (0: not), the vector part contracted as the main loop is.
-  const int64_t rest = n % vector_size;
-  a.scalar_loop_from = n - rest + (tail_vector_size > 0 ? rest / tail_vector_size * tail_vector_size : 0);
+  a.scalar_loop_from = n - n % scalar_tail;
   a.fma = fma;
   a.c = coefficients(lr, beta1, beta2, weight_decay, eps, step);
   // One thread steps the chunk: the chunks are the unit of parallelism (the optimizer's pool runs one per thread).
@@ -418,6 +416,6 @@ TORCH_LIBRARY_FRAGMENT(fsdp_speedloader, m) {
   m.def(
       "adamw_chunk_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? exp_avg_scale, Tensor(e!)? exp_avg_sq_scale, Tensor? bits, float lr, float beta1, float beta2, "
-      "float weight_decay, float eps, float step, int vector_size, int tail_vector_size, bool fma) -> ()");
+      "float weight_decay, float eps, float step, int scalar_tail, bool fma) -> ()");
   m.impl("adamw_chunk_", c10::DispatchKey::CPU, &adamw_chunk_);
 }
