@@ -10,11 +10,17 @@ the state and, for the torch.compile'd ones, compile):
   torch-foreach      torch.optim.AdamW(foreach=True), fp32 moments
   local-fused        fsdp_speedloader LocalShardAdamW(fused=True): torch's fused AdamW called on the local shards of
                      DTensor parameters (what the trainer builds; the same as torch-fused on plain tensors)
-  fsl-bf16           fsdp_speedloader CompressedAdamW, bf16 moments (torch's fused kernel on decoded chunks)
+  fsl-bf16           fsdp_speedloader CompressedAdamW, bf16 moments (torch's fused kernel on decoded chunks:
+                     kernel='torch')
   fsl-int8           fsdp_speedloader CompressedAdamW, 8-bit blockwise moments (same)
   torch-fused-bf16p  torch.optim.AdamW(fused=True) on bf16 parameters (bf16 master, moments, round to nearest)
   fsl-int8-bf16-sr   fsdp_speedloader CompressedAdamW, int8 moments, bf16 parameters and gradients, stochastic
                      rounding (optim.master_dtype=bf16 optim.state_dtype=int8: the smallest mode)
+  fsl-bf16-fused     fsl-bf16 with the fused C++ kernel per chunk (kernel='fused', memory/adamw_chunk.py: one pass
+                     over the chunk, the interpreter lock released; the same results; the library's default where
+                     the kernel builds)
+  fsl-int8-fused     fsl-int8 with the fused C++ kernel
+  fsl-int8-bf16-sr-fused  fsl-int8-bf16-sr with the fused C++ kernel (the random bits still drawn by torch)
   torchao-8bit       torchao.optim.AdamW8bit (fp32 parameters, 8-bit blockwise moments; torch.compile)
   torchao-4bit       torchao.optim.AdamW4bit
   torchao-fp8        torchao.optim.AdamWFp8
@@ -64,13 +70,14 @@ import harness  # noqa: E402
 REPO = harness.REPO
 BLOCK_SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 3 + [(4096,)] * 2  # one LLaMA-2-7B block
 CANDIDATES = ("torch-fused", "torch-foreach", "local-fused", "fsl-bf16", "fsl-int8", "fsl-int8-bf16-sr",
-              "torch-fused-bf16p", "torchao-8bit", "torchao-4bit", "torchao-fp8", "torchao-bf16-sr", "bnb-8bit",
+              "fsl-bf16-fused", "fsl-int8-fused", "fsl-int8-bf16-sr-fused", "torch-fused-bf16p", "torchao-8bit", "torchao-4bit", "torchao-fp8", "torchao-bf16-sr", "bnb-8bit",
               "clip-norms-torch", "clip-norms-fsl")
 STATE_BYTES = {"clip-norms-torch": 0, "clip-norms-fsl": 0, "local-fused": 8, "torch-fused": 8, "torch-foreach": 8,
-               "fsl-bf16": 4, "fsl-int8": 2, "fsl-int8-bf16-sr": 2, "torch-fused-bf16p": 4,
+               "fsl-bf16": 4, "fsl-int8": 2, "fsl-int8-bf16-sr": 2, "fsl-bf16-fused": 4, "fsl-int8-fused": 2,
+               "fsl-int8-bf16-sr-fused": 2, "torch-fused-bf16p": 4,
                "torchao-8bit": 2, "torchao-4bit": 1, "torchao-fp8": 2, "torchao-bf16-sr": 4, "bnb-8bit": 2}
 # The others keep fp32 parameters (4).
-MASTER_BYTES = {"torch-fused-bf16p": 2, "torchao-bf16-sr": 2, "fsl-int8-bf16-sr": 2}
+MASTER_BYTES = {"torch-fused-bf16p": 2, "torchao-bf16-sr": 2, "fsl-int8-bf16-sr": 2, "fsl-int8-bf16-sr-fused": 2}
 
 
 def build(name: str, params: list):
@@ -88,9 +95,11 @@ def build(name: str, params: list):
     if name.startswith("fsl-"):
         from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
 
-        if name == "fsl-int8-bf16-sr":
+        base, fused = name.removesuffix("-fused"), name.endswith("-fused")
+        kw = dict(kw, kernel="fused" if fused else "torch")
+        if base == "fsl-int8-bf16-sr":
             return CompressedAdamW(params, state_dtype="int8", rounding="stochastic", **kw)
-        return CompressedAdamW(params, state_dtype=name[4:], **kw)
+        return CompressedAdamW(params, state_dtype=base[4:], **kw)
     if name.startswith("torchao-"):
         import torchao.optim as ao
 

@@ -10,13 +10,17 @@
   below).
 
 The parameters stay as they are (fp32 masters when the model is fp32; bf16 master weights, rounded to nearest or,
-with ``rounding="stochastic"``, stochastically: ``memory/bf16_master.py``), and so does the arithmetic: each step runs
-torch's own fused AdamW kernel (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` calls) on fp32
-moments decoded chunk by chunk into a scratch buffer (one per thread and device, reused), then encodes them back;
-on the host the chunks are stepped on several threads at once, one chunk per thread (``CHUNK_PER_THREAD``). So
-``state_dtype="bf16"`` gives, bit for bit, fused AdamW whose moments are rounded to bf16 after each step
-(``tests/test_compressed_adamw.py``), in about twice fused fp32 AdamW's time per thread; ``int8`` takes about 7
-times as long (its codes are about twenty elementwise passes; ``tools/bench_cpu_optim.py``).
+with ``rounding="stochastic"``, stochastically: ``memory/bf16_master.py``), and so does the arithmetic: each step is
+torch's own fused AdamW (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` calls) on fp32 moments
+decoded chunk by chunk, then encoded back. On the host the chunks are stepped on several threads at once, one chunk
+per thread (``CHUNK_PER_THREAD``), each by one C++ kernel (``memory/adamw_chunk.py``, ``csrc/adamw_chunk.cpp``, built
+at first use) that decodes, steps and encodes block by block in the core's cache, with torch's arithmetic, and runs
+without the interpreter lock. Where the kernel cannot be built (no compiler), or with ``kernel="torch"`` (or
+``$FSDP_SPEEDLOADER_FUSED_ADAMW=0``), and on accelerators, a chunk is about twenty torch operations instead: the
+moments decoded into fp32 scratch (one buffer per thread and device, reused), ``torch._fused_adamw_`` on it, the
+codes encoded back. So ``state_dtype="bf16"`` gives, bit for bit, fused AdamW whose moments are rounded to bf16
+after each step (``tests/test_compressed_adamw.py``); the two paths agree bit for bit but for torch's MKL square
+root in the int8 codes (``tests/test_adamw_chunk.py``).
 
 Why not a library: on CPU tensors torchao's low-bit and bf16 stochastic-rounding AdamW (torch.compile'd per
 parameter) and bitsandbytes' 8-bit AdamW (its CPU fallback) measured 25 to 100 times slower than fused fp32 AdamW
@@ -41,6 +45,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from fsdp_speedloader.memory import adamw_chunk
 from fsdp_speedloader.memory.bf16_master import random_bits, stochastic_round_
 from fsdp_speedloader.memory.threads import run_on_host_threads
 
@@ -57,9 +62,10 @@ BLOCK = 2048  # int8: elements per quantisation block (one fp32 scale each, per 
 # count. The ~20 elementwise operations of a chunk then run on the thread's own scratch and open no parallel
 # region: with intra-op parallelism each operation is a region whose barrier waits for every thread, and where the
 # training's own threads share the cores (the overlapped step runs beside the backward) a barrier waits for
-# descheduled threads (docs/design.md §13, bench/results/cpu_optim_step_llama7b_blocks*.json). Each chunk's
-# operations take the interpreter lock to dispatch: on a 16-core host fewer, larger chunks won, up to 2^21 elements
-# (bench/results/cpu_optim_step_h100_host_chunks*.json). On a GPU, one chunk of DEVICE_CHUNK.
+# descheduled threads (docs/design.md §13, bench/results/cpu_optim_step_llama7b_blocks*.json). With torch ops each
+# chunk's operations take the interpreter lock to dispatch: on a 16-core host fewer, larger chunks won, up to 2^21
+# elements (bench/results/cpu_optim_step_h100_host_chunks*.json); the C++ kernel is one call per chunk. On a GPU, one
+# chunk of DEVICE_CHUNK.
 CHUNK_PER_THREAD = 1 << 21
 DEVICE_CHUNK = 1 << 26
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -125,21 +131,26 @@ def _run_chunks(tasks: list[Callable[[], None]], device: torch.device) -> None:
 
 class CompressedAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW(fused=True)`` with ``exp_avg`` / ``exp_avg_sq`` stored in ``state_dtype`` ('bf16' or
-    'int8'); see the module docstring. The other arguments are AdamW's."""
+    'int8'); see the module docstring. ``kernel``: how host chunks are stepped, 'auto' (the fused C++ kernel where
+    it builds, else torch ops), 'fused' or 'torch' (``memory/adamw_chunk.py``). The other arguments are AdamW's."""
 
     def __init__(self, params: Iterable, *, state_dtype: str = "bf16", lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 rounding: str = "nearest", seed: int = 0) -> None:
+                 rounding: str = "nearest", seed: int = 0, kernel: str = "auto") -> None:
         if state_dtype not in ("bf16", "int8"):
             raise ValueError(f"state_dtype={state_dtype!r}: CompressedAdamW stores 'bf16' or 'int8' moments "
                              "(fp32 moments: torch.optim.AdamW)")
         if rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding={rounding!r}: 'nearest' or 'stochastic' (bf16 parameters)")
+        if kernel not in adamw_chunk.KERNELS:
+            raise ValueError(f"kernel={kernel!r}: one of {', '.join(adamw_chunk.KERNELS)}")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.state_dtype = state_dtype
         # bf16 parameters (master weights, memory/bf16_master.py): each update rounded to nearest, or stochastically
         # with random bits seeded by (seed, the parameter's index here, its step, the element's position).
         self.rounding, self.seed = rounding, seed
+        self.kernel = kernel
+        self._fused: Optional[bool] = None  # whether host chunks take the C++ kernel: decided at the first host step
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -229,6 +240,9 @@ class CompressedAdamW(torch.optim.AdamW):
             m_scale, v_scale = _local(state["exp_avg_scale"]), _local(state["exp_avg_sq_scale"])
         step, step_number = [state["step"]], int(state["step"])
         n, chunk = p_flat.numel(), chunk_elements(p_flat.device)
+        if p_flat.device.type == "cpu" and p_flat.dtype in (torch.float32, torch.bfloat16) and self._use_kernel():
+            return self._fused_chunk_steps(p_flat, g_flat, m, v, m_scale, v_scale, kwargs, index=index,
+                                           step=float(state["step"]))
 
         @torch.no_grad()  # on the pool's threads too: grad mode is per thread
         def step_chunk(start: int, end: int) -> None:
@@ -261,6 +275,36 @@ class CompressedAdamW(torch.optim.AdamW):
             else:
                 _encode_signed(m32, m[start:end], m_scale[b0:b1])
                 _encode_sqrt(v32, v[start:end], v_scale[b0:b1])
+
+        return [functools.partial(step_chunk, start, min(n, start + chunk)) for start in range(0, n, chunk)]
+
+    def _use_kernel(self) -> bool:
+        if self._fused is None:
+            self._fused = adamw_chunk.use_kernel(self.kernel)
+        return self._fused
+
+    def _fused_chunk_steps(self, p_flat: torch.Tensor, g_flat: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                           m_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], kwargs: dict, *,
+                           index: int, step: float) -> list[Callable[[], None]]:
+        """``_chunk_steps`` of a host parameter with the C++ kernel: one call per chunk, the interpreter lock free
+        while it runs; the same results."""
+        n, chunk = p_flat.numel(), chunk_elements(p_flat.device)
+        scalars = {k: kwargs[k] for k in ("lr", "beta1", "beta2", "weight_decay", "eps")}
+        stochastic = self.rounding == "stochastic" and p_flat.dtype == torch.bfloat16
+
+        @torch.no_grad()  # on the pool's threads too: the kernel writes the parameter in place
+        def step_chunk(start: int, end: int) -> None:
+            bits = None
+            if stochastic:
+                (scratch,) = _fp32_scratch(end - start, p_flat.device, count=1)
+                bits = random_bits(end - start, seed=self.seed, index=index, step=int(step), offset=start,
+                                   out=scratch.view(torch.int32))
+            scales = (None, None)
+            if m_scale is not None:
+                b0, b1 = start // BLOCK, -(-end // BLOCK)
+                scales = (m_scale[b0:b1], v_scale[b0:b1])
+            adamw_chunk.step_chunk(p_flat[start:end], g_flat[start:end], m[start:end], v[start:end], *scales, bits,
+                                   step=step, **scalars)
 
         return [functools.partial(step_chunk, start, min(n, start + chunk)) for start in range(0, n, chunk)]
 
