@@ -150,6 +150,10 @@ def test_the_default_is_torch_adamw_and_the_choice_is_validated():
     assert type(default) is LocalShardAdamW and isinstance(default, torch.optim.AdamW)
     assert all(group["fused"] for group in default.param_groups)
     assert isinstance(build_adamw(params, OptimConfig(state_dtype="bf16")), CompressedAdamW)
+    assert build_adamw(params, OptimConfig(state_dtype="int8")).kernel == "auto"
+    assert build_adamw(params, OptimConfig(state_dtype="int8", host_kernel="torch")).kernel == "torch"
+    with pytest.raises(ValueError, match="optim.host_kernel"):
+        OptimConfig(state_dtype="int8", host_kernel="cuda")
     with pytest.raises(ValueError, match="optim.state_dtype"):
         OptimConfig(state_dtype="fp8")
     with pytest.raises(ValueError, match="optim.grad_slots_in_flight"):

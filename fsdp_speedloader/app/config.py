@@ -138,6 +138,12 @@ class OptimConfig:
     fused AdamW arithmetic on decoded chunks (docs/design.md §13; their loss is checked against fp32 by
     tools/convergence_check.py). The parameters stay fp32; parameters on the GPU keep fp32 moments."""
 
+    host_kernel: str = "auto"
+    """How the compressed AdamW (state_dtype bf16/int8) steps host chunks: 'fused' (one C++ kernel per chunk,
+    memory/csrc/adamw_chunk.cpp, built at first use: needs a C++ compiler), 'torch' (torch ops) or 'auto' (the
+    kernel where it builds, else torch ops after one warning; $FSDP_SPEEDLOADER_FUSED_ADAMW=1/0 turns 'auto' into
+    'fused'/'torch'). The kernel does the torch ops' arithmetic (docs/design.md §13)."""
+
     master_dtype: str = "fp32"
     """The host copy of the parameters (offload=params): 'fp32' (exact, the default) or 'bf16' (2 B/param instead of
     4, and the gradients with them; each update stochastically rounded, memory/bf16_master.py; not exact: checked
@@ -158,6 +164,7 @@ class OptimConfig:
               f"got {self.worker_nice}; use an integer in 0..19 (0: the process's priority)")
         check_choice(self.state_dtype, "optim.state_dtype", ("fp32", "bf16", "int8"))
         check_choice(self.master_dtype, "optim.master_dtype", ("fp32", "bf16"))
+        check_choice(self.host_kernel, "optim.host_kernel", ("auto", "fused", "torch"))
         check(self.master_dtype == "fp32" or self.state_dtype != "fp32", "optim.master_dtype",
               "bf16 master weights are stepped by the compressed AdamW: set optim.state_dtype=bf16 or int8 too "
               "(or optim.master_dtype=fp32)")

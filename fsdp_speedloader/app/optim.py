@@ -58,7 +58,7 @@ def build_adamw(parameters: list, cfg: OptimConfig, *, seed: int = 0) -> torch.o
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if cfg.state_dtype != "fp32" and all(p.device.type == "cpu" for p in params):
-        return CompressedAdamW(groups, state_dtype=cfg.state_dtype,
+        return CompressedAdamW(groups, state_dtype=cfg.state_dtype, kernel=cfg.host_kernel,
                                rounding="stochastic" if cfg.master_dtype == "bf16" else "nearest", seed=seed, **kwargs)
     try:  # fused runs on CUDA and (torch >= 2.4) on CPU; on FSDP2's DTensors through their local shards
         return LocalShardAdamW(groups, fused=True, **kwargs)
