@@ -126,11 +126,14 @@ def torch_arithmetic() -> tuple[int, bool]:
 
 def step_chunk(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                exp_avg_scale: Optional[torch.Tensor], exp_avg_sq_scale: Optional[torch.Tensor],
-               bits: Optional[torch.Tensor], *, lr: float, beta1: float, beta2: float, weight_decay: float,
-               eps: float, step: float) -> None:
+               noise_key: Optional[int] = None, position: int = 0, *, lr: float, beta1: float, beta2: float,
+               weight_decay: float, eps: float, step: float) -> None:
     """One AdamW step of a chunk (1-D, contiguous, starting at a multiple of ``BLOCK``) in place: ``param`` fp32 or
-    bf16 (rounded stochastically with ``bits``, ``bf16_master.random_bits``, else to nearest); moments int8 / uint8
-    codes with their blocks' scales, or bf16. ``load()`` first."""
-    torch.ops.fsdp_speedloader.adamw_chunk_(param, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, bits,
-                                            lr, beta1, beta2, weight_decay, eps, step, *torch_arithmetic())
+    bf16, rounded stochastically where ``noise_key`` (``bf16_master.noise_key``) is given, else to nearest; moments
+    int8 / uint8 codes with their blocks' scales, or bf16. The kernel computes the random bits itself, those
+    ``bf16_master.random_bits`` gives for the chunk's elements at their ``position + i`` in the whole parameter.
+    ``load()`` first."""
+    torch.ops.fsdp_speedloader.adamw_chunk_(param, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale,
+                                            noise_key, position, lr, beta1, beta2, weight_decay, eps, step,
+                                            *torch_arithmetic())
 
