@@ -18,6 +18,11 @@ the torch version: once per machine and torch; later processes load it, and a fi
 once. The build targets the architecture's baseline, with an AVX2 + FMA copy chosen at run time on x86 (no
 ``-march=native``: a cache directory in a shared home serves machines with other CPUs).
 
+Stochastic rounding of bf16 parameters takes its random bits from a counter-based generator (SplitMix64 of a key
+and the element's position, ``memory/bf16_master.py``): the kernel is given the key (``bf16_master.noise_key``) and
+the chunk's position in its parameter and computes each block's bits in its loop, the bits
+``bf16_master.random_bits`` gives the torch-ops path.
+
 ``CompressedAdamW(kernel=...)``: ``"auto"`` (the default) the kernel where it builds, else the torch ops, after one
 warning; ``"fused"`` the kernel or an error; ``"torch"`` the torch ops. ``$FSDP_SPEEDLOADER_FUSED_ADAMW`` = ``1`` /
 ``0`` makes ``"auto"`` mean ``"fused"`` / ``"torch"`` (for the trainer, which builds the optimizer itself). The kernel

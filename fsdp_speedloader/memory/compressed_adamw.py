@@ -10,7 +10,8 @@
   below).
 
 The parameters stay as they are (fp32 masters when the model is fp32; bf16 master weights, rounded to nearest or,
-with ``rounding="stochastic"``, stochastically: ``memory/bf16_master.py``), and so does the arithmetic: each step is
+with ``rounding="stochastic"``, stochastically with counter-based random bits, the same on both paths below:
+``memory/bf16_master.py``), and so does the arithmetic: each step is
 torch's own fused AdamW (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` calls) on fp32 moments
 decoded chunk by chunk, then encoded back. On the host the chunks are stepped on several threads at once, one chunk
 per thread (``CHUNK_PER_THREAD``), each by one C++ kernel (``memory/adamw_chunk.py``, ``csrc/adamw_chunk.cpp``, built
@@ -147,7 +148,8 @@ class CompressedAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.state_dtype = state_dtype
         # bf16 parameters (master weights, memory/bf16_master.py): each update rounded to nearest, or stochastically
-        # with random bits seeded by (seed, the parameter's index here, its step, the element's position).
+        # with counter-based random bits, a hash of (seed, the parameter's index here, its step, the element's
+        # position): the fused kernel computes them itself, the torch-ops path with bf16_master.random_bits.
         self.rounding, self.seed = rounding, seed
         self.kernel = kernel
         self._fused: Optional[bool] = None  # whether host chunks take the C++ kernel: decided at the first host step
