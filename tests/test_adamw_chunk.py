@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fsdp_speedloader.memory import adamw_chunk, compressed_adamw
-from fsdp_speedloader.memory.bf16_master import random_bits, stochastic_round_
+from fsdp_speedloader.memory.bf16_master import noise_key, random_bits, stochastic_round_
 from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -140,30 +140,35 @@ def test_the_kernel_is_the_torch_ops_step_with_ieee_roots_bit_for_bit(kernel_bui
         state = _state(state_dtype, n)
         for step in range(1, 5):
             g = _values(KINDS[(k + step) % len(KINDS)], n, gen).to(dtype)
-            bits = random_bits(n, seed=1, index=k, step=step) if rounding == "stochastic" else None
+            stochastic = rounding == "stochastic"
+            bits = random_bits(n, seed=1, index=k, step=step) if stochastic else None
             kw = dict(lr=1e-2, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, eps=1e-8, step=float(step))
             ref_p, ref_state = _reference_step(p, g, state, bits, rounding, dict(kw))
-            adamw_chunk.step_chunk(p, g, *state, bits, **kw)
+            adamw_chunk.step_chunk(p, g, *state, noise_key(1, k, step) if stochastic else None, **kw)
             assert torch.equal(p, ref_p), (n, step)
             for a, b in zip(state, ref_state):
                 assert a is b is None or torch.equal(a, b), (n, step)
         assert bool(p.ne(0).any()) or KINDS[k] == "zeros"
 
 
-def _run(kernel: str, state_dtype: str, dtype: torch.dtype, rounding: str, betas, weight_decay: float):
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(_values(kind if kind != "huge" else "normal", n, gen).to(dtype))
-              for kind, n in zip(KINDS, SIZES)]
-    opt = CompressedAdamW(params, state_dtype=state_dtype, rounding=rounding, lr=1e-2, betas=betas,
-                          weight_decay=weight_decay, seed=7, kernel=kernel)
-    for step in range(4):
-        gen = torch.Generator().manual_seed(100 + step)
-        for k, p in enumerate(params):
-            kind = KINDS[(k + step) % len(KINDS)]  # each parameter sees several kinds of gradient
-            p.grad = _values(kind, p.numel(), gen).to(dtype)
-        opt.step()
-    assert opt._fused == (kernel == "fused")
-    return params, opt
+@pytest.mark.parametrize("position", [2048, 12_345, (1 << 33) + 4_097])
+def test_the_kernels_random_bits_are_random_bits_at_the_chunks_position(kernel_built, position):
+    """A chunk that starts at ``position`` of its parameter (no multiple of anything, past 2^32) rounds with
+    ``random_bits(offset=position)``: the bf16 parameters equal the torch-ops step's with those bits, bit for bit,
+    step after step; the bits of position 0 instead would round differently."""
+    n = 2 * 2048 + 777
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(n, generator=gen).bfloat16()
+    state = _state("int8", n)
+    for step in range(1, 4):
+        g = torch.randn(n, generator=gen).bfloat16()
+        kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, step=float(step))
+        bits = random_bits(n, seed=3, index=2, step=step, offset=position)
+        ref_p, _ = _reference_step(p, g, state, bits, "stochastic", dict(kw))
+        wrong_p, _ = _reference_step(p, g, state, random_bits(n, seed=3, index=2, step=step), "stochastic", dict(kw))
+        adamw_chunk.step_chunk(p, g, *state, noise_key(3, 2, step), position, **kw)
+        assert torch.equal(p, ref_p), step
+        assert not torch.equal(p, wrong_p)
 
 
 @pytest.mark.parametrize("betas, weight_decay", HYPER)

@@ -13,7 +13,7 @@ from dist_utils import run_distributed, tiny_config
 from fsdp_speedloader.app.config import OptimConfig, TrainConfig
 from fsdp_speedloader.app.host_memory import host_memory_plan
 from fsdp_speedloader.app.trainer import Trainer
-from fsdp_speedloader.memory.bf16_master import NOISE_SEGMENT, random_bits, stochastic_round_
+from fsdp_speedloader.memory.bf16_master import noise_key, random_bits, reference_bits, stochastic_round_
 from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
 from fsdp_speedloader.models import build_model
 
@@ -28,13 +28,24 @@ def _round(x: torch.Tensor, **key) -> torch.Tensor:
 
 def test_stochastic_rounding_picks_a_neighbour_with_the_right_odds():
     """1 + 2^-9 lies a quarter of the way from bf16's 1 to its next value 1 + 2^-7: rounded up a quarter of the
-    time, so the mean stays the value; negative values the same, mirrored."""
+    time, so the mean stays the value; negative values the same, mirrored; and other fractions of a step (a
+    standard error of sqrt(q (1 - q) / n): bounds of 5 of them, on the share and on the mean)."""
+    n = 400_000
     for sign in (1.0, -1.0):
-        x = torch.full((400_000,), sign * (1 + 2**-9))
+        x = torch.full((n,), sign * (1 + 2**-9))
         out = _round(x).float()
         assert set(out.unique().tolist()) == {sign * 1.0, sign * (1 + 2**-7)}
         assert (out.abs() > 1).float().mean().item() == pytest.approx(0.25, abs=0.005)
         assert out.mean().item() == pytest.approx(sign * (1 + 2**-9), abs=1e-5)
+    low, step = 3.0, 2**-6  # bf16 neighbours 3 and 3 + 2^-6
+    for q in (1 / 65536, 0.1, 0.5, 0.9):
+        value = torch.tensor(low + q * step, dtype=torch.float32).item()  # the fp32 value nearest
+        q = (value - low) / step
+        se = math.sqrt(q * (1 - q) / n)
+        out = _round(torch.full((n,), value), step=7).double()
+        up = (out > low).double().mean().item()
+        assert abs(up - q) < 5 * se + 1e-12, (q, up)
+        assert abs(out.mean().item() - value) < 5 * se * step + 1e-12, q
 
 
 def test_stochastic_rounding_keeps_bf16_values_and_non_finite_ones():
@@ -47,11 +58,14 @@ def test_stochastic_rounding_keeps_bf16_values_and_non_finite_ones():
         stochastic_round_(torch.empty(3), torch.zeros(3), random_bits(3, seed=0, index=0, step=1))
 
 
+PIECE = 1 << 16  # random_bits' pieces on the host: cuts across and beside their boundaries
+
+
 def test_random_bits_depend_on_the_position_not_on_the_chunking():
     """The optimizer chunks a parameter by its thread count; the bits of element i must not change with it."""
-    n = 3 * NOISE_SEGMENT + 123
+    n = 3 * PIECE + 123
     whole = random_bits(n, seed=7, index=3, step=5)
-    cut = NOISE_SEGMENT + 1000
+    cut = PIECE + 1000
     pieces = torch.cat([random_bits(cut, seed=7, index=3, step=5),
                         random_bits(n - cut, seed=7, index=3, step=5, offset=cut)])
     assert torch.equal(whole, pieces)
@@ -60,6 +74,44 @@ def test_random_bits_depend_on_the_position_not_on_the_chunking():
     assert whole.min() >= 0 and whole.max() < 1 << 16
     assert not torch.equal(whole, random_bits(n, seed=7, index=3, step=6))  # another step, other bits
     assert not torch.equal(whole, random_bits(n, seed=7, index=4, step=5))  # another parameter, other bits
+    assert not torch.equal(whole, random_bits(n, seed=8, index=3, step=5))  # another seed, other bits
+
+
+@pytest.mark.parametrize("offset", [0, 1, PIECE - 5, 12_345, (1 << 32) + 3, (1 << 62) + 99])
+def test_random_bits_are_splitmix64_of_the_key_and_the_position(offset):
+    """The torch int64 operations (wrapping multiplications, masked arithmetic shifts) give the definition's bits,
+    computed in Python integers, at offsets aligned to nothing, across the pieces' boundaries, near 2^63."""
+    n = 2 * PIECE + 17
+    bits = random_bits(n, seed=11, index=2, step=9, offset=offset)
+    key = noise_key(11, 2, 9)
+    checked = [0, 1, 4, PIECE - 1, PIECE, PIECE + 1, 2 * PIECE, n - 1, *range(7, n, 1009)]
+    assert [int(bits[i]) for i in checked] == [reference_bits(key, offset + i) for i in checked]
+    assert noise_key(11, 2, 9) != noise_key(11, 2, 10) != noise_key(11, 3, 9)
+
+
+def _correlation(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
+    return float((a * b).mean() / (a.std() * b.std()))
+
+
+def test_random_bits_look_uniform_and_uncorrelated():
+    """Over 2^20 elements: the 16-bit values' mean and variance those of the uniform distribution, each bit set half
+    the time, and no correlation between neighbouring positions, consecutive steps, neighbouring parameters (a
+    standard error of 1/1024 each: bounds of 5 of them)."""
+    n = 1 << 20
+    bits = random_bits(n, seed=0, index=5, step=100)
+    se = 1 / math.sqrt(n)
+    uniform_sd = math.sqrt((65536**2 - 1) / 12)
+    assert abs(bits.double().mean().item() - 32767.5) < 5 * uniform_sd * se
+    assert bits.double().std().item() == pytest.approx(uniform_sd, rel=5 * se)
+    for b in range(16):
+        assert abs(((bits >> b) & 1).double().mean().item() - 0.5) < 5 * 0.5 * se, b
+    assert abs(_correlation(bits[1:], bits[:-1])) < 5 * se  # lag 1 in position
+    assert abs(_correlation(bits[2:], bits[:-2])) < 5 * se
+    next_step = random_bits(n, seed=0, index=5, step=101)
+    assert abs(_correlation(bits, next_step)) < 5 * se  # the same positions, the next step
+    assert abs(_correlation(bits, random_bits(n, seed=0, index=6, step=100))) < 5 * se  # the next parameter
+    assert abs(_correlation(bits, random_bits(n, seed=1, index=5, step=100))) < 5 * se  # the next seed
 
 
 # --- the optimizer ------------------------------------------------------------------------------------------------

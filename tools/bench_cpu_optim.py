@@ -20,7 +20,7 @@ the state and, for the torch.compile'd ones, compile):
                      over the chunk, the interpreter lock released; the same results; the library's default where
                      the kernel builds)
   fsl-int8-fused     fsl-int8 with the fused C++ kernel
-  fsl-int8-bf16-sr-fused  fsl-int8-bf16-sr with the fused C++ kernel (the random bits still drawn by torch)
+  fsl-int8-bf16-sr-fused  fsl-int8-bf16-sr with the fused C++ kernel (which computes the random bits itself)
   torchao-8bit       torchao.optim.AdamW8bit (fp32 parameters, 8-bit blockwise moments; torch.compile)
   torchao-4bit       torchao.optim.AdamW4bit
   torchao-fp8        torchao.optim.AdamWFp8

@@ -18,6 +18,11 @@ the torch version: once per machine and torch; later processes load it, and a fi
 once. The build targets the architecture's baseline, with an AVX2 + FMA copy chosen at run time on x86 (no
 ``-march=native``: a cache directory in a shared home serves machines with other CPUs).
 
+Stochastic rounding of bf16 parameters takes its random bits from a counter-based generator (SplitMix64 of a key
+and the element's position, ``memory/bf16_master.py``): the kernel is given the key (``bf16_master.noise_key``) and
+the chunk's position in its parameter and computes each block's bits in its loop, the bits
+``bf16_master.random_bits`` gives the torch-ops path.
+
 ``CompressedAdamW(kernel=...)``: ``"auto"`` (the default) the kernel where it builds, else the torch ops, after one
 warning; ``"fused"`` the kernel or an error; ``"torch"`` the torch ops. ``$FSDP_SPEEDLOADER_FUSED_ADAMW`` = ``1`` /
 ``0`` makes ``"auto"`` mean ``"fused"`` / ``"torch"`` (for the trainer, which builds the optimizer itself). The kernel
@@ -126,11 +131,14 @@ def torch_arithmetic() -> tuple[int, bool]:
 
 def step_chunk(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                exp_avg_scale: Optional[torch.Tensor], exp_avg_sq_scale: Optional[torch.Tensor],
-               bits: Optional[torch.Tensor], *, lr: float, beta1: float, beta2: float, weight_decay: float,
-               eps: float, step: float) -> None:
+               noise_key: Optional[int] = None, position: int = 0, *, lr: float, beta1: float, beta2: float,
+               weight_decay: float, eps: float, step: float) -> None:
     """One AdamW step of a chunk (1-D, contiguous, starting at a multiple of ``BLOCK``) in place: ``param`` fp32 or
-    bf16 (rounded stochastically with ``bits``, ``bf16_master.random_bits``, else to nearest); moments int8 / uint8
-    codes with their blocks' scales, or bf16. ``load()`` first."""
-    torch.ops.fsdp_speedloader.adamw_chunk_(param, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, bits,
-                                            lr, beta1, beta2, weight_decay, eps, step, *torch_arithmetic())
+    bf16, rounded stochastically where ``noise_key`` (``bf16_master.noise_key``) is given, else to nearest; moments
+    int8 / uint8 codes with their blocks' scales, or bf16. The kernel computes the random bits itself, those
+    ``bf16_master.random_bits`` gives for the chunk's elements at their ``position + i`` in the whole parameter.
+    ``load()`` first."""
+    torch.ops.fsdp_speedloader.adamw_chunk_(param, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale,
+                                            noise_key, position, lr, beta1, beta2, weight_decay, eps, step,
+                                            *torch_arithmetic())
 

@@ -10,7 +10,8 @@
   below).
 
 The parameters stay as they are (fp32 masters when the model is fp32; bf16 master weights, rounded to nearest or,
-with ``rounding="stochastic"``, stochastically: ``memory/bf16_master.py``), and so does the arithmetic: each step is
+with ``rounding="stochastic"``, stochastically with counter-based random bits, the same on both paths below:
+``memory/bf16_master.py``), and so does the arithmetic: each step is
 torch's own fused AdamW (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` calls) on fp32 moments
 decoded chunk by chunk, then encoded back. On the host the chunks are stepped on several threads at once, one chunk
 per thread (``CHUNK_PER_THREAD``), each by one C++ kernel (``memory/adamw_chunk.py``, ``csrc/adamw_chunk.cpp``, built
@@ -46,7 +47,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_speedloader.memory import adamw_chunk
-from fsdp_speedloader.memory.bf16_master import random_bits, stochastic_round_
+from fsdp_speedloader.memory.bf16_master import noise_key, random_bits, stochastic_round_
 from fsdp_speedloader.memory.threads import run_on_host_threads
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
@@ -147,7 +148,8 @@ class CompressedAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.state_dtype = state_dtype
         # bf16 parameters (master weights, memory/bf16_master.py): each update rounded to nearest, or stochastically
-        # with random bits seeded by (seed, the parameter's index here, its step, the element's position).
+        # with counter-based random bits, a hash of (seed, the parameter's index here, its step, the element's
+        # position): the fused kernel computes them itself, the torch-ops path with bf16_master.random_bits.
         self.rounding, self.seed = rounding, seed
         self.kernel = kernel
         self._fused: Optional[bool] = None  # whether host chunks take the C++ kernel: decided at the first host step
@@ -291,20 +293,16 @@ class CompressedAdamW(torch.optim.AdamW):
         n, chunk = p_flat.numel(), chunk_elements(p_flat.device)
         scalars = {k: kwargs[k] for k in ("lr", "beta1", "beta2", "weight_decay", "eps")}
         stochastic = self.rounding == "stochastic" and p_flat.dtype == torch.bfloat16
+        key = noise_key(self.seed, index, int(step)) if stochastic else None  # the kernel computes the bits
 
         @torch.no_grad()  # on the pool's threads too: the kernel writes the parameter in place
         def step_chunk(start: int, end: int) -> None:
-            bits = None
-            if stochastic:
-                (scratch,) = _fp32_scratch(end - start, p_flat.device, count=1)
-                bits = random_bits(end - start, seed=self.seed, index=index, step=int(step), offset=start,
-                                   out=scratch.view(torch.int32))
             scales = (None, None)
             if m_scale is not None:
                 b0, b1 = start // BLOCK, -(-end // BLOCK)
                 scales = (m_scale[b0:b1], v_scale[b0:b1])
-            adamw_chunk.step_chunk(p_flat[start:end], g_flat[start:end], m[start:end], v[start:end], *scales, bits,
-                                   step=step, **scalars)
+            adamw_chunk.step_chunk(p_flat[start:end], g_flat[start:end], m[start:end], v[start:end], *scales, key,
+                                   start, step=step, **scalars)
 
         return [functools.partial(step_chunk, start, min(n, start + chunk)) for start in range(0, n, chunk)]
 

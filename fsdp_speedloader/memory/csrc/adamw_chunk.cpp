@@ -13,7 +13,9 @@
 //   param (n) fp32 or bf16 (updated); grad (n) the param's dtype;
 //   exp_avg (n) int8 codes of sign(x) sqrt(|x|) or bf16; exp_avg_sq (n) uint8 codes of x^(1/4) or bf16;
 //   exp_avg_scale, exp_avg_sq_scale (ceil(n / BLOCK)) fp32, int8 codes only;
-//   bits (n) int32, 16 random bits per element: a bf16 param is rounded stochastically with them (else to nearest).
+//   noise_key (optional): a bf16 param is rounded stochastically with 16 random bits per element, computed here
+//   from the key and the element's position in the whole parameter (position + i), as bf16_master.random_bits
+//   computes them (see `random_bits` below); without a key, to nearest.
 // Registered as a torch.library op: a call through torch.ops releases the interpreter lock while the kernel runs.
 //
 // Built at first use by torch.utils.cpp_extension with -O3 -ffp-contract=off (no multiply-add contracted behind the
@@ -112,6 +114,23 @@ FSL_INLINE uint16_t bf16_stochastic(float f, int32_t bits) {
   const uint32_t finite = static_cast<uint32_t>((u & 0x7F800000u) != 0x7F800000u);
   const uint32_t rounded = (u + (static_cast<uint32_t>(bits) & (0u - finite))) >> 16;
   return static_cast<uint16_t>(rounded | (0u - is_nan(u)));
+}
+
+// memory/bf16_master.random_bits: element i's 16 bits are the top 16 of SplitMix64's output number position + i + 1
+// from the state `key` (Steele, Lea & Flood 2014: the state advances by the golden-ratio increment, each output is
+// the state through the variant-13 64-bit finalizer). A counter-based generator: any element's bits without the
+// ones before it, so a chunk computes its own. The finalizer's last xor-shift (z ^= z >> 31) leaves the top 16 bits
+// as they are and is left out. Unsigned 64-bit arithmetic wraps, as the torch-ops copy's int64 arithmetic does.
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+FSL_INLINE void random_bits(uint64_t key, int64_t position, int32_t* __restrict bits, int64_t count) {
+  const uint64_t base = key + static_cast<uint64_t>(position + 1) * kGolden;
+  for (int64_t i = 0; i < count; ++i) {
+    uint64_t z = base + static_cast<uint64_t>(i) * kGolden;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    bits[i] = static_cast<int32_t>(z >> 48);
+  }
 }
 
 // A code from a scaled value: rounded half to even (torch.round: nearbyint under the default rounding mode); a NaN
@@ -248,7 +267,8 @@ struct Chunk {
   void* exp_avg_sq;
   float* exp_avg_scale;
   float* exp_avg_sq_scale;
-  const int32_t* bits;
+  uint64_t noise_key;  // kBf16Stochastic: the random bits' key ...
+  int64_t position;    // ... and the chunk's first element's position in its parameter
   int64_t numel;
   int64_t scalar_loop_from;  // the first element torch's kernel steps in its scalar loop: n - n % scalar_tail
   bool fma;
@@ -263,7 +283,12 @@ FSL_INLINE void update_range(const Chunk& a, int64_t start, float* m, float* v, 
   const int64_t vector_count = std::clamp<int64_t>(a.scalar_loop_from - start, 0, count);
   char* param = static_cast<char*>(a.param) + start * element_size;
   const char* grad = static_cast<const char*>(a.grad) + start * element_size;
-  const int32_t* bits = a.bits != nullptr ? a.bits + start : nullptr;
+  alignas(64) int32_t block_bits[kParam == Param::kBf16Stochastic ? kBlock : 1];
+  const int32_t* bits = nullptr;
+  if constexpr (kParam == Param::kBf16Stochastic) {
+    random_bits(a.noise_key, a.position + start, block_bits, count);
+    bits = block_bits;
+  }
   update<kFma, false, kParam>(param, grad, bits, m, v, v_sqrt, vector_count, a.c);
   if (vector_count < count) {
     update<kFma, true, kParam>(param + vector_count * element_size, grad + vector_count * element_size,
@@ -347,8 +372,8 @@ void check_operand(const at::Tensor& t, const char* name, int64_t numel) {
 
 void adamw_chunk_(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                   const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& exp_avg_scale,
-                  const std::optional<at::Tensor>& exp_avg_sq_scale, const std::optional<at::Tensor>& bits,
-                  double lr, double beta1, double beta2, double weight_decay, double eps, double step,
+                  const std::optional<at::Tensor>& exp_avg_sq_scale, std::optional<int64_t> noise_key,
+                  int64_t position, double lr, double beta1, double beta2, double weight_decay, double eps, double step,
                   int64_t scalar_tail, bool fma) {
   const int64_t n = param.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
@@ -379,15 +404,15 @@ void adamw_chunk_(const at::Tensor& param, const at::Tensor& grad, const at::Ten
     a.exp_avg_scale = exp_avg_scale->data_ptr<float>();
     a.exp_avg_sq_scale = exp_avg_sq_scale->data_ptr<float>();
   }
-  a.bits = nullptr;
+  a.noise_key = 0;
+  TORCH_CHECK(position >= 0, "adamw_chunk_: position must be non-negative; got ", position);
+  a.position = position;
   if (param.scalar_type() == at::kFloat) {
-    TORCH_CHECK(!bits, "adamw_chunk_: random bits round bf16 parameters only");
+    TORCH_CHECK(!noise_key, "adamw_chunk_: stochastic rounding (a noise_key) rounds bf16 parameters only");
     a.param_kind = Param::kFp32;
-  } else if (bits) {
-    check_operand(*bits, "bits", n);
-    TORCH_CHECK(bits->scalar_type() == at::kInt, "adamw_chunk_: bits must be int32");
+  } else if (noise_key) {
     a.param_kind = Param::kBf16Stochastic;
-    a.bits = bits->data_ptr<int32_t>();
+    a.noise_key = static_cast<uint64_t>(*noise_key);
   } else {
     a.param_kind = Param::kBf16Nearest;
   }
@@ -415,7 +440,7 @@ void adamw_chunk_(const at::Tensor& param, const at::Tensor& grad, const at::Ten
 TORCH_LIBRARY_FRAGMENT(fsdp_speedloader, m) {
   m.def(
       "adamw_chunk_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
-      "Tensor(d!)? exp_avg_scale, Tensor(e!)? exp_avg_sq_scale, Tensor? bits, float lr, float beta1, float beta2, "
+      "Tensor(d!)? exp_avg_scale, Tensor(e!)? exp_avg_sq_scale, int? noise_key, int position, float lr, float beta1, float beta2, "
       "float weight_decay, float eps, float step, int scalar_tail, bool fma) -> ()");
   m.impl("adamw_chunk_", c10::DispatchKey::CPU, &adamw_chunk_);
 }
