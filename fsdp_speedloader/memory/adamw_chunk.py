@@ -84,6 +84,9 @@ def load() -> bool:
                 from torch.utils import cpp_extension
 
                 _ensure_ninja_on_path()
+                # The first use on a machine compiles it (the step waits): say so, or the wait looks like a hang.
+                log.info("CompressedAdamW: loading the fused host AdamW kernel %s (compiled into torch's extension "
+                         "cache at its first use on this machine and torch)", extension_name())
                 cpp_extension.load(name=extension_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
                                    is_python_module=False, verbose=False)
                 _built = True
