@@ -165,6 +165,20 @@ def test_missing_resume_path_fails_before_model_build(tmp_path, monkeypatch):
         Trainer(cfg)
 
 
+def test_a_fused_host_kernel_that_cannot_build_fails_before_model_build(tmp_path, monkeypatch):
+    """optim.host_kernel=fused where the kernel cannot be built ($CXX names no compiler, an empty extension cache):
+    refused at setup, naming the key, before the model is built."""
+    from fsdp_speedloader.memory import adamw_chunk
+
+    _no_model_build(monkeypatch)
+    monkeypatch.setattr(adamw_chunk, "_built", None)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-compiler"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    cfg = tiny_config(tmp_path, optim={"state_dtype": "int8", "host_kernel": "fused"})
+    with pytest.raises(ValueError, match="optim.host_kernel=fused: the fused C.. AdamW kernel could not be built"):
+        Trainer(cfg)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_without_gpu_fails(tmp_path, monkeypatch):
     _no_model_build(monkeypatch)

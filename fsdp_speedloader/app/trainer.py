@@ -66,6 +66,7 @@ from fsdp_speedloader.app.planning import planned_config, tune_train_config
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
     seed_everything, speedloader_options
 from fsdp_speedloader.engine.speedloader import apply_speedloader, speedloader_engine
+from fsdp_speedloader.memory import adamw_chunk
 from fsdp_speedloader.memory.arena import ArenaPlan, HostMemoryBudget, check_plan, host_memory_limit_from_env
 from fsdp_speedloader.memory.bf16_master import cast_host_masters_
 
@@ -118,6 +119,16 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
                                        reshard_after_forward=sched.reshard_after_forward)
     parallel.set_forward_prefetch(model, unit_modules, sched.forward_prefetch)
     return scope
+
+
+def check_host_kernel() -> None:
+    """``optim.host_kernel=fused``: the compressed AdamW's C++ kernel builds here, or the run is refused now (not at
+    its first optimizer step, after the model has taken its memory)."""
+    try:
+        adamw_chunk.use_kernel("fused")
+    except RuntimeError as e:
+        raise ValueError(f"optim.host_kernel=fused: {e}; or set optim.host_kernel=auto (torch ops where the kernel "
+                         "cannot be built)") from e
 
 
 def check_host_memory_plan(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *,
@@ -277,6 +288,8 @@ class Trainer:
         check_held_out(cfg.data, vocab_size=vocab_size, global_batch_size=self.world_size * sched.batch_size)
         self.eos_token_id = eos_token_id(cfg.data) if cfg.data.document_mask else None
 
+        if cfg.optim.state_dtype != "fp32" and cfg.optim.host_kernel == "fused":
+            check_host_kernel()  # built or refused now, before the model takes memory
         # 3. The model: meta -> schedule (sharding) -> materialise this rank's shards.
         self._info("building the model: %s schedule, %d rank(s) on %s", sched.name, self.world_size, self.device)
         model = build_model(cfg.model, device="meta")
