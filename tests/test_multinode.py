@@ -231,6 +231,9 @@ def test_bench_scale_contender_micro_batch(capsys):
     assert out.count("--max-gpu-memory-gib 12.0") == 6  # the same cap for every rank's agent, 3 runs x 2 nodes
     assert "--worker speedloader:2x32 " in out and "--worker fsdp2-offload:8x8:compile " in out
     assert "--worker deepspeed-offload:16x4 " in out and "fsdp2-offload_8x8_compile_2x2-ethernet" in out
+    assert "--profile" not in out
+    assert bench_scale.main([*base, "--contenders", "speedloader", "--profile"]) == 0
+    assert capsys.readouterr().out.count(" --profile") == 2  # every rank's agent traces one more step
     with pytest.raises(SystemExit):
         bench_scale.main([*base, "--contenders", "fsdp2-offload:8x4"])
     err = capsys.readouterr().err

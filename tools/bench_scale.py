@@ -149,7 +149,8 @@ def worker_args(args: argparse.Namespace, contender: str, case: Optional[Case] =
             "--warmup", str(args.warmup), "--peak-tflops", str(args.peak_tflops), "--prefetch", str(args.prefetch),
             "--activation-store", args.activation_store, "--device", args.device,
             *(["--max-gpu-memory-gib", str(args.max_gpu_memory_gib)] if args.max_gpu_memory_gib else []),
-            *(["--dp-replicate", str(args.dp_replicate)] if hsdp else [])]
+            *(["--dp-replicate", str(args.dp_replicate)] if hsdp else []),
+            *(["--profile"] if args.profile else [])]
 
 
 def case_launch(case: Case, script: Sequence[str], *, device: str, gpu_ids: Sequence[str], base_env: dict,
@@ -433,6 +434,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--threads-per-rank", type=int, default=None,
                         help="OMP_NUM_THREADS of every rank (default: CPU cores / the largest case's ranks)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole invocation")
+    parser.add_argument("--profile", action="store_true",
+                        help="every rank traces one more step after the timed ones (bench_train's --profile): its "
+                             "stream busy times, copies, collectives among the top kernels, launch gaps, in the record")
     parser.add_argument("--invocations", type=int, default=1,
                         help="repeat every run this many times, the order reversed every other time (the protocol: "
                              "3, over one or more commands appending to the same record)")
