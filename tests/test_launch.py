@@ -138,3 +138,38 @@ def test_only_rank0_writes_hydra_files(monkeypatch):
     assert _rank_overrides(["steps=3"]) == ["hydra.output_subdir=null", "hydra/job_logging=none",
                                             "hydra/hydra_logging=none"]
     assert "hydra.output_subdir=null" not in _rank_overrides(["hydra.output_subdir=.hydra_1"])
+
+
+def test_threads_instead_of_torchrun_default(monkeypatch):
+    """torchrun's OMP_NUM_THREADS=1 (set when the variable is unset) would leave a rank's host optimizer one core:
+    under torchrun with that value, a rank gets its share of the CPUs; any other value, or no torchrun, is kept."""
+    from fsdp_speedloader.memory import threads
+
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert threads.threads_instead_of_torchrun_default() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert threads.threads_instead_of_torchrun_default() is None  # a share of one CPU: nothing to change
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert threads.threads_instead_of_torchrun_default() is None  # the user's choice
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert threads.threads_instead_of_torchrun_default() is None  # not under torchrun
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_offloaded_run_under_torchrun_uses_its_cpu_share(tmp_path):
+    """A real torchrun worker with its states on the host: torchrun's OMP_NUM_THREADS=1 is replaced by the rank's
+    share of the CPUs, and the run says so; on the GPU alone (no offload) it is left as it is."""
+    cpus = len(os.sched_getaffinity(0))
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+            "-m", "fsdp_speedloader.app.train", *TINY_OVERRIDES, "logger=none", "checkpoint.save_final=false"]
+    proc = subprocess.run([*base, "offload=params"], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"host threads: {cpus} per rank" in proc.stdout + proc.stderr
+    proc = subprocess.run(base, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "host threads:" not in proc.stdout + proc.stderr

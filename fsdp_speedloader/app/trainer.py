@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -69,6 +70,7 @@ from fsdp_speedloader.engine.speedloader import apply_speedloader, speedloader_e
 from fsdp_speedloader.memory import adamw_chunk
 from fsdp_speedloader.memory.arena import ArenaPlan, HostMemoryBudget, check_plan, host_memory_limit_from_env
 from fsdp_speedloader.memory.bf16_master import cast_host_masters_
+from fsdp_speedloader.memory.threads import threads_instead_of_torchrun_default
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +275,11 @@ class Trainer:
         self._fault = fault_from_env(rank=self.rank, batch_size=sched.batch_size)  # tests of fault tolerance
         # Same seed on every rank; ranks differ through their data, and weights come from named seeds.
         seed_everything(cfg.seed)
+        if cfg.offload.params and (threads := threads_instead_of_torchrun_default()) is not None:
+            torch.set_num_threads(threads)  # the host AdamW and the shards' initialisation run on these
+            self._info("host threads: %d per rank (this node's CPUs / %s local ranks) instead of torchrun's default "
+                       "OMP_NUM_THREADS=1; set OMP_NUM_THREADS (or optim.worker_threads) to choose", threads,
+                       os.environ.get("LOCAL_WORLD_SIZE", "1"))
         maybe_cap_gpu_memory(cfg.max_gpu_memory_gib, self.device)
         self.mesh = parallel.build_mesh(device_type, cfg.dp_replicate)
         param_dtype = resolve_param_dtype(cfg.param_dtype, device_type)

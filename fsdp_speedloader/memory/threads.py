@@ -12,6 +12,7 @@ no operation opens a parallel region whose barrier would wait for every core.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
@@ -39,6 +40,23 @@ def set_thread_num_threads(n: int) -> None:
         restore = threading.Thread(target=torch.set_num_threads, args=(adopted,))
         restore.start()
         restore.join()
+
+
+def rank_cpu_share() -> int:
+    """This rank's share of the CPUs this process may run on: those CPUs / the ranks on this node."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1)))
+
+
+def threads_instead_of_torchrun_default() -> Optional[int]:
+    """The rank's CPU share where torchrun's default of one thread is in force (it sets ``OMP_NUM_THREADS=1`` in
+    every worker unless the variable is set: right for training on the GPU alone, but a rank whose optimizer steps
+    on the host, and whose shards are initialised there, would get one core of the node); else None (the variable
+    is another value, or not under torchrun, or the share is one CPU)."""
+    if os.environ.get("OMP_NUM_THREADS") != "1" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    share = rank_cpu_share()
+    return share if share > 1 else None
 
 
 @functools.lru_cache(maxsize=None)
