@@ -145,6 +145,7 @@ def test_threads_instead_of_torchrun_default(monkeypatch):
     under torchrun with that value, a rank gets its share of the CPUs; any other value, or no torchrun, is kept."""
     from fsdp_speedloader.memory import threads
 
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 64)
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -324,10 +325,11 @@ def test_bench_scale_invocations_alternate_and_append(tmp_path):
 @pytest.mark.slow
 def test_bench_scale_real_workers_on_cpu(tmp_path):
     """bench_train's real workers under real torchrun on the CPU (gloo), 1 and 2 ranks: ``--device`` reaches the
-    workers, and the overlapped optimizer's contender runs at world size 2 as the weak-scaling run asks."""
+    workers, and the overlapped optimizer's contender runs at world size 2 as the weak-scaling run asks, its worker
+    pinned to each rank's own CPUs (``:affinity``)."""
     cmd = [sys.executable, str(TOOLS / "bench_scale.py"), "--device", "cpu", "--model", "llama_tiny", "--layers", "2",
            "--seq-len", "64", "--shape", "1x2", "--gpus", "1,2", "--ethernet", "", "--contenders",
-           "speedloader-overlap", "--steps", "2", "--warmup", "1", "--threads-per-rank", "1",
+           "speedloader-overlap:affinity", "--steps", "2", "--warmup", "1", "--threads-per-rank", "1",
            "--out-dir", str(tmp_path / "results"), "--name", "real", "--budget-s", "400"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, tail(proc.stdout + proc.stderr)
@@ -338,3 +340,6 @@ def test_bench_scale_real_workers_on_cpu(tmp_path):
     assert [runs[c]["status"] for c in ("1gpu", "2gpu")] == ["ok", "ok"], tail(proc.stdout)
     assert [runs[c]["world_size"] for c in ("1gpu", "2gpu")] == [1, 2] and len(runs["2gpu"]["ranks"]) == 2
     assert all(r["contender"] == "speedloader-overlap" for r in runs["2gpu"]["ranks"])
+    # ':affinity': each rank's optimizer worker on its own block of the CPUs (less the launching thread's CPU)
+    blocks = [r["optimizer_worker_cpus"] for r in runs["2gpu"]["ranks"]]
+    assert all(blocks) and (len(os.sched_getaffinity(0)) < 2 or not set(blocks[0]) & set(blocks[1])), blocks

@@ -497,3 +497,95 @@ def test_the_trainer_passes_worker_threads_to_the_overlapped_optimizer(tmp_path)
         tiny_config(tmp_path, optim={"worker_threads": -2})
     with pytest.raises(ValueError, match="optim.worker_nice"):
         tiny_config(tmp_path, optim={"worker_nice": 25})
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="per-thread CPU affinity is Linux's")
+def test_worker_cpus_pin_the_optimizer_worker_and_its_pool_only():
+    """``worker_cpus=[c]``: the worker's inner steps run on CPU c only, with one thread per CPU given; the compressed
+    AdamW's pool tasks too (they run where their caller may); the main thread keeps its CPUs; the parameters equal those of
+    an unpinned worker (exact). CPUs the process may not use are refused."""
+    from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
+
+    main_cpus = os.sched_getaffinity(0)
+    cpu = max(main_cpus)
+
+    def compressed(params):
+        return CompressedAdamW(params, state_dtype="int8", lr=1e-2, weight_decay=0.1)
+
+    def probe():
+        seen_by_pool = []
+        from fsdp_speedloader.memory.threads import run_on_host_threads
+
+        run_on_host_threads([lambda: seen_by_pool.append(os.sched_getaffinity(0))] * 2, threads=2)
+        return threading.current_thread().name, os.sched_getaffinity(0), torch.get_num_threads(), seen_by_pool
+
+    results = []
+    for cpus in (None, [cpu]):
+        model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
+        overlapped = OverlappedOptimizer(model, compressed, worker_cpus=cpus)
+        seen = []
+        for opt in overlapped.optimizers:
+            def probed_step(step=opt.step):
+                seen.append(probe())
+                step()
+            opt.step = probed_step
+        try:
+            ids, labels = batch(NUM_SUB, seed=0)
+            model(input_ids=ids, labels=labels).loss.backward()
+            overlapped.step()
+            overlapped.wait()
+        finally:
+            overlapped.close()
+        if cpus is not None:
+            assert overlapped.worker_cpus == [cpu] and overlapped.worker_threads == 1
+            on_worker = [(mask, threads, pool) for name, mask, threads, pool in seen
+                         if name == "fsdp_speedloader-optimizer"]
+            assert on_worker and all(mask == {cpu} and threads == 1 and pool == [{cpu}, {cpu}]
+                                     for mask, threads, pool in on_worker), seen
+            # what the main thread steps itself (the root, at the end of the backward) keeps the main thread's CPUs
+            assert all(mask == main_cpus for name, mask, _, _ in seen if name != "fsdp_speedloader-optimizer"), seen
+        results.append([_full(p).clone() for p in model.parameters()])
+    assert os.sched_getaffinity(0) == main_cpus
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
+    with pytest.raises(ValueError, match="worker_cpus"):
+        OverlappedOptimizer(model, _adamw, worker_cpus=[max(main_cpus) + 1000])
+
+
+def test_rank_cpus_split_the_node_between_its_ranks(monkeypatch):
+    """optim.worker_affinity's CPUs: LOCAL_RANK's block of the process's CPUs split LOCAL_WORLD_SIZE ways, less the
+    first (the launching thread's); a process its launcher bound to fewer CPUs than the machine's keeps them all."""
+    from fsdp_speedloader.memory import threads
+
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert threads.rank_cpus() == list(range(32, 48)) and threads.optimizer_cpus() == list(range(33, 48))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert threads.optimizer_cpus() == list(range(1, 64))
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {8, 9, 10, 11}, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert threads.rank_cpus() == [8, 9, 10, 11] and threads.optimizer_cpus() == [9, 10, 11]
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {5}, raising=False)
+    assert threads.optimizer_cpus() == [5]  # one CPU: shared rather than none
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="per-thread CPU affinity is Linux's")
+def test_the_trainer_passes_worker_affinity_to_the_overlapped_optimizer(tmp_path):
+    """``optim.worker_affinity=true`` through the config: the worker gets this rank's CPUs less one, and the losses
+    equal an unpinned run's (exact); it needs the overlapped optimizer."""
+    from fsdp_speedloader.memory.threads import optimizer_cpus
+
+    def losses(affinity: bool) -> list[float]:
+        cfg = tiny_config(tmp_path / str(affinity), schedule={"name": "speedloader"}, offload={"params": True},
+                          steps=2, optim={"overlap_with_backward": True, "grad_clip": 0.0,
+                                          "worker_affinity": affinity})
+        trainer = Trainer(cfg)
+        assert trainer.optimizer.worker_cpus == (optimizer_cpus() if affinity else None)
+        return [m["loss"] for m in trainer.train()]
+
+    assert losses(True) == losses(False)
+    with pytest.raises(ValueError, match="optim.worker_affinity"):
+        tiny_config(tmp_path, optim={"worker_affinity": True})

@@ -260,12 +260,13 @@ class Contender(NamedTuple):
     sync: Optional[str] = None  # FSDP2 contenders: schedule.gradient_sync ('every', 'last'); None: the contender's own
     reshard: bool = True  # FSDP2 contenders: schedule.reshard_after_forward (False: gathered once per step)
     nice: int = 0  # speedloader-overlap: the optimizer worker's niceness raised by this much (optim.worker_nice)
+    affinity: bool = False  # speedloader-overlap: the worker on this rank's CPUs less one (optim.worker_affinity)
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
     """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K][:sdpa=B][:liger]
     [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|torch][:dev=K][:recompute=off]
-    [:sync=every|last][:reshard=off][:nice=K]'
+    [:sync=every|last][:reshard=off][:nice=K][:affinity]'
     -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
@@ -276,7 +277,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     flash, efficient, math), ``liger`` Liger's kernels, ``fp8`` torchao float8 linears (tensorwise unless a recipe
     is named). ``states`` and ``threads`` (speedloader-overlap): the host optimizer's moments (``optim.state_dtype``)
     and its worker's CPU threads (``optim.worker_threads``), ``nice`` that worker's niceness raised by K
-    (``optim.worker_nice``); ``slots`` its in-flight host gradient slots
+    (``optim.worker_nice``), ``affinity`` that worker on this rank's CPUs less the launching thread's
+    (``optim.worker_affinity``); ``slots`` its in-flight host gradient slots
     (``optim.grad_slots_in_flight``, 0: one per parameter); ``adamw`` its fp32 AdamW, the trainer's
     ``LocalShardAdamW`` (default) or ``torch.optim.AdamW`` on the DTensors. Every other contender steps
     ``torch.optim.AdamW`` (fused). ``dev`` (speedloader and FSDP2-offload contenders): units 1 .. K keep their
@@ -294,7 +296,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
     states, threads, slots, adamw, dev = "fp32", 0, 2, "local", 0
-    recompute, sync, reshard, nice = True, None, True, 0
+    recompute, sync, reshard, nice, affinity = True, None, True, 0, False
     fsdp2 = name in ("ondevice", "fsdp2-offload", "fsdp2-offload-rs")
     kernels_ok = name != "deepspeed-offload"
     for option in options:
@@ -322,6 +324,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             threads = int(value)
         elif key == "nice" and value.isdigit() and 0 < int(value) <= 19 and name == "speedloader-overlap":
             nice = int(value)
+        elif key == "affinity" and not value and name == "speedloader-overlap":
+            affinity = True
         elif key == "slots" and value.isdigit() and name == "speedloader-overlap":
             slots = int(value)
         elif key == "adamw" and value in ("local", "torch") and name == "speedloader-overlap":
@@ -340,12 +344,13 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
                              "deepspeed-offload), ':cap=GiB|none' (every contender), ':keep=K' (speedloader "
                              f"contenders: keep_activations), ':sdpa={'|'.join(SDPA_BACKENDS)}', ':liger' and "
                              f"':fp8[={'|'.join(FLOAT8_RECIPES)}]' (every contender but deepspeed-offload), "
-                             "':states=fp32|bf16|int8', ':threads=K', ':slots=R' and ':adamw=local|torch' "
+                             "':states=fp32|bf16|int8', ':threads=K', ':nice=K', ':affinity', ':slots=R' and "
+                             "':adamw=local|torch' "
                              "(speedloader-overlap), ':dev=K' (speedloader and fsdp2-offload contenders), "
                              "':recompute=on|off', ':sync=every|last' and ':reshard=on|off' (ondevice and "
                              "fsdp2-offload contenders)")
     return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads,
-                     slots, adamw, dev, recompute, sync, reshard, nice)
+                     slots, adamw, dev, recompute, sync, reshard, nice, affinity)
 
 
 def _positive_float(text: str) -> bool:
@@ -456,9 +461,11 @@ def run_worker(args: argparse.Namespace) -> dict:
 
     if name == "speedloader-overlap":
         from fsdp_speedloader.memory.optimizer_overlap import OverlappedOptimizer
+        from fsdp_speedloader.memory.threads import optimizer_cpus
 
         optim = OverlappedOptimizer(model, build_adamw, worker_threads=contender.threads,
-                                    grad_slots_in_flight=contender.slots, worker_nice=contender.nice)
+                                    grad_slots_in_flight=contender.slots, worker_nice=contender.nice,
+                                    worker_cpus=optimizer_cpus() if contender.affinity else None)
     else:
         optim = build_adamw(model.parameters())
     gen = torch.Generator().manual_seed(0)
@@ -518,7 +525,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     if overlap_stats:  # the timed steps' medians: busy is the CPU step's seconds, wait what showed of them
         timed = overlap_stats[args.warmup:args.warmup + args.steps]
         result["optimizer_states"] = contender.states
-        result["optimizer_worker_threads"] = contender.threads or torch.get_num_threads()
+        result["optimizer_worker_threads"] = optim.worker_threads or torch.get_num_threads()
+        result["optimizer_worker_cpus"] = optim.worker_cpus
         result["optimizer_worker_nice"] = contender.nice
         result["optimizer_adamw"] = contender.adamw
         result["grad_slots_in_flight"] = contender.slots

@@ -7,6 +7,7 @@ field and what to change, so a bad value fails before any model or memory is all
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -132,6 +133,11 @@ class OptimConfig:
     """With overlap_with_backward: raise the worker's niceness (and its CPU threads') by this much (0..19, Linux),
     so that on a busy host the scheduler prefers the thread that launches the GPU's work (docs/results.md, issue
     40's busy-host curve). Exact either way."""
+    worker_affinity: bool = False
+    """With overlap_with_backward: the worker (its CPU threads, and the pool threads its steps use) runs on this
+    rank's share of the CPUs (those the process may use / the node's ranks, LOCAL_RANK's block) less one, which is
+    left to the thread that launches the GPU's work; with worker_threads=0 it computes on one thread per CPU of
+    that share. Linux. Exact either way."""
     state_dtype: str = "fp32"
     """AdamW's moments: 'fp32' (torch.optim.AdamW, 8 B/param, exact: the default); 'bf16' (4 B/param, rounded to
     nearest after each step) or 'int8' (8-bit blockwise, 2 B/param): fsdp_speedloader's CompressedAdamW, torch's
@@ -162,6 +168,11 @@ class OptimConfig:
         check_positive(self.worker_threads, "optim.worker_threads", allow_zero=True)
         check(isinstance(self.worker_nice, int) and 0 <= self.worker_nice <= 19, "optim.worker_nice",
               f"got {self.worker_nice}; use an integer in 0..19 (0: the process's priority)")
+        check(not self.worker_affinity or self.overlap_with_backward, "optim.worker_affinity",
+              "pins the overlapped optimizer's worker: set optim.overlap_with_backward=true too (or leave "
+              "optim.worker_affinity=false)")
+        check(not self.worker_affinity or hasattr(os, "sched_setaffinity"), "optim.worker_affinity",
+              "needs Linux's per-thread CPU affinity (os.sched_setaffinity), which this system lacks")
         check_choice(self.state_dtype, "optim.state_dtype", ("fp32", "bf16", "int8"))
         check_choice(self.master_dtype, "optim.master_dtype", ("fp32", "bf16"))
         check_choice(self.host_kernel, "optim.host_kernel", ("auto", "fused", "torch"))

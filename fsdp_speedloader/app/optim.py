@@ -19,6 +19,7 @@ from fsdp_speedloader.app.config import OptimConfig
 from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
 from fsdp_speedloader.memory.local_adamw import LocalShardAdamW
 from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer, OverlappedOptimizer
+from fsdp_speedloader.memory.threads import optimizer_cpus
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, seed: int = 0) 
     if cfg.overlap_with_backward:
         return OverlappedOptimizer(model, build, max_norm=cfg.grad_clip, skip_nonfinite=skip,
                                    grad_slots_in_flight=cfg.grad_slots_in_flight, worker_threads=cfg.worker_threads,
-                                   worker_nice=cfg.worker_nice)
+                                   worker_nice=cfg.worker_nice,
+                                   worker_cpus=optimizer_cpus() if cfg.worker_affinity else None)
     return OptimizersContainer(model, build, max_norm=cfg.grad_clip, skip_nonfinite=skip)
 
 

@@ -48,7 +48,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -58,7 +58,7 @@ from fsdp_speedloader.engine.speedloader import speedloader_engine
 from fsdp_speedloader.fsdp2 import fsdp_params_of
 from fsdp_speedloader.memory.grad_clip import NormTable, clip_coefficient, clip_grads_, coefficients_by_device, \
     full_value, scale_grads_, tensor_norms, total_norm
-from fsdp_speedloader.memory.threads import set_thread_num_threads
+from fsdp_speedloader.memory.threads import pin_calling_thread, set_thread_num_threads
 
 BuildOptimizer = Callable[[list], torch.optim.Optimizer]
 """Makes one inner optimizer for a list of parameters, e.g. ``lambda params: torch.optim.AdamW(params, lr=1e-4)``."""
@@ -203,11 +203,14 @@ class OverlappedOptimizer(OptimizersContainer):
     ``worker_threads``: the worker thread's CPU threads (that thread's only: ``memory/threads.py``); 0: torch's
     default. ``worker_nice``: the worker's niceness, raised by this much (Linux: per thread; its CPU threads, made
     after, inherit it), so that on a loaded host the scheduler prefers the thread that launches the GPU's work.
+    ``worker_cpus``: the CPUs the worker (and the CPU threads it starts, and the pool threads its steps use) may run
+    on (Linux), e.g. ``memory.threads.optimizer_cpus()``: this rank's share less the launching thread's CPU; with
+    ``worker_threads=0`` the worker then computes on one thread per CPU given. None: wherever the process may.
     """
 
     def __init__(self, model: nn.Module, build: BuildOptimizer, *, max_norm: float = 0.0,
                  skip_nonfinite: bool = False, grad_slots_in_flight: int = 2, worker_threads: int = 0,
-                 worker_nice: int = 0) -> None:
+                 worker_nice: int = 0, worker_cpus: Optional[Sequence[int]] = None) -> None:
         if speedloader_engine(model, missing_ok=True) is None:
             raise ValueError("OverlappedOptimizer needs a model prepared with apply_speedloader")
         if not (isinstance(grad_slots_in_flight, int) and grad_slots_in_flight >= 0):
@@ -217,8 +220,14 @@ class OverlappedOptimizer(OptimizersContainer):
             raise ValueError(f"worker_threads={worker_threads!r}: use an integer >= 1, or 0 for torch's default")
         if not (isinstance(worker_nice, int) and 0 <= worker_nice <= 19):
             raise ValueError(f"worker_nice={worker_nice!r}: use an integer in 0..19 (0: the process's priority)")
+        if worker_cpus is not None and not (hasattr(os, "sched_setaffinity") and len(worker_cpus) > 0
+                                            and set(worker_cpus) <= os.sched_getaffinity(0)):
+            raise ValueError(f"worker_cpus={list(worker_cpus)!r}: give some of the CPUs this process may run on "
+                             f"({sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else 'Linux only'})"
+                             ", or None")
         super().__init__(model, build, max_norm=max_norm, skip_nonfinite=skip_nonfinite)
-        self._worker_threads = worker_threads
+        self._worker_threads = worker_threads or (len(worker_cpus) if worker_cpus is not None else 0)
+        self.worker_cpus = sorted(worker_cpus) if worker_cpus is not None else None
         self._worker_nice = worker_nice
         self._units = [module for module, _ in self._engine.units]
         self._deferred = self.needs_grad_norm
@@ -385,11 +394,18 @@ class OverlappedOptimizer(OptimizersContainer):
             self.uses_grad_ring = False
         self._raise_error()
 
+    @property
+    def worker_threads(self) -> int:
+        """The worker's CPU threads (0: torch's default)."""
+        return self._worker_threads
+
     # --- the worker's side -----------------------------------------------------------------------------------
     def _run(self) -> None:
         if self._worker_nice and hasattr(os, "setpriority"):  # before its CPU threads exist: they inherit it
             tid = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self._worker_nice)
+        if self.worker_cpus is not None:  # before its CPU threads exist: they inherit it
+            pin_calling_thread(self.worker_cpus)
         if self._worker_threads:
             set_thread_num_threads(self._worker_threads)  # this thread's only: the CPU steps' arithmetic
         while (item := self._queue.get()) is not None:
