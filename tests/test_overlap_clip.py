@@ -420,11 +420,11 @@ def test_trainer_skips_a_nonfinite_step_and_goes_on(tmp_path, caplog):
     _assert_same_run(plain, overlapped, _run(plain, bad_step=2), history)
 
 
-def _one_overlapped_step(probe, **worker) -> tuple[list, list]:
+def _one_overlapped_step(probe, build=_adamw, **worker) -> tuple[list, list, OverlappedOptimizer]:
     """One step of a fresh offloaded model under an OverlappedOptimizer(``worker``): what ``probe()`` returned in
-    each inner optimizer's step (on whichever thread ran it), and the parameters after it."""
+    each inner optimizer's step (on whichever thread ran it), the parameters after it, and the optimizer."""
     model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
-    overlapped = OverlappedOptimizer(model, _adamw, max_norm=CLIPS, **worker)
+    overlapped = OverlappedOptimizer(model, build, max_norm=CLIPS, **worker)
     seen = []
     for opt in overlapped.optimizers:
         def probed_step(step=opt.step):
@@ -438,7 +438,7 @@ def _one_overlapped_step(probe, **worker) -> tuple[list, list]:
         overlapped.wait()
     finally:
         overlapped.close()
-    return seen, [_full(p).clone() for p in model.parameters()]
+    return seen, [_full(p).clone() for p in model.parameters()], overlapped
 
 
 def test_worker_threads_sets_the_cpu_threads_of_the_optimizer_worker_only():
@@ -447,8 +447,8 @@ def test_worker_threads_sets_the_cpu_threads_of_the_optimizer_worker_only():
     main_threads, adopted = torch.get_num_threads(), adopted_num_threads()
     results = []
     for threads in (0, 1):
-        seen, params = _one_overlapped_step(lambda: (threading.current_thread().name, torch.get_num_threads()),
-                                            worker_threads=threads)
+        seen, params, _ = _one_overlapped_step(lambda: (threading.current_thread().name, torch.get_num_threads()),
+                                               worker_threads=threads)
         on_worker = {n for name, n in seen if name == "fsdp_speedloader-optimizer"}
         assert on_worker == ({1} if threads else {main_threads}), seen
         results.append(params)
@@ -473,7 +473,7 @@ def test_worker_nice_lowers_the_workers_priority_only():
     main_nice = niceness()
     results = []
     for nice in (0, 5):
-        seen, params = _one_overlapped_step(niceness, worker_nice=nice)
+        seen, params, _ = _one_overlapped_step(niceness, worker_nice=nice)
         assert set(seen) == {min(19, main_nice + nice)}, seen
         results.append(params)
     assert niceness() == main_nice
@@ -521,21 +521,7 @@ def test_worker_cpus_pin_the_optimizer_worker_and_its_pool_only():
 
     results = []
     for cpus in (None, [cpu]):
-        model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
-        overlapped = OverlappedOptimizer(model, compressed, worker_cpus=cpus)
-        seen = []
-        for opt in overlapped.optimizers:
-            def probed_step(step=opt.step):
-                seen.append(probe())
-                step()
-            opt.step = probed_step
-        try:
-            ids, labels = batch(NUM_SUB, seed=0)
-            model(input_ids=ids, labels=labels).loss.backward()
-            overlapped.step()
-            overlapped.wait()
-        finally:
-            overlapped.close()
+        seen, params, overlapped = _one_overlapped_step(probe, build=compressed, worker_cpus=cpus)
         if cpus is not None:
             assert overlapped.worker_cpus == [cpu] and overlapped.worker_threads == 1
             on_worker = [(mask, threads, pool) for name, mask, threads, pool in seen
@@ -544,7 +530,7 @@ def test_worker_cpus_pin_the_optimizer_worker_and_its_pool_only():
                                      for mask, threads, pool in on_worker), seen
             # what the main thread steps itself (the root, at the end of the backward) keeps the main thread's CPUs
             assert all(mask == main_cpus for name, mask, _, _ in seen if name != "fsdp_speedloader-optimizer"), seen
-        results.append([_full(p).clone() for p in model.parameters()])
+        results.append(params)
     assert os.sched_getaffinity(0) == main_cpus
     assert all(torch.equal(a, b) for a, b in zip(*results))
     model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=NUM_SUB, offload_params=True)
