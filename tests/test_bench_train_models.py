@@ -176,6 +176,13 @@ def test_a_traced_step_is_summarised_with_its_timeline(tmp_path):
     # the compute stream's kernels 0-40 and 60-80 us: one gap of 20 us, below the 50 us a launch gap counts from
     assert summary["compute_launch_gaps"] == pytest.approx({"count": 1, "total_s": 20e-6, "long_count": 0,
                                                             "long_total_s": 0.0, "long_us": 50.0})
+    # one more compute kernel at 200 us after an all-gather (NCCL's kernel, another stream) ending at 195 us
+    trace["traceEvents"] += [event("kernel", "gemm", 200, 40, stream=7),
+                             event("kernel", "ncclDevKernel_AllGather_RING_LL(x)", 150, 45, stream=21)]
+    path.write_text(json.dumps(trace))
+    waited = bench_train.summarize_trace(str(path), 250e-6)["compute_gaps_waited_for"]
+    assert (waited["collective_count"], waited["copy_count"], waited["host_count"]) == (1, 0, 0)
+    assert waited["collective_s"] == pytest.approx(120e-6)
 
 
 def test_launch_gaps_count_the_idle_time_between_kernels():
@@ -184,6 +191,17 @@ def test_launch_gaps_count_the_idle_time_between_kernels():
     assert gaps == pytest.approx({"count": 2, "total_s": 130e-6, "long_count": 1, "long_total_s": 100e-6,
                                   "long_us": 50.0})
     assert bench_train.launch_gaps([])["count"] == 0
+
+
+def test_long_gaps_are_charged_to_what_ended_just_before_them():
+    """Compute kernels 0-10, 100-110, 300-310, 500-510 us: the gap 10-100 ends 5 us after a collective (80-95),
+    110-300 ends 10 us after a copy (200-290), 310-500 ends with nothing just before it (a collective ended at 400,
+    100 us before: the host). A 20 us gap is too short to count."""
+    compute = [(0, 10), (100, 110), (300, 310), (500, 510), (530, 540)]
+    got = bench_train.attribute_gaps(compute, collectives=[(80, 95), (350, 400)], copies=[(200, 290)])
+    assert got == pytest.approx({"collective_s": 90e-6, "collective_count": 1, "copy_s": 190e-6, "copy_count": 1,
+                                 "host_s": 190e-6, "host_count": 1, "long_us": 50.0, "slack_us": 30.0})
+    assert bench_train.attribute_gaps([], [], [])["host_count"] == 0
 
 
 def test_the_host_thread_usage_counts_this_threads_cpu_time():

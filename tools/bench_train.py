@@ -146,6 +146,28 @@ def launch_gaps(spans: list, *, long_us: float = 50.0) -> dict:
             "long_us": long_us}
 
 
+def attribute_gaps(compute: list, collectives: list, copies: list, *, long_us: float = 50.0,
+                   slack_us: float = 30.0) -> dict:
+    """What each long idle gap of the compute stream waited for: a gap that ends within ``slack_us`` of a collective
+    kernel's end (on another stream) waited for that collective, else one that ends so after a copy waited for the
+    copy, else the host (the next kernel was launched late: Python, synchronisations, the CPU optimizer). Seconds and
+    counts per cause. A collective's kernel runs until its slowest rank joins, so time charged to collectives
+    includes the other ranks' lateness."""
+    merged = _merged(compute)
+    ends = {"collective": sorted(b for _, b in collectives), "copy": sorted(b for _, b in copies)}
+    out = {f"{cause}_{unit}": 0.0 if unit == "s" else 0 for cause in ("collective", "copy", "host")
+           for unit in ("s", "count")}
+    for (_, gap_start), (gap_end, _) in zip(merged, merged[1:]):
+        gap = gap_end - gap_start
+        if gap <= long_us:
+            continue
+        cause = next((c for c in ("collective", "copy")
+                      if any(gap_end - slack_us <= e <= gap_end and e >= gap_start for e in ends[c])), "host")
+        out[f"{cause}_s"] += gap / 1e6
+        out[f"{cause}_count"] += 1
+    return {**out, "long_us": long_us, "slack_us": slack_us}
+
+
 def host_thread_usage() -> tuple[float, int]:
     """The calling thread's CPU seconds and involuntary context switches so far (Linux: RUSAGE_THREAD; elsewhere
     the process's): a step whose thread CPU time is near its wall time is bound by the host thread, and switches
@@ -163,6 +185,7 @@ def summarize_trace(path: str, step_s: float) -> dict:
     """
     events = json.loads(Path(path).read_text())["traceEvents"]
     kernels: dict = {}
+    collectives: list = []  # NCCL's kernels, whatever stream they run on
     copies: dict = {}
     by_name: dict = {}
     host_calls: dict = {}  # CUDA runtime calls on the host (launches, synchronisations, event waits)
@@ -180,6 +203,8 @@ def summarize_trace(path: str, step_s: float) -> dict:
             c["spans"].append(span)
         elif cat == "kernel":
             kernels.setdefault(e.get("args", {}).get("stream", -1), []).append(span)
+            if e["name"].startswith("nccl"):
+                collectives.append(span)
             by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"] / 1e6
     busy = {str(k): _union_s(v) for k, v in kernels.items()}
     compute_spans = max(kernels.values(), key=_union_s) if kernels else []  # the stream with the most kernel time
@@ -193,6 +218,8 @@ def summarize_trace(path: str, step_s: float) -> dict:
         "top_kernels_s": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:15]),
         "timeline": timeline(step_s, compute_spans, [span for c in copies.values() for span in c["spans"]]),
         "compute_launch_gaps": launch_gaps(compute_spans),
+        "compute_gaps_waited_for": attribute_gaps(compute_spans, collectives,
+                                                  [span for c in copies.values() for span in c["spans"]]),
         "top_host_cuda_calls_s": dict(sorted(host_calls.items(), key=lambda kv: -kv[1])[:8]),
     }
 
