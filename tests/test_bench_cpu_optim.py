@@ -43,3 +43,31 @@ def test_dtensor_rows_record_the_main_threads_progress(tmp_path):
     assert [(r["candidate"], r["status"], r["dtensor"]) for r in rows] == [
         ("local-fused", "ok", True), ("clip-norms-fsl", "ok", True)]
     assert all(0 < r["main_thread_progress"] < 1.5 and r["s_per_billion_params"] > 0 for r in rows)
+
+
+def test_processes_run_as_the_ranks_of_a_node(tmp_path):
+    """--processes 2: two workers at once, LOCAL_RANK 0 and 1 of 2, their timed steps started together; the row
+    sums their rates into the node's (each worker's parameters over its own median step)."""
+    done = _run(tmp_path, "--candidates", "torch-fused", "--threads", "1", "--blocks", "1", "--steps", "2",
+                "--warmup", "1", "--processes", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads((tmp_path / "t.json").read_text())["results"][0]
+    assert row["status"] == "ok" and row["num_processes"] == 2
+    assert sorted(p["local_rank"] for p in row["processes"]) == [0, 1]
+    expected = sum(p["num_params"] / p["median_step_s"] / 1e9 for p in row["processes"])
+    assert abs(row["node_billion_params_per_s"] - expected) < 1e-9 and "node of 2" in done.stdout
+
+
+def test_affinity_pins_each_ranks_step_to_its_own_cpus(tmp_path):
+    """--affinity: as optim.worker_affinity, each worker's step runs on its rank's CPUs less one (one CPU: that
+    one), one thread per CPU, whatever --threads says; two ranks get disjoint CPUs where there are two or more."""
+    import os
+
+    done = _run(tmp_path, "--candidates", "torch-fused", "--threads", "7", "--blocks", "1", "--steps", "1",
+                "--warmup", "0", "--processes", "2", "--affinity")
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads((tmp_path / "t.json").read_text())["results"][0]
+    cpus = [p["cpus"] for p in sorted(row["processes"], key=lambda p: p["local_rank"])]
+    assert all(cpus) and all(p["threads"] == len(p["cpus"]) for p in row["processes"])
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not set(cpus[0]) & set(cpus[1]), cpus

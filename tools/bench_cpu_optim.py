@@ -45,6 +45,15 @@ Usage:
   python tools/bench_cpu_optim.py --candidates torch-fused,fsl-bf16 --threads 2 --blocks 1
   python tools/bench_cpu_optim.py --candidates fsl-int8-bf16-sr --threads 16 --chunks 65536,262144,1048576
 
+``--processes P`` runs P workers of each row at once, as the P ranks of one node (``LOCAL_RANK``/``LOCAL_WORLD_SIZE``),
+their timed steps started together: the row's ``node_billion_params_per_s`` is what the node's host steps per second
+(P x T threads on the node's cores: oversubscribed or not). ``--affinity`` pins each worker's step as
+``optim.worker_affinity`` does (its rank's CPUs less one, one thread per CPU) and measures the main thread's progress
+on the CPU left out:
+
+  python tools/bench_cpu_optim.py --candidates local-fused --threads 16,15,12 --processes 4 --blocks 2
+  python tools/bench_cpu_optim.py --candidates local-fused --processes 4 --blocks 2 --affinity
+
 ``--chunks``: the fsl candidates' elements per host chunk (``compressed_adamw.CHUNK_PER_THREAD``), one row each:
 a chunk is ~30 tensor operations, each dispatched under the interpreter lock, over fp32 scratch of that many
 elements (fewer, larger chunks: fewer dispatches; smaller ones: scratch closer to the cores).
@@ -60,8 +69,10 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
@@ -152,6 +163,40 @@ def _spin(seconds: float) -> float:
     return n / seconds
 
 
+def pinned_progress(step, cpus: list, seconds: float = 2.0) -> float:
+    """:func:`main_thread_progress` with the roles as ``optim.worker_affinity`` sets them: a thread pinned to
+    ``cpus`` (the launching thread's CPU) spins while this thread, pinned to the optimizer's CPUs with its own
+    OpenMP threads, runs ``step`` back to back."""
+    out: dict = {}
+    started = threading.Event()
+
+    def spinner() -> None:
+        os.sched_setaffinity(0, set(cpus))
+        out["alone"] = _spin(seconds / 2)
+        started.set()
+        out["beside"] = _spin(seconds)
+
+    thread = threading.Thread(target=spinner)
+    thread.start()
+    started.wait()
+    while thread.is_alive():
+        step()
+    thread.join()
+    return out["beside"] / out["alone"]
+
+
+def wait_for_peers(barrier: str) -> None:
+    """Several workers started together (``--processes``): each says it is ready (its setup done) and waits until all
+    are, so that their timed steps overlap."""
+    directory, count = barrier.rsplit(",", 1)
+    Path(directory, f"ready_{os.getpid()}").touch()
+    deadline = time.monotonic() + 600
+    while len(list(Path(directory).glob("ready_*"))) < int(count):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(list(Path(directory).glob('ready_*')))} of {count} workers got ready")
+        time.sleep(0.01)
+
+
 def main_thread_progress(step, seconds: float = 2.0) -> float:
     """The share of its pure-Python progress this thread keeps while another runs ``step`` back to back."""
     alone = _spin(seconds / 2)
@@ -175,6 +220,13 @@ def run_worker(args: argparse.Namespace) -> dict:
     import torch
 
     name, threads, chunk = args.worker.split("@")
+    cpus = None
+    if args.affinity:  # as optim.worker_affinity: this rank's CPUs less one for the step, before any thread exists
+        from fsdp_speedloader.memory.threads import optimizer_cpus, rank_cpus
+
+        launcher, cpus = rank_cpus()[:1], optimizer_cpus()
+        os.sched_setaffinity(0, set(cpus))
+        threads = str(len(cpus))
     torch.set_num_threads(int(threads))
     if chunk:
         from fsdp_speedloader.memory import compressed_adamw
@@ -195,6 +247,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         opt = build(name, params)
     except ImportError as e:
         return {"status_detail": f"missing: {e}", "missing": True}
+    if os.environ.get("FSL_CPU_OPTIM_BARRIER"):
+        wait_for_peers(os.environ["FSL_CPU_OPTIM_BARRIER"])
     times = []
     for _ in range(args.warmup + args.steps):
         start = time.perf_counter()
@@ -202,8 +256,9 @@ def run_worker(args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - start)
     timed = times[args.warmup:]
     median = statistics.median(timed)
-    progress = main_thread_progress(opt.step)
+    progress = pinned_progress(opt.step, launcher) if cpus else main_thread_progress(opt.step)
     return {"num_params": num_params, "threads": int(threads), "chunk_elements": int(chunk) if chunk else None,
+            "cpus": cpus, "local_rank": int(os.environ.get("LOCAL_RANK") or 0),
             "step_times_s": times, "median_step_s": median,
             "s_per_billion_params": median / num_params * 1e9,
             "thread_s_per_billion_params": median / num_params * 1e9 * int(threads),
@@ -223,6 +278,34 @@ def _versions(name: str) -> dict:
     return out
 
 
+def run_row(cmd: list, name: str, threads: str, args: argparse.Namespace) -> dict:
+    """One row: one worker, or ``--processes`` workers at once (each a rank of the node) summed into the node's
+    rate; their own rows kept under ``processes``."""
+    env = {**os.environ, "OMP_NUM_THREADS": threads}
+    if args.processes == 1:
+        row = harness.launch_worker(cmd, env, timeout=args.timeout).row(candidate=name)
+        if row.get("missing"):
+            row["status"] = "missing"
+        return row
+    with tempfile.TemporaryDirectory() as barrier, ThreadPoolExecutor(args.processes) as pool:
+        envs = [{**env, "LOCAL_RANK": str(i), "LOCAL_WORLD_SIZE": str(args.processes),
+                 "FSL_CPU_OPTIM_BARRIER": f"{barrier},{args.processes}"} for i in range(args.processes)]
+        outcomes = list(pool.map(lambda e: harness.launch_worker(cmd, e, timeout=args.timeout), envs))
+    each = [o.row(candidate=name) for o in outcomes]
+    ok = [r for r in each if r["status"] == "ok"]
+    if len(ok) < len(each):
+        bad = next(r for r in each if r["status"] != "ok")
+        return {**bad, "candidate": name, "processes": each}
+    return {"candidate": name, "status": "ok", "processes": each, "num_processes": len(each),
+            "threads": ok[0]["threads"], "chunk_elements": ok[0]["chunk_elements"],
+            "state_bytes_per_param": ok[0]["state_bytes_per_param"],
+            # the node's rate: every worker's parameters over its own median step, summed
+            "node_billion_params_per_s": sum(r["num_params"] / r["median_step_s"] / 1e9 for r in ok),
+            "s_per_billion_params": statistics.median(r["s_per_billion_params"] for r in ok),
+            "thread_s_per_billion_params": statistics.median(r["thread_s_per_billion_params"] for r in ok),
+            "main_thread_progress": min(r["main_thread_progress"] for r in ok)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--candidates", default=",".join(CANDIDATES), help=f"comma-separated, of {CANDIDATES}")
@@ -236,6 +319,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--name", default="cpu_optim_step")
     parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--processes", type=int, default=1,
+                        help="workers of each row at once, as the ranks of one node (LOCAL_RANK, LOCAL_WORLD_SIZE), "
+                             "their timed steps started together: the node's parameters per second")
+    parser.add_argument("--affinity", action="store_true",
+                        help="as optim.worker_affinity: each worker's step on its rank's CPUs less one, one thread "
+                             "per CPU (--threads is then ignored), the main-thread progress measured on the CPU left")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -259,18 +348,19 @@ def main() -> None:
     print("| candidate | threads | chunk | state B/param | s per step per 1e9 params | thread-s per 1e9 params | "
           "main thread's progress |")
     print("|---|---|---|---|---|---|---|", flush=True)
+    if args.processes < 1:
+        parser.error("--processes: at least 1")
     for name, threads, chunk in [(n, t, c) for n in candidates for t in args.threads.split(",")
                                  for c in ((chunks or [""]) if n.startswith("fsl-") else [""])]:
-        env = {**os.environ, "OMP_NUM_THREADS": threads}
         cmd = harness.worker_command(__file__, f"{name}@{threads}@{chunk}", sys.argv[1:], drop=("--candidates",))
-        row = harness.launch_worker(cmd, env, timeout=args.timeout).row(candidate=name)
-        if row.get("missing"):
-            row["status"] = "missing"
+        row = run_row(cmd, name, threads, args)
         rows.append(row)
         harness.write_record(path, record)
         if row["status"] == "ok":
-            print(f"| {name} | {threads} | {chunk or 'default'} | {row['state_bytes_per_param']} | "
-                  f"{row['s_per_billion_params']:.2f} | {row['thread_s_per_billion_params']:.2f} | "
+            node = (f" (node of {row['num_processes']}: {row['node_billion_params_per_s']:.2f} G params/s)"
+                    if "num_processes" in row else "")
+            print(f"| {name} | {row['threads']} | {chunk or 'default'} | {row['state_bytes_per_param']} | "
+                  f"{row['s_per_billion_params']:.2f}{node} | {row['thread_s_per_billion_params']:.2f} | "
                   f"{row['main_thread_progress']:.2f} |", flush=True)
         else:
             print(f"| {name} | {threads} | {chunk or 'default'} | - | {row['status']}: "
