@@ -406,3 +406,31 @@ def test_generation_contenders_run_mixtral_on_the_cpu(tmp_path):
         assert row["experts_implementation"] == "grouped_mm"
     if "zero-inference:2" in rows:
         assert rows["zero-inference:2"]["deepspeed"]["z3_leaf_modules"][0].endswith("MixtralSparseMoeBlock")
+
+
+def test_a_contender_may_start_its_worker_with_environment_variables():
+    """``:env=NAME=VALUE`` (every contender, repeatable): parsed, and set by the launchers in the worker process's
+    environment (read when the libraries load, so the worker cannot set it itself)."""
+    spec = "speedloader-overlap:2x4:env=OMP_WAIT_POLICY=PASSIVE:affinity:env=FSL_X=a b"
+    assert bench_train.parse_contender(spec, None).env == (("OMP_WAIT_POLICY", "PASSIVE"), ("FSL_X", "a b"))
+    env = bench_train.contender_env(spec, base={"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE"})
+    assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE", "FSL_X": "a b"}
+    assert bench_train.contender_env("ondevice:1x8", base={"A": "1"}) == {"A": "1"}
+    for bad in ("ondevice:1x8:env=1X=2", "ondevice:1x8:env=NOVALUE", "ondevice:1x8:env="):
+        with pytest.raises(ValueError, match="env=NAME=VALUE"):
+            bench_train.parse_contender(bad, None)
+
+
+@pytest.mark.slow
+def test_the_worker_refuses_to_run_without_its_environment(tmp_path):
+    """bench_train's driver starts the worker with the contender's variables (its row says so); a worker started
+    without them stops with the reason rather than measure something else."""
+    base = ["--device", "cpu", "--model", "llama_tiny", "--layers", "2", "--seq-len", "32", "--steps", "1",
+            "--warmup", "1"]
+    spec = "ondevice:1x2:env=FSL_BENCH_PROBE=42"
+    done = _run("bench_train.py", [*base, "--contender", spec, "--out-dir", str(tmp_path), "--name", "e"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads((tmp_path / "e.json").read_text())["results"][0]
+    assert row["status"] == "ok" and row["worker_env"] == {"FSL_BENCH_PROBE": "42"}
+    alone = _run("bench_train.py", [*base, "--worker", spec])
+    assert alone.returncode != 0 and "started without {'FSL_BENCH_PROBE': '42'}" in alone.stderr

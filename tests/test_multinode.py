@@ -233,6 +233,9 @@ def test_bench_scale_contender_micro_batch(capsys):
     assert "--worker speedloader:2x32 " in out and "--worker fsdp2-offload:8x8:compile " in out
     assert "--worker deepspeed-offload:16x4 " in out and "fsdp2-offload_8x8_compile_2x2-ethernet" in out
     assert "--profile" not in out
+    assert bench_scale.main([*base, "--contenders", "speedloader:env=OMP_WAIT_POLICY=PASSIVE"]) == 0
+    launches = capsys.readouterr().out.splitlines()
+    assert len(launches) == 2 and all(" OMP_WAIT_POLICY=PASSIVE /" in line for line in launches)  # each agent's env
     assert bench_scale.main([*base, "--contenders", "speedloader", "--profile"]) == 0
     assert capsys.readouterr().out.count(" --profile") == 2  # every rank's agent traces one more step
     with pytest.raises(SystemExit):

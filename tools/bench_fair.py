@@ -47,6 +47,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
 import harness  # noqa: E402
 import protocol  # noqa: E402
+from bench_train import contender_env  # noqa: E402
 from host_load import HostLoad  # noqa: E402
 
 REPO = harness.REPO
@@ -302,7 +303,7 @@ def run_point(table: Table, spec: str, args: argparse.Namespace, **fields) -> di
         print(" ".join(cmd), flush=True)
         return {"spec": spec, "family": family_of(spec), **fields, "status": "dry-run"}
     with HostLoad(busy=args.host_busy, copy=args.host_copy) as load:
-        outcome = harness.launch_worker(cmd, timeout=args.timeout)
+        outcome = harness.launch_worker(cmd, contender_env(spec), timeout=args.timeout)
     row = outcome.row(spec=spec, family=family_of(spec), **fields)
     if args.host_busy or args.host_copy:
         row["host_load"] = load.summary()

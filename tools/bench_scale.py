@@ -62,7 +62,7 @@ import harness  # noqa: E402
 import launch_two_nodes  # noqa: E402
 import protocol  # noqa: E402
 import slow_link  # noqa: E402
-from bench_train import parse_contender  # noqa: E402
+from bench_train import contender_env, parse_contender  # noqa: E402
 
 REPO = harness.REPO
 
@@ -212,7 +212,8 @@ def run_case(contender: str, case: Case, args: argparse.Namespace, work_dir: Pat
     log_dir = work_dir / run_dir_name(contender, case)
     script = worker_args(args, contender, case)
     link = link if case.nodes > 1 else None
-    commands, envs = case_launch(case, script, device=args.device, gpu_ids=args.gpu_ids, base_env=dict(os.environ),
+    commands, envs = case_launch(case, script, device=args.device, gpu_ids=args.gpu_ids,
+                                 base_env=contender_env(contender),
                                  threads_per_rank=args.threads_per_rank, log_dir=log_dir, link=link)
     record = {"contender": contender, "case": case.name, "nodes": case.nodes, "gpus_per_node": case.gpus_per_node,
               "world_size": case.world_size, "emulated_ethernet": case.emulate_ethernet,
@@ -501,7 +502,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     if args.link_gbit is not None else None)
             for contender, case in run_order(contenders, cases):
                 commands, envs = case_launch(case, worker_args(args, contender, case), device=args.device,
-                                             gpu_ids=args.gpu_ids, base_env=dict(os.environ),
+                                             gpu_ids=args.gpu_ids, base_env=contender_env(contender),
                                              threads_per_rank=args.threads_per_rank,
                                              log_dir=Path(tmp) / run_dir_name(contender, case),
                                              link=link if case.nodes > 1 else None)

@@ -59,6 +59,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import resource
 import statistics
 import sys
@@ -288,12 +289,26 @@ class Contender(NamedTuple):
     reshard: bool = True  # FSDP2 contenders: schedule.reshard_after_forward (False: gathered once per step)
     nice: int = 0  # speedloader-overlap: the optimizer worker's niceness raised by this much (optim.worker_nice)
     affinity: bool = False  # speedloader-overlap: the worker on this rank's CPUs less one (optim.worker_affinity)
+    env: tuple = ()  # every contender: (NAME, VALUE) its worker process starts with (contender_env)
+
+
+def contender_env(spec: str, base: Optional[dict] = None) -> dict:
+    """The environment a contender's worker process starts with: ``base`` (default: this process's) plus the
+    contender's ``:env=NAME=VALUE`` options. Set by the launcher, because what they set is read when a library loads
+    (OpenMP reads ``OMP_WAIT_POLICY`` then), before the worker could set it itself."""
+    env = dict(os.environ if base is None else base)
+    for option in spec.split(":")[1:]:
+        key, _, value = option.partition("=")
+        if key == "env" and "=" in value:
+            name, _, val = value.partition("=")
+            env[name] = val
+    return env
 
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
     """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K][:sdpa=B][:liger]
     [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|torch][:dev=K][:recompute=off]
-    [:sync=every|last][:reshard=off][:nice=K][:affinity]'
+    [:sync=every|last][:reshard=off][:nice=K][:affinity][:env=NAME=VALUE]'
     -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
@@ -305,7 +320,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     is named). ``states`` and ``threads`` (speedloader-overlap): the host optimizer's moments (``optim.state_dtype``)
     and its worker's CPU threads (``optim.worker_threads``), ``nice`` that worker's niceness raised by K
     (``optim.worker_nice``), ``affinity`` that worker on this rank's CPUs less the launching thread's
-    (``optim.worker_affinity``); ``slots`` its in-flight host gradient slots
+    (``optim.worker_affinity``); ``env=NAME=VALUE`` (every contender, repeatable): its worker process starts with
+    that environment variable (:func:`contender_env`; e.g. ``env=OMP_WAIT_POLICY=PASSIVE``); ``slots`` its in-flight host gradient slots
     (``optim.grad_slots_in_flight``, 0: one per parameter); ``adamw`` its fp32 AdamW, the trainer's
     ``LocalShardAdamW`` (default) or ``torch.optim.AdamW`` on the DTensors. Every other contender steps
     ``torch.optim.AdamW`` (fused). ``dev`` (speedloader and FSDP2-offload contenders): units 1 .. K keep their
@@ -323,7 +339,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
     states, threads, slots, adamw, dev = "fp32", 0, 2, "local", 0
-    recompute, sync, reshard, nice, affinity = True, None, True, 0, False
+    recompute, sync, reshard, nice, affinity, env = True, None, True, 0, False, []
     fsdp2 = name in ("ondevice", "fsdp2-offload", "fsdp2-offload-rs")
     kernels_ok = name != "deepspeed-offload"
     for option in options:
@@ -351,6 +367,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             threads = int(value)
         elif key == "nice" and value.isdigit() and 0 < int(value) <= 19 and name == "speedloader-overlap":
             nice = int(value)
+        elif key == "env" and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=[^:]*", value):
+            env.append(tuple(value.split("=", 1)))
         elif key == "affinity" and not value and name == "speedloader-overlap":
             affinity = True
         elif key == "slots" and value.isdigit() and name == "speedloader-overlap":
@@ -375,9 +393,9 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
                              "':adamw=local|torch' "
                              "(speedloader-overlap), ':dev=K' (speedloader and fsdp2-offload contenders), "
                              "':recompute=on|off', ':sync=every|last' and ':reshard=on|off' (ondevice and "
-                             "fsdp2-offload contenders)")
+                             "fsdp2-offload contenders), ':env=NAME=VALUE' (every contender)")
     return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads,
-                     slots, adamw, dev, recompute, sync, reshard, nice, affinity)
+                     slots, adamw, dev, recompute, sync, reshard, nice, affinity, tuple(env))
 
 
 def _positive_float(text: str) -> bool:
@@ -430,6 +448,10 @@ def run_worker(args: argparse.Namespace) -> dict:
     from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 
     contender = parse_contender(args.worker, args.param_transfer_dtype, args.compile)
+    missing = {k: v for k, v in contender.env if os.environ.get(k) != v}
+    if missing:  # read when the libraries loaded, before this line: only the launcher can set them
+        raise RuntimeError(f"contender {args.worker!r}: its worker started without {missing}; launch it with "
+                           "bench_train.contender_env(spec)")
     name, shape, transfer, compiled, root_on_device = contender[:5]
     cap = gpu_cap_gib(contender, args.max_gpu_memory_gib)
     args = argparse.Namespace(**{**vars(args), "max_gpu_memory_gib": cap})  # DeepSpeed reads its cap there
@@ -530,7 +552,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         sync=torch.cuda.synchronize if cuda else (lambda: None),
         reset_peak=torch.cuda.reset_peak_memory_stats if cuda else (lambda: None))
     result = {
-        "contender": name, "contender_spec": args.worker, "param_transfer_dtype": transfer, "compiled": compiled,
+        "contender": name, "contender_spec": args.worker, "worker_env": dict(contender.env),
+        "param_transfer_dtype": transfer, "compiled": compiled,
         "root_on_device": root_on_device, "device_units": contender.dev, "sub_batch_size": sub_batch,
         "num_sub_batches": num_sub, "max_gpu_memory_gib": cap, "experts_implementation": experts,
         "sdpa_backend": contender.sdpa, "liger_kernels": contender.liger, "float8_training": contender.fp8,
@@ -633,7 +656,7 @@ def main() -> None:
     path = Path(args.out_dir, f"{args.name or f'train_{cfg.name}_L{args.layers}_s{args.seq_len}'}.json")
     for contender in contenders:
         cmd = harness.worker_command(__file__, contender, sys.argv[1:], drop=("--contender",))
-        row = harness.launch_worker(cmd, timeout=args.timeout).row(contender=contender)
+        row = harness.launch_worker(cmd, contender_env(contender), timeout=args.timeout).row(contender=contender)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_times_s", "output_tail")}),
               flush=True)
