@@ -323,11 +323,10 @@ class Trainer:
 
         # 4. Optimizer, LR schedule, data, metrics, logging, checkpoints.
         self.optimizer = build_optimizer(model, cfg.optim, seed=cfg.seed)
-        if getattr(self.optimizer, "worker_cpus", None) is not None:
+        if cfg.optim.worker_affinity:
             cpus = self.optimizer.worker_cpus
-            shown = f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 and cpus == list(range(cpus[0], cpus[-1] + 1)) else cpus
-            self._info("optim.worker_affinity: the optimizer worker runs on CPUs %s with %d threads (rank 0's)",
-                       shown, self.optimizer.worker_threads)
+            self._info("optim.worker_affinity: the optimizer worker runs on %d CPUs (%d to %d) with %d threads "
+                       "(rank 0's)", len(cpus), cpus[0], cpus[-1], self.optimizer.worker_threads)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, cfg.steps)
         self.loader = build_loader(cfg.data, vocab_size=vocab_size, batch_size=sched.batch_size,
                                    rank=self.rank, world_size=self.world_size)

@@ -42,17 +42,6 @@ def set_thread_num_threads(n: int) -> None:
         restore.join()
 
 
-def threads_instead_of_torchrun_default() -> Optional[int]:
-    """The rank's CPU share where torchrun's default of one thread is in force (it sets ``OMP_NUM_THREADS=1`` in
-    every worker unless the variable is set: right for training on the GPU alone, but a rank whose optimizer steps
-    on the host, and whose shards are initialised there, would get one core of the node); else None (the variable
-    is another value, or not under torchrun, or the share is one CPU)."""
-    if os.environ.get("OMP_NUM_THREADS") != "1" or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    share = len(rank_cpus())
-    return share if share > 1 else None
-
-
 def rank_cpus() -> list[int]:
     """This rank's CPUs: the CPUs this process may run on, split into ``LOCAL_WORLD_SIZE`` equal blocks in order,
     block ``LOCAL_RANK`` (ranks on one node get disjoint blocks). A process already bound to fewer CPUs than the
@@ -65,6 +54,17 @@ def rank_cpus() -> list[int]:
     share = max(1, len(cpus) // local_world)
     block = cpus[local_rank * share : (local_rank + 1) * share]
     return block or cpus[-share:]  # more ranks than CPUs: the blocks overlap rather than vanish
+
+
+def threads_instead_of_torchrun_default() -> Optional[int]:
+    """The rank's CPU share where torchrun's default of one thread is in force (it sets ``OMP_NUM_THREADS=1`` in
+    every worker unless the variable is set: right for training on the GPU alone, but a rank whose optimizer steps
+    on the host, and whose shards are initialised there, would get one core of the node); else None (the variable
+    is another value, or not under torchrun, or the share is one CPU)."""
+    if os.environ.get("OMP_NUM_THREADS") != "1" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    share = len(rank_cpus())
+    return share if share > 1 else None
 
 
 def optimizer_cpus() -> list[int]:
