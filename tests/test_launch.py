@@ -64,6 +64,7 @@ def test_torchrun_two_ranks_hydra_wandb_offline(tmp_path):
            "-m", "fsdp_speedloader.app.train", *TINY_OVERRIDES, "logger=wandb", "logger.mode=offline"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "OpenMP: idle threads sleep at once (OMP_WAIT_POLICY=PASSIVE" in proc.stdout + proc.stderr  # openmp_wait.py
 
     run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
     assert len(run_dirs) == 1, run_dirs  # both ranks agreed on one timestamp

@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+from fsdp_speedloader import openmp_wait  # noqa: E402 (before torch, as in the trainer: openmp_wait.py)
 import harness  # noqa: E402
 import protocol  # noqa: E402
 
@@ -553,6 +554,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         reset_peak=torch.cuda.reset_peak_memory_stats if cuda else (lambda: None))
     result = {
         "contender": name, "contender_spec": args.worker, "worker_env": dict(contender.env),
+        "openmp_wait": {k: os.environ.get(k) for k in openmp_wait.USER_CHOICES},  # as the worker started
         "param_transfer_dtype": transfer, "compiled": compiled,
         "root_on_device": root_on_device, "device_units": contender.dev, "sub_batch_size": sub_batch,
         "num_sub_batches": num_sub, "max_gpu_memory_gib": cap, "experts_implementation": experts,

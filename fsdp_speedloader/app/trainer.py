@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_speedloader import parallel
+from fsdp_speedloader import openmp_wait, parallel
 from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits, claim_checkpoint_dir, \
     resolve_resume_path
 from fsdp_speedloader.app.checkpoint_extra import EXTRA_FILE, read_extra
@@ -280,6 +280,10 @@ class Trainer:
             self._info("host threads: %d per rank (this node's CPUs / %s local ranks) instead of torchrun's default "
                        "OMP_NUM_THREADS=1; set OMP_NUM_THREADS (or optim.worker_threads) to choose", threads,
                        os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if openmp_wait.chosen is not None:
+            self._info("OpenMP: idle threads sleep at once (OMP_WAIT_POLICY=%s set at import), as %s ranks share this "
+                       "host's cores; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose", openmp_wait.chosen,
+                       os.environ.get("LOCAL_WORLD_SIZE"))
         maybe_cap_gpu_memory(cfg.max_gpu_memory_gib, self.device)
         self.mesh = parallel.build_mesh(device_type, cfg.dp_replicate)
         param_dtype = resolve_param_dtype(cfg.param_dtype, device_type)
