@@ -41,3 +41,9 @@ def prefer_passive_wait(environ: MutableMapping[str, str] = os.environ,
         return None
     environ["OMP_WAIT_POLICY"] = "PASSIVE"
     return "PASSIVE"
+
+
+def missed(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """True where the rule applies but came too late: torch was imported before the package, so OpenMP started
+    spinning (a script of the user's own that imports torch first)."""
+    return chosen is None and prefer_passive_wait(dict(environ), modules={}) is not None

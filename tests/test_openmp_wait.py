@@ -84,3 +84,15 @@ def test_torchrun_ranks_start_with_it(gnu_openmp, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(_spin_counts(proc.stderr)) == ["0", "0", "300000"]
     assert sorted(re.findall(r"rank \d PASSIVE", proc.stdout)) == ["rank 0 PASSIVE", "rank 1 PASSIVE"]
+
+
+def test_missed_says_when_torch_came_first(monkeypatch):
+    """The trainer warns where the rule applied but torch was loaded first (the package's import chose nothing)."""
+    from fsdp_speedloader import openmp_wait
+
+    monkeypatch.setattr(openmp_wait, "chosen", None)
+    assert openmp_wait.missed({"LOCAL_WORLD_SIZE": "4"})
+    assert not openmp_wait.missed({"LOCAL_WORLD_SIZE": "4", "OMP_WAIT_POLICY": "ACTIVE"})
+    assert not openmp_wait.missed({"LOCAL_WORLD_SIZE": "1"})
+    monkeypatch.setattr(openmp_wait, "chosen", "PASSIVE")
+    assert not openmp_wait.missed({"LOCAL_WORLD_SIZE": "4", "OMP_WAIT_POLICY": "PASSIVE"})

@@ -284,6 +284,10 @@ class Trainer:
             self._info("OpenMP: idle threads sleep at once (OMP_WAIT_POLICY=%s set at import), as %s ranks share this "
                        "host's cores; set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose", openmp_wait.chosen,
                        os.environ.get("LOCAL_WORLD_SIZE"))
+        elif cfg.offload.params and openmp_wait.missed():
+            self._warning("OpenMP's idle threads spin: %s ranks share this host's cores, and torch was imported before "
+                          "fsdp_speedloader, too late to choose; set OMP_WAIT_POLICY=PASSIVE in the launch environment "
+                          "(docs/scaling.md)", os.environ.get("LOCAL_WORLD_SIZE"))
         maybe_cap_gpu_memory(cfg.max_gpu_memory_gib, self.device)
         self.mesh = parallel.build_mesh(device_type, cfg.dp_replicate)
         param_dtype = resolve_param_dtype(cfg.param_dtype, device_type)
