@@ -183,6 +183,13 @@ def test_a_traced_step_is_summarised_with_its_timeline(tmp_path):
     waited = bench_train.summarize_trace(str(path), 250e-6)["compute_gaps_waited_for"]
     assert (waited["collective_count"], waited["copy_count"], waited["host_count"]) == (1, 0, 0)
     assert waited["collective_s"] == pytest.approx(120e-6)
+    # a compute kernel at 300 us, 20 us after a 1 GiB host-to-device copy (260-280) ended: the gap 240-300 waited for it
+    trace["traceEvents"] += [event("kernel", "gemm", 300, 10, stream=7),
+                             event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 260, 20, bytes=2**30)]
+    path.write_text(json.dumps(trace))
+    summary = bench_train.summarize_trace(str(path), 350e-6)
+    assert summary["compute_gaps_waited_for"]["copy_count"] == 1
+    assert summary["copy_gaps_by_copy"] == pytest.approx({"HtoD 1024 MiB": 60e-6})
 
 
 def test_launch_gaps_count_the_idle_time_between_kernels():
@@ -202,6 +209,57 @@ def test_long_gaps_are_charged_to_what_ended_just_before_them():
     assert got == pytest.approx({"collective_s": 90e-6, "collective_count": 1, "copy_s": 190e-6, "copy_count": 1,
                                  "host_s": 190e-6, "host_count": 1, "long_us": 50.0, "slack_us": 30.0})
     assert bench_train.attribute_gaps([], [], [])["host_count"] == 0
+
+
+def test_host_gaps_are_named_by_the_host_waits_under_way():
+    """The same kernels; the host gap 310-500 us overlaps a gradient-ring wait 250-400 (90 us of it) and an
+    optimizer wait 450-480 (30 us); the other 70 us are unnamed. A wait during a copy's gap (200-290) is not
+    counted: that gap waited for the copy. The trace's annotations reach the summary the same way."""
+    compute = [(0, 10), (100, 110), (300, 310), (500, 510), (530, 540)]
+    gaps = bench_train.long_gaps(compute, collectives=[(80, 95), (350, 400)], copies=[(200, 290)])
+    assert [cause for _, _, cause in gaps] == ["collective", "copy", "host"]
+    named = {"speedloader::grad_ring_wait": [(250, 400)], "speedloader::optimizer_wait": [(450, 480)]}
+    assert bench_train.host_gaps_during(gaps, named) == pytest.approx(
+        {"speedloader::grad_ring_wait": 90e-6, "speedloader::optimizer_wait": 30e-6, "unnamed_s": 70e-6})
+    assert bench_train.host_gaps_during(gaps, {}) == pytest.approx({"unnamed_s": 190e-6})
+
+
+def test_a_trace_names_the_host_waits(tmp_path):
+    def event(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    trace = {"traceEvents": [event("kernel", "gemm", 0, 10, stream=7), event("kernel", "gemm", 200, 10, stream=7),
+                             event("user_annotation", "speedloader::grad_ring_wait", 50, 100),
+                             event("user_annotation", "speedloader::grad_ring_wait", 120, 60),
+                             event("user_annotation", "aten::mm", 0, 200)]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    summary = bench_train.summarize_trace(str(path), 250e-6)
+    assert summary["named_waits_s"] == pytest.approx({"speedloader::grad_ring_wait": 130e-6})
+    assert summary["host_gaps_during"] == pytest.approx({"speedloader::grad_ring_wait": 130e-6, "unnamed_s": 60e-6})
+
+
+def test_a_late_kernel_is_traced_to_what_its_thread_ran_meanwhile(tmp_path):
+    """Kernels at 0, 200 and 400 us on the compute stream; the second was queued at 150 us by thread 5, which ran a
+    post-backward reduce (20-120, a copy 30-60 inside it) in the gap: a late launch. The third was queued at 5 us,
+    before its gap: it waited on the GPU. Thread 9's work does not count: it queued nothing there."""
+    def event(cat, name, ts, dur, tid=0, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        event("kernel", "gemm", 0, 10, stream=7, correlation=1), event("kernel", "gemm", 200, 10, stream=7, correlation=2),
+        event("kernel", "gemm", 400, 10, stream=7, correlation=3),
+        event("cuda_runtime", "cudaLaunchKernel", 150, 3, tid=5, correlation=2),
+        event("cuda_driver", "cuLaunchKernel", 5, 3, tid=5, correlation=3),
+        event("cpu_op", "FSDP::post_backward_reduce", 20, 100, tid=5), event("cpu_op", "aten::copy_", 30, 30, tid=5),
+        event("cpu_op", "aten::mm", 10, 140, tid=9)]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    got = bench_train.summarize_trace(str(path), 500e-6)["host_gaps_launches"]
+    ran = got.pop("late_thread_ran_s")
+    assert got == pytest.approx({"queued_before_s": 190e-6, "queued_late_s": 190e-6, "unmatched_s": 0.0})
+    assert ran == pytest.approx({"FSDP::post_backward_reduce": 100e-6, "aten::copy_": 30e-6})
+    assert list(ran) == ["FSDP::post_backward_reduce", "aten::copy_"]  # longest first
 
 
 def test_the_host_thread_usage_counts_this_threads_cpu_time():
@@ -421,16 +479,26 @@ def test_a_contender_may_start_its_worker_with_environment_variables():
             bench_train.parse_contender(bad, None)
 
 
+def test_a_contender_may_prefetch_deeper():
+    assert bench_train.parse_contender("speedloader-overlap:4x2:prefetch=2", None).prefetch == 2
+    assert bench_train.parse_contender("ondevice:1x8:prefetch=0", None).prefetch == 0
+    assert bench_train.parse_contender("fsdp2-offload:1x8", None).prefetch is None  # --prefetch's
+    for bad in ("deepspeed-offload:1x8:prefetch=2", "speedloader:4x2:prefetch=-1", "speedloader:4x2:prefetch"):
+        with pytest.raises(ValueError, match="prefetch=K"):
+            bench_train.parse_contender(bad, None)
+
+
 @pytest.mark.slow
 def test_the_worker_refuses_to_run_without_its_environment(tmp_path):
     """bench_train's driver starts the worker with the contender's variables (its row says so); a worker started
     without them stops with the reason rather than measure something else."""
     base = ["--device", "cpu", "--model", "llama_tiny", "--layers", "2", "--seq-len", "32", "--steps", "1",
             "--warmup", "1"]
-    spec = "ondevice:1x2:env=FSL_BENCH_PROBE=42"
+    spec = "ondevice:1x2:env=FSL_BENCH_PROBE=42:prefetch=2"
     done = _run("bench_train.py", [*base, "--contender", spec, "--out-dir", str(tmp_path), "--name", "e"])
     assert done.returncode == 0, done.stderr[-3000:]
     row = json.loads((tmp_path / "e.json").read_text())["results"][0]
     assert row["status"] == "ok" and row["worker_env"] == {"FSL_BENCH_PROBE": "42"}
+    assert row["forward_prefetch"] == 2  # the contender's own depth, not --prefetch's 1
     alone = _run("bench_train.py", [*base, "--worker", spec])
     assert alone.returncode != 0 and "started without {'FSL_BENCH_PROBE': '42'}" in alone.stderr

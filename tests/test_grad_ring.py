@@ -148,17 +148,23 @@ def test_a_worker_slower_than_the_backward_makes_the_backward_wait_not_race():
         opt.step = delayed
         return opt
 
-    states = []
+    states, ring_waits = [], []
     for in_flight, build in ((0, _adamw), (1, slow_adamw)):
         model = _model(base)
         opt = OverlappedOptimizer(model, build, grad_slots_in_flight=in_flight)
         before = fast_path_stats()["num_grad_ring_waits"]
         try:
-            _train(model, opt, 2)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                _train(model, opt, 2)
             states.append(_state(model, opt))
+            ring_waits.append(opt.step_stats()["grad_ring_wait_s"])  # both steps' waits
         finally:
             opt.close()
+        named = [e for e in prof.events() if e.name == "speedloader::grad_ring_wait"]  # what a trace shows
+        assert len(named) == (fast_path_stats()["num_grad_ring_waits"] - before), len(named)
     assert fast_path_stats()["num_grad_ring_waits"] - before >= 2 * 3  # units 3, 2, 1 waited, both steps
+    assert ring_waits[0] == 0.0  # no ring, no wait
+    assert ring_waits[1] >= 2 * 3 * 0.02, ring_waits  # each waited for most of a 0.05 s step of the unit before
     _assert_same(*states)
 
 

@@ -38,7 +38,7 @@ import protocol  # noqa: E402
 GIB = 2**30
 STEP_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu", "mfu_no_attention", "hfu",
              "host_rss_gib", "peak_gpu_mem_allocated_gib", "peak_gpu_mem_reserved_gib", "tokens", "epoch",
-             "optimizer_busy_s", "optimizer_wait_s", "data_wait_s")
+             "optimizer_busy_s", "optimizer_wait_s", "grad_ring_wait_s", "data_wait_s")
 MONITOR_LINE = re.compile(r"^\[mon (\d+) s\] host used (\d+(?:\.\d+)?) GiB(.*)$")
 
 

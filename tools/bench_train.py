@@ -56,6 +56,7 @@ config and every figure; a contender out of memory is recorded as ``status: oom`
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 import os
@@ -155,19 +156,95 @@ def attribute_gaps(compute: list, collectives: list, copies: list, *, long_us: f
     copy, else the host (the next kernel was launched late: Python, synchronisations, the CPU optimizer). Seconds and
     counts per cause. A collective's kernel runs until its slowest rank joins, so time charged to collectives
     includes the other ranks' lateness."""
-    merged = _merged(compute)
-    ends = {"collective": sorted(b for _, b in collectives), "copy": sorted(b for _, b in copies)}
     out = {f"{cause}_{unit}": 0.0 if unit == "s" else 0 for cause in ("collective", "copy", "host")
            for unit in ("s", "count")}
+    for gap_start, gap_end, cause in long_gaps(compute, collectives, copies, long_us=long_us, slack_us=slack_us):
+        out[f"{cause}_s"] += (gap_end - gap_start) / 1e6
+        out[f"{cause}_count"] += 1
+    return {**out, "long_us": long_us, "slack_us": slack_us}
+
+
+def long_gaps(compute: list, collectives: list, copies: list, *, long_us: float = 50.0,
+              slack_us: float = 30.0) -> list:
+    """The compute stream's gaps longer than ``long_us`` as (start_us, end_us, cause), cause as
+    :func:`attribute_gaps` tells it."""
+    merged = _merged(compute)
+    ends = {"collective": sorted(b for _, b in collectives), "copy": sorted(b for _, b in copies)}
+    out = []
     for (_, gap_start), (gap_end, _) in zip(merged, merged[1:]):
-        gap = gap_end - gap_start
-        if gap <= long_us:
+        if gap_end - gap_start <= long_us:
             continue
         cause = next((c for c in ("collective", "copy")
                       if any(gap_end - slack_us <= e <= gap_end and e >= gap_start for e in ends[c])), "host")
-        out[f"{cause}_s"] += gap / 1e6
-        out[f"{cause}_count"] += 1
-    return {**out, "long_us": long_us, "slack_us": slack_us}
+        out.append((gap_start, gap_end, cause))
+    return out
+
+
+def host_gaps_during(gaps: list, named: dict) -> dict:
+    """Of the compute stream's gaps that waited for the host (``long_gaps``' cause 'host'), the seconds during which
+    each named host wait was under way (``named``: name -> its (start_us, end_us) spans, on any thread:
+    ``speedloader::grad_ring_wait``, the backward blocked on a gradient region; ``speedloader::optimizer_wait``, the
+    forward blocked on a CPU step), and ``unnamed_s``, the rest: what launched the next kernel late was something
+    else (Python, launches, the interpreter lock)."""
+    host = [(a, b) for a, b, cause in gaps if cause == "host"]
+    every = [span for spans in named.values() for span in spans]
+    out = {name: _overlap_s(host, spans) for name, spans in sorted(named.items())}
+    out["unnamed_s"] = _union_s(host) - _overlap_s(host, every)
+    return out
+
+
+def copy_gaps_by_copy(gaps: list, copies: dict, *, slack_us: float = 30.0) -> dict:
+    """The seconds of the compute stream's copy gaps (``long_gaps``' cause 'copy') by the copy that ended just before
+    each (within ``slack_us`` of its end; the latest such one): keyed 'DIRECTION SIZE MiB' (``copies``: direction ->
+    [(start_us, end_us, bytes)]). Sizes tell a unit's parameters from a sub-batch's activations."""
+    out: dict = {}
+    for gap_start, gap_end, cause in gaps:
+        if cause != "copy":
+            continue
+        ended = [(end, kind, size) for kind, spans in copies.items() for _, end, size in spans
+                 if gap_end - slack_us <= end <= gap_end and end >= gap_start]
+        if ended:
+            _, kind, size = max(ended)
+            key = f"{kind} {size / 2**20:.0f} MiB"
+            out[key] = out.get(key, 0.0) + (gap_end - gap_start) / 1e6
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def late_launches(gaps: list, kernel_ids: dict, launches: dict, host_ops: dict, *, top: int = 12) -> dict:
+    """For each gap the compute stream waited for the host (``long_gaps``' cause 'host'): was the kernel after it
+    queued before the gap began (``queued_before_s``: it waited on the GPU for something the gap rule does not see,
+    an event on another stream) or during it (``queued_late_s``), and, for late ones, what the queuing thread ran
+    between the gap's start and the launch (``late_thread_ran_s``: operator and annotation names, seconds of overlap,
+    nested ones counted each, the ``top`` longest). ``kernel_ids``: kernel start -> correlation id on the compute
+    stream; ``launches``: correlation id -> (ts, thread); ``host_ops``: thread -> [(ts, end, name)]."""
+    out = {"queued_before_s": 0.0, "queued_late_s": 0.0, "unmatched_s": 0.0}
+    ran: dict = {}
+    ordered = {tid: sorted(ops) for tid, ops in host_ops.items()}
+    starts = {tid: [op[0] for op in ops] for tid, ops in ordered.items()}
+    longest = {tid: max((b - a for a, b, _ in ops), default=0) for tid, ops in ordered.items()}
+    for gap_start, gap_end, cause in gaps:
+        if cause != "host":
+            continue
+        launch = launches.get(kernel_ids.get(gap_end))
+        if launch is None:
+            out["unmatched_s"] += (gap_end - gap_start) / 1e6
+            continue
+        launched, tid = launch
+        if launched <= gap_start:
+            out["queued_before_s"] += (gap_end - gap_start) / 1e6
+            continue
+        out["queued_late_s"] += (gap_end - gap_start) / 1e6
+        window_end = min(launched, gap_end)
+        ops, first = ordered.get(tid, []), starts.get(tid, [])
+        i = bisect.bisect_left(first, window_end)  # ops starting before the window ends, back to the longest one
+        while i > 0 and ops[i - 1][0] >= gap_start - longest[tid]:
+            i -= 1
+            a, b, name = ops[i]
+            overlap = min(b, window_end) - max(a, gap_start)
+            if overlap > 0:
+                ran[name] = ran.get(name, 0.0) + overlap / 1e6
+    out["late_thread_ran_s"] = dict(sorted(ran.items(), key=lambda kv: -kv[1])[:top])
+    return out
 
 
 def host_thread_usage() -> tuple[float, int]:
@@ -191,18 +268,32 @@ def summarize_trace(path: str, step_s: float) -> dict:
     copies: dict = {}
     by_name: dict = {}
     host_calls: dict = {}  # CUDA runtime calls on the host (launches, synchronisations, event waits)
+    named: dict = {}  # the package's host waits, named with record_function ("speedloader::..."): name -> spans
+    launches: dict = {}  # correlation id -> (ts, host thread) of the CUDA call that queued the GPU work
+    host_ops: dict = {}  # host thread -> [(ts, end, name)] of its operators and annotations
+    kernel_ids: dict = {}  # stream -> {kernel start: correlation id}
     for e in events:
         cat = e.get("cat", "")
+        if e.get("ph") == "X" and cat in ("cuda_runtime", "cuda_driver"):
+            launches[e.get("args", {}).get("correlation")] = (e["ts"], e.get("tid"))
         if e.get("ph") == "X" and cat == "cuda_runtime":
             host_calls[e["name"]] = host_calls.get(e["name"], 0.0) + e["dur"] / 1e6
+        if e.get("ph") == "X" and cat in ("cpu_op", "user_annotation"):
+            host_ops.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        if e.get("ph") == "X" and cat == "user_annotation" and e["name"].startswith("speedloader::"):
+            named.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
         if e.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
+        if cat == "kernel":
+            kernel_ids.setdefault(e.get("args", {}).get("stream", -1), {})[e["ts"]] = e.get("args", {}).get(
+                "correlation")
         span = (e["ts"], e["ts"] + e["dur"])
         if cat == "gpu_memcpy":
             kind = e["name"].split("(")[0].replace("Memcpy", "").strip()  # HtoD, DtoH, DtoD
-            c = copies.setdefault(kind, {"bytes": 0, "spans": []})
+            c = copies.setdefault(kind, {"bytes": 0, "spans": [], "sized": []})
             c["bytes"] += e.get("args", {}).get("bytes", 0)
             c["spans"].append(span)
+            c["sized"].append((*span, e.get("args", {}).get("bytes", 0)))
         elif cat == "kernel":
             kernels.setdefault(e.get("args", {}).get("stream", -1), []).append(span)
             if e["name"].startswith("nccl"):
@@ -211,6 +302,9 @@ def summarize_trace(path: str, step_s: float) -> dict:
     busy = {str(k): _union_s(v) for k, v in kernels.items()}
     compute_spans = max(kernels.values(), key=_union_s) if kernels else []  # the stream with the most kernel time
     compute = max(busy, key=busy.get) if busy else None
+    compute_ids = kernel_ids.get(max(kernels, key=lambda k: _union_s(kernels[k])), {}) if kernels else {}
+    all_copies = [span for c in copies.values() for span in c["spans"]]
+    gaps = long_gaps(compute_spans, collectives, all_copies)
     return {
         "step_s": step_s,
         "stream_busy_s": busy,
@@ -218,10 +312,16 @@ def summarize_trace(path: str, step_s: float) -> dict:
         "compute_idle_fraction": (1 - busy[compute] / step_s) if compute else None,
         "copies": {k: {"gib": v["bytes"] / 2**30, "busy_s": _union_s(v["spans"])} for k, v in copies.items()},
         "top_kernels_s": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:15]),
-        "timeline": timeline(step_s, compute_spans, [span for c in copies.values() for span in c["spans"]]),
+        "timeline": timeline(step_s, compute_spans, all_copies),
         "compute_launch_gaps": launch_gaps(compute_spans),
-        "compute_gaps_waited_for": attribute_gaps(compute_spans, collectives,
-                                                  [span for c in copies.values() for span in c["spans"]]),
+        "compute_gaps_waited_for": attribute_gaps(compute_spans, collectives, all_copies),
+        # which of the package's named host waits were under way while the compute stream waited for the host
+        "host_gaps_during": host_gaps_during(gaps, named),
+        # when the kernel after each such gap was queued, and what its thread ran meanwhile
+        "host_gaps_launches": late_launches(gaps, compute_ids, launches, host_ops),
+        # which copies the compute stream's copy gaps waited for, by direction and size
+        "copy_gaps_by_copy": copy_gaps_by_copy(gaps, {k: v["sized"] for k, v in copies.items()}),
+        "named_waits_s": {name: _union_s(spans) for name, spans in sorted(named.items())},
         "top_host_cuda_calls_s": dict(sorted(host_calls.items(), key=lambda kv: -kv[1])[:8]),
     }
 
@@ -291,6 +391,7 @@ class Contender(NamedTuple):
     nice: int = 0  # speedloader-overlap: the optimizer worker's niceness raised by this much (optim.worker_nice)
     affinity: bool = False  # speedloader-overlap: the worker on this rank's CPUs less one (optim.worker_affinity)
     env: tuple = ()  # every contender: (NAME, VALUE) its worker process starts with (contender_env)
+    prefetch: Optional[int] = None  # every contender but DeepSpeed: units unsharded ahead in forward; None: --prefetch
 
 
 def contender_env(spec: str, base: Optional[dict] = None) -> dict:
@@ -329,7 +430,9 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     states on the GPU (``offload.device_units``). ``recompute=off`` (FSDP2 contenders): no block is recomputed in
     backward (``schedule.activation_checkpointing=false``): the ceiling where its activations fit. ``sync`` (FSDP2
     contenders): ``schedule.gradient_sync`` instead of the contender's own (``last`` for fsdp2-offload, else
-    ``every``); ``reshard=off``: ``schedule.reshard_after_forward=false``, each unit gathered once per step."""
+    ``every``); ``reshard=off``: ``schedule.reshard_after_forward=false``, each unit gathered once per step.
+    ``prefetch=K`` (every contender but DeepSpeed): ``schedule.forward_prefetch``, units unsharded ahead in forward,
+    instead of ``--prefetch``."""
     from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 
     name, shape, *options = spec.split(":")
@@ -340,7 +443,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
     states, threads, slots, adamw, dev = "fp32", 0, 2, "local", 0
-    recompute, sync, reshard, nice, affinity, env = True, None, True, 0, False, []
+    recompute, sync, reshard, nice, affinity, env, prefetch = True, None, True, 0, False, [], None
     fsdp2 = name in ("ondevice", "fsdp2-offload", "fsdp2-offload-rs")
     kernels_ok = name != "deepspeed-offload"
     for option in options:
@@ -384,6 +487,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             sync = value
         elif key == "reshard" and value in ("on", "off") and fsdp2:
             reshard = value == "on"
+        elif key == "prefetch" and value.isdigit() and kernels_ok:
+            prefetch = int(value)
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
                              "(speedloader contenders), ':compile' or ':eager' (every contender but "
@@ -394,9 +499,10 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
                              "':adamw=local|torch' "
                              "(speedloader-overlap), ':dev=K' (speedloader and fsdp2-offload contenders), "
                              "':recompute=on|off', ':sync=every|last' and ':reshard=on|off' (ondevice and "
-                             "fsdp2-offload contenders), ':env=NAME=VALUE' (every contender)")
+                             "fsdp2-offload contenders), ':prefetch=K' (every contender but deepspeed-offload: "
+                             "units unsharded ahead in forward), ':env=NAME=VALUE' (every contender)")
     return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads,
-                     slots, adamw, dev, recompute, sync, reshard, nice, affinity, tuple(env))
+                     slots, adamw, dev, recompute, sync, reshard, nice, affinity, tuple(env), prefetch)
 
 
 def _positive_float(text: str) -> bool:
@@ -449,6 +555,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 
     contender = parse_contender(args.worker, args.param_transfer_dtype, args.compile)
+    if contender.prefetch is not None:  # its own forward prefetch depth instead of --prefetch
+        args = argparse.Namespace(**{**vars(args), "prefetch": contender.prefetch})
     missing = {k: v for k, v in contender.env if os.environ.get(k) != v}
     if missing:  # read when the libraries loaded, before this line: only the launcher can set them
         raise RuntimeError(f"contender {args.worker!r}: its worker started without {missing}; launch it with "
@@ -559,7 +667,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         "root_on_device": root_on_device, "device_units": contender.dev, "sub_batch_size": sub_batch,
         "num_sub_batches": num_sub, "max_gpu_memory_gib": cap, "experts_implementation": experts,
         "sdpa_backend": contender.sdpa, "liger_kernels": contender.liger, "float8_training": contender.fp8,
-        "num_fsdp_units": len(units), "blocks_per_fsdp_unit": blocks_per_fsdp_unit,
+        "num_fsdp_units": len(units), "blocks_per_fsdp_unit": blocks_per_fsdp_unit, "forward_prefetch": args.prefetch,
         "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
         **protocol.step_figures(fb_times, opt_times, losses, tokens=ids.numel(),
                                 flops_per_token=adapter.flops_per_token(args.seq_len), peak_tflops=args.peak_tflops,

@@ -19,6 +19,7 @@ class FastPathCounters:
     num_grads_into_slots: int = 0  # offloaded gradients FSDP2 copied into their host slot (grad_slots)
     num_grad_slot_fallbacks: int = 0  # gradients of a slotted parameter left in FSDP2's own memory
     num_grad_ring_waits: int = 0  # units whose gradients waited for an in-flight ring region (grad_slots.GradRing)
+    grad_ring_wait_s: float = 0.0  # seconds those waits blocked the thread that runs the backward
     num_param_transfers: int = 0  # parameter loads that read a transfer copy (param_transfer)
     num_stale_transfer_casts: int = 0  # of those, copies cast on the unshard path (stale, the slow path)
     num_param_transfer_fallbacks: int = 0  # loads of a parameter with a copy that read FSDP2's own shard
@@ -28,7 +29,7 @@ COUNTERS = FastPathCounters()
 _warned: set[str] = set()  # the reasons warned about in this process
 
 
-def fast_path_stats() -> dict[str, int]:
+def fast_path_stats() -> dict[str, float]:
     """Every counter of ``FastPathCounters``, by name."""
     return dataclasses.asdict(COUNTERS)
 

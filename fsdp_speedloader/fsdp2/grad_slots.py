@@ -32,7 +32,8 @@ unit's gradients, serve all units in turn. A unit takes a free region in its ``f
 thread, before FSDP2 queues its copies (blocking until the consumer has given one back: the consumer's
 ``release(unit)`` comes after its CPU step has read the gradients and dropped them, so no copy can overwrite a
 gradient still to be read: the copy is queued only after the release happened), and keeps it until the consumer
-releases it. Counted: ``num_grad_ring_waits`` (foreach_reduce calls that waited for a region).
+releases it. Counted: ``num_grad_ring_waits`` (foreach_reduce calls that waited for a region), and timed:
+``grad_ring_wait_s`` (how long they blocked; ``OverlappedOptimizer.step_stats`` reports it per step).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import functools
 import logging
 import math
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -111,17 +113,8 @@ class GradRing:
         with self._cond:
             if unit in self._held:
                 return True
-            waited = False
-            while not self._free:
-                if self._closed:
-                    raise RuntimeError("the gradient ring's consumer is gone (OverlappedOptimizer closed?) and "
-                                       "every region is held: nothing would release one")
-                waited = True
-                if not self._cond.wait(timeout_s):
-                    raise RuntimeError(f"no gradient ring region came free in {timeout_s:.0f} s: the consumer "
-                                       "(OverlappedOptimizer's worker) releases none")
-            if waited:
-                COUNTERS.num_grad_ring_waits += 1
+            if not self._free:
+                self._wait_for_release(timeout_s)
             for k, region in enumerate(self._free):
                 if not any(ref() is not None for ref in self._views[region]):
                     del self._free[k]
@@ -129,6 +122,21 @@ class GradRing:
                     self._views[region] = []
                     return True
             return False
+
+    def _wait_for_release(self, timeout_s: float) -> None:
+        """Blocks (holding ``_cond``'s lock between waits) until a region is free; counted and timed, and named in
+        profiler traces: while it blocks, the GPU runs only what the backward queued before it."""
+        start = time.perf_counter()
+        with torch.profiler.record_function("speedloader::grad_ring_wait"):
+            while not self._free:
+                if self._closed:
+                    raise RuntimeError("the gradient ring's consumer is gone (OverlappedOptimizer closed?) and "
+                                       "every region is held: nothing would release one")
+                if not self._cond.wait(timeout_s):
+                    raise RuntimeError(f"no gradient ring region came free in {timeout_s:.0f} s: the consumer "
+                                       "(OverlappedOptimizer's worker) releases none")
+        COUNTERS.num_grad_ring_waits += 1
+        COUNTERS.grad_ring_wait_s += time.perf_counter() - start
 
     def release(self, unit: int, dropped: Sequence[weakref.ref] = ()) -> None:
         """``unit``'s region goes back to the ring (a no-op when it holds none); ``dropped``: weak references to

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from fsdp_speedloader.engine.speedloader import speedloader_engine
 from fsdp_speedloader.fsdp2 import fsdp_params_of
+from fsdp_speedloader.fsdp2.counters import COUNTERS
 from fsdp_speedloader.memory.grad_clip import NormTable, clip_coefficient, clip_grads_, coefficients_by_device, \
     full_value, scale_grads_, tensor_norms, total_norm
 from fsdp_speedloader.memory.threads import pin_calling_thread, set_thread_num_threads
@@ -246,7 +247,7 @@ class OverlappedOptimizer(OptimizersContainer):
         # reports what they grew by since its last call.
         self._busy_s = 0.0
         self._wait_s = 0.0
-        self._reported = (0.0, 0.0)
+        self._reported = (0.0, 0.0, COUNTERS.grad_ring_wait_s)  # the ring's waits: process-wide, from here on
         self._worker = threading.Thread(target=self._run, name="fsdp_speedloader-optimizer", daemon=True)
         self._worker.start()
         self._engine.grad_ready_hook = self.on_unit_grads_ready
@@ -330,7 +331,7 @@ class OverlappedOptimizer(OptimizersContainer):
         if index == 0:
             needed.append(len(self._units))
         start = time.perf_counter()
-        with self._cond:
+        with self._cond, torch.profiler.record_function("speedloader::optimizer_wait"):
             while self._error is None and any(i in self._pending for i in needed):
                 self._cond.wait()
         self._wait_s += time.perf_counter() - start
@@ -354,16 +355,20 @@ class OverlappedOptimizer(OptimizersContainer):
 
     def _timed_wait(self) -> None:
         start = time.perf_counter()
-        self.wait()
+        with torch.profiler.record_function("speedloader::optimizer_wait"):  # named in traces
+            self.wait()
         self._wait_s += time.perf_counter() - start
 
     def step_stats(self) -> dict:
-        """Seconds since the last call: ``optimizer_busy_s``, the worker's optimizer arithmetic, and
+        """Seconds since the last call: ``optimizer_busy_s``, the worker's optimizer arithmetic;
         ``optimizer_wait_s``, the main thread's time blocked on it (the next forward's waits for deferred steps,
-        ``step()``'s wait for the last unit's). Wait near 0 with busy > 0: the CPU step is hidden."""
-        busy, wait = self._busy_s, self._wait_s
-        stats = {"optimizer_busy_s": busy - self._reported[0], "optimizer_wait_s": wait - self._reported[1]}
-        self._reported = (busy, wait)
+        ``step()``'s wait for the last unit's); ``grad_ring_wait_s``, the backward's time blocked waiting for an
+        in-flight gradient region the worker had not released yet (0 without the ring). Both waits near 0 with
+        busy > 0: the CPU step is hidden."""
+        busy, wait, ring = self._busy_s, self._wait_s, COUNTERS.grad_ring_wait_s
+        stats = {"optimizer_busy_s": busy - self._reported[0], "optimizer_wait_s": wait - self._reported[1],
+                 "grad_ring_wait_s": ring - self._reported[2] if self.uses_grad_ring else 0.0}
+        self._reported = (busy, wait, ring)
         return stats
 
     def wait(self) -> None:
