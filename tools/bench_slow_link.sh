@@ -47,7 +47,11 @@ steps=${FSL_SLOW_LINK_STEPS:-5}; warmup=${FSL_SLOW_LINK_WARMUP:-2}  # the protoc
 # each micro-batch gathers every layer again, so the fewest micro-batches that fit win (DeepSpeed 32 x 2 beat 16 x 4
 # over emulated Ethernet on 4 GPUs, bench/results/scale_llama2_7b_L4_s4096_64seq_micro_batches_eager.json), then
 # smaller ones (under a cap, only those fit).
-contenders=${FSL_SLOW_LINK_CONTENDERS:-speedloader:compile:root=device,deepspeed-offload:32x2,fsdp2-offload:32x2:compile,fsdp2-offload:16x4:compile,deepspeed-offload:16x4,fsdp2-offload:8x8:compile}
+# Under FSL_SLOW_LINK_CAP_GIB=24 the peers' 32 x 2, 16 x 4 and 8 x 8 ran out of GPU memory (e98ed7a, 2 x H200,
+# bench/results/logs/slow_link_fsdp_10g_cap24_e98ed7a_h200x2.log), so a capped run starts from 4 x 16.
+uncapped=speedloader:compile:root=device,deepspeed-offload:32x2,fsdp2-offload:32x2:compile,fsdp2-offload:16x4:compile,deepspeed-offload:16x4,fsdp2-offload:8x8:compile
+capped=speedloader:compile:root=device,fsdp2-offload:4x16:compile,deepspeed-offload:4x16,deepspeed-offload:8x8,fsdp2-offload:2x32:compile
+contenders=${FSL_SLOW_LINK_CONTENDERS:-$([ -n "${FSL_SLOW_LINK_CAP_GIB:-}" ] && echo "$capped" || echo "$uncapped")}
 if [ "$dry" != 1 ]; then
   python3 tools/slow_link.py cleanup  # what a command killed on this machine before may have left
   trap 'python3 tools/slow_link.py cleanup' EXIT
