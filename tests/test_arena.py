@@ -237,19 +237,40 @@ def _store(num_slots=3, num_sub_batches=2, shape=(2, 4, 8), limit=None):
 
 def test_store_get_then_put_same_slot_and_stale_prefetch():
     store = _store()
-    x = torch.randn(2, 4, 8)
+    x, other = torch.randn(2, 4, 8), torch.zeros(2, 4, 8)
     store.put(2, 1, x)
+    store.put(0, 0, other)  # the store now holds slot 0's tensor: the next get of slot 2 copies back from the host
     got = store.get(2, 1)
     store.put(2, 1, torch.zeros(2, 4, 8))  # backward overwrites the slot it just read (grad_slot)
+    store.put(0, 0, other)
     assert torch.equal(got, x)  # the fetched tensor is not the host slot
     store.prefetch(2, 1)  # fetches the zeros...
     store.put(2, 1, x + 1)  # ...which are stale now
+    store.put(0, 0, other)
     assert torch.equal(store.get(2, 1), x + 1)
     store.end_step()
     stats = store.step_stats()
-    assert stats["exchange_num_stores"] == 3 and stats["exchange_num_fetches"] == 3
-    assert stats["exchange_d2h_bytes"] == 3 * x.numel() * 4 == stats["exchange_h2d_bytes"]
+    assert stats["exchange_num_stores"] == 6 and stats["exchange_num_fetches"] == 3
+    assert stats["exchange_fetches_saved"] == 0
+    assert stats["exchange_d2h_bytes"] == 6 * x.numel() * 4 and stats["exchange_h2d_bytes"] == 3 * x.numel() * 4
     assert stats["arena_activations_requested_bytes"] == 3 * 2 * x.numel() * 4 == store.host_bytes
+
+
+def test_the_store_answers_a_get_of_its_last_put_from_the_device():
+    """The chain's next loop starts with the sub-batch the loop before put last: the store hands that tensor back
+    (no copy, counted), prefetches nothing for it, and copies from the host once another put came in between."""
+    store = _store()
+    x, y = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    store.put(2, 1, x)
+    store.prefetch(2, 1)
+    assert store.get(2, 1) is x
+    store.put(2, 0, y)
+    again = store.get(2, 1)
+    assert again is not x and torch.equal(again, x)  # from the host slot: the store copied x there
+    store.end_step()  # drops what it held
+    assert store.get(2, 0) is not y
+    stats = store.step_stats()
+    assert stats["exchange_fetches_saved"] == 1 and stats["exchange_num_fetches"] == 1
 
 
 def test_geometry_change_recarves_or_replans():
@@ -398,8 +419,12 @@ def test_exchange_traffic_per_step():
     stats = speedloader_engine(model).store.step_stats()
     a = 2 * 16 * 64 * 4  # n x s x h fp32 bytes
     # Per unit 5 N A (forward: fetch + store; backward: 2 fetches + store), plus the embedding
-    # (store; backward fetch) and the head (forward fetch; backward fetch + store).
-    assert stats["exchange_h2d_bytes"] == (3 * layers + 3) * n_sub * a
+    # (store; backward fetch) and the head (forward fetch; backward fetch + store); less one fetch per loop that
+    # starts with the sub-batch the loop before put last (each unit's forward and backward, the head's forward, the
+    # embedding's backward: the chain alternates the order and the store still holds that output on the device).
+    saved = 2 * layers + 2
+    assert stats["exchange_fetches_saved"] == saved
+    assert stats["exchange_h2d_bytes"] == ((3 * layers + 3) * n_sub - saved) * a
     assert stats["exchange_d2h_bytes"] == (2 * layers + 2) * n_sub * a
     # After the first step the ring has what the schedule needs, and every fetch copies into a
     # buffer freed at least one exchange call earlier (never waits on just-queued compute).

@@ -77,19 +77,26 @@ class ActivationStore(ABC):
 
 
 def for_each_sub_batch(store: ActivationStore, slots: Union[int, tuple[int, ...]], num_sub_batches: int,
-                       body: Callable[..., None], *, also: Optional[Callable[[int], None]] = None) -> None:
-    """Calls ``body(i, *tensors)`` for i = 0 .. N-1 with ``store.get(slot, i)`` of each slot, the copies of
-    sub-batch i + 1 already started. THE order of store calls for every loop over sub-batches:
+                       body: Callable[..., None], *, also: Optional[Callable[[int], None]] = None,
+                       reverse: bool = False, lookahead: Optional[Callable[[int], None]] = None) -> None:
+    """Calls ``body(i, *tensors)`` for i = 0 .. N-1 (``reverse``: N-1 .. 0) with ``store.get(slot, i)`` of each
+    slot, the copies of the next sub-batch already started. THE order of store calls for every loop over
+    sub-batches (written for i = 0 .. N-1):
 
         prefetch(s, 0) for s in slots;  also(0)
         per i:  get(s, i) for s in slots;  unless i is the last: prefetch(s, i + 1) for s in slots, also(i + 1);
+                                            for the last: lookahead(i), the next loop's first copies;
                 body(i, ...): the compute on sub-batch i (and its ``put``)
+
+    The training chain runs each loop in the reverse order of the one before (``TrainStepState.next_reversed``):
+    a loop's first sub-batch is then the one the previous loop put last, which the exchange store still holds on the
+    device (``ExchangeActivationStore.put``), so no unit starts by waiting for a host-to-device copy.
 
     Why this order: sub-batch i + 1's copy is queued before i's compute, so it runs while i computes, and
     after ``get(i)``, so that a copy ``get`` issues itself (no prefetch, or one a ``put`` made stale) is not
     queued behind it (a copy stream runs its copies in queue order). ``also(j)`` starts another copy for
-    sub-batch j right behind the store's (generation: its KV cache). A look-ahead past the last
-    sub-batch (the next unit's first inputs) is the body's.
+    sub-batch j right behind the store's (generation: its KV cache). ``lookahead(i)`` starts, before the last
+    sub-batch's compute, what the next loop reads first (the backward: the next unit's input x of sub-batch i).
 
     Why a callback, not a generator: the exchange store hands a ring buffer to a new fetch only once no
     tensor aliases it. Slot s of sub-batch i is dropped here right after ``get(s, i + 1)``, so its buffer is
@@ -98,6 +105,7 @@ def for_each_sub_batch(store: ActivationStore, slots: Union[int, tuple[int, ...]
     of sub-batch i after it returns.
     """
     order = (slots,) if isinstance(slots, int) else tuple(slots)
+    indices = list(range(num_sub_batches))[::-1 if reverse else 1]
 
     def start(i: int) -> None:
         for slot in order:
@@ -105,13 +113,16 @@ def for_each_sub_batch(store: ActivationStore, slots: Union[int, tuple[int, ...]
         if also is not None:
             also(i)
 
-    start(0)
+    if indices:
+        start(indices[0])
     held: list = [None] * len(order)
-    for i in range(num_sub_batches):
-        for k, slot in enumerate(order):
-            held[k] = store.get(slot, i)
-        if i + 1 < num_sub_batches:
-            start(i + 1)
+    for k, i in enumerate(indices):
+        for j, slot in enumerate(order):
+            held[j] = store.get(slot, i)
+        if k + 1 < len(indices):
+            start(indices[k + 1])
+        elif lookahead is not None:
+            lookahead(i)
         body(i, *held)
 
 
@@ -226,6 +237,7 @@ class ExchangeActivationStore(ActivationStore):
         self.exchange: Optional[TensorExchange] = None
         self._host: Optional[torch.Tensor] = None  # (num_slots, N, n, s, h) view of the arena
         self._pending: dict[tuple[int, int], object] = {}  # (slot, i) -> FetchHandle
+        self._last_put: tuple = (None, None, None)  # (slot, i, device tensor) of the last put, until the next
         self._param_root: Optional[nn.Module] = None
         self._params_in_arena = False
         self.param_shard_bytes = 0
@@ -351,19 +363,26 @@ class ExchangeActivationStore(ActivationStore):
             old.close()
 
     def prefetch(self, slot: int, i: int) -> None:
-        if (slot, i) not in self._pending:
+        if (slot, i) not in self._pending and self._last_put[:2] != (slot, i):
             self._pending[slot, i] = self.exchange.fetch(self._host[slot, i])
 
     def get(self, slot: int, i: int) -> torch.Tensor:
+        if self._last_put[:2] == (slot, i):  # still on the device: no copy back
+            self.exchange.saved_fetch()
+            return self._last_put[2]
         handle = self._pending.pop((slot, i), None) or self.exchange.fetch(self._host[slot, i])
         return self.exchange.wait(handle)
 
     def put(self, slot: int, i: int, x: torch.Tensor) -> None:
+        """Starts the copy to the host and keeps ``x`` until the next ``put``: a ``get`` of the same slot before
+        then returns it (what the chain's alternating order asks for first). Callers never write ``x`` again."""
         self._pending.pop((slot, i), None)  # a prefetch of the old content is stale now
         self.exchange.store(x, self._host[slot, i])
+        self._last_put = (slot, i, x)
 
     def end_step(self) -> None:
         self._pending.clear()
+        self._last_put = (None, None, None)
         if self.exchange is not None:
             self.exchange.end_step()
 
@@ -377,6 +396,7 @@ class ExchangeActivationStore(ActivationStore):
     def close(self) -> None:
         """Waits for queued copies and releases the arena (parameter shards in it stay valid)."""
         self._pending.clear()
+        self._last_put = (None, None, None)
         if self.exchange is not None:
             self.exchange.drain()
             self.exchange.clear_ring()

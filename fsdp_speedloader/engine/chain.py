@@ -11,7 +11,9 @@ for all N sub-batches in forward, and once in backward (FSDP's pre-backward hook
 placeholder's gradient; its post-backward, the one reduce-scatter, on the input placeholder's).
 Inside, blocks run through their class's forward, never their hooked ``__call__`` (see docs/design.md §3:
 a hooked call inside backward silently loses the gradients). Every loop over the sub-batches is a
-``for_each_sub_batch`` (activation_store.py), which fixes the order of the store's prefetches and gets.
+``for_each_sub_batch`` (activation_store.py), which fixes the order of the store's prefetches and gets; each
+loop runs the sub-batches in the reverse order of the loop before (``TrainStepState.next_reversed``), so that it
+starts with the sub-batch whose input was just computed and is still on the device.
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ class TrainStepState:
         self.keep_pairs = kept_pairs(num_units, len(input_ids), keep_activations if torch.is_grad_enabled() else 0)
         self.kept: dict[tuple[int, int], tuple] = {}  # pair -> (input leaf, output, router logits) of its graph
         self.kept_pair_bytes = 0  # CUDA: the most GPU memory one kept pair held (its graph, input copy, output)
+        self._loops = 0  # loops over the sub-batches run so far this step (embed, units, head; forward, backward)
+
+    def next_reversed(self) -> bool:
+        """Whether the next loop over the sub-batches runs N-1 .. 0: every other one does, so each loop starts with
+        the sub-batch the one before ended with, whose output the store still holds on the device."""
+        self._loops += 1
+        return self._loops % 2 == 0
 
     @property
     def num_slots(self) -> int:
@@ -164,7 +173,8 @@ class EmbedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, state: TrainStepState) -> torch.Tensor:
-        for i in range(state.num_sub_batches):
+        order = range(state.num_sub_batches)
+        for i in reversed(order) if state.next_reversed() else order:
             state.store.put(state.slot(0), i, state.adapter.embed(state.input_ids[i], state.position_ids[i]))
         ctx.state = state
         return _placeholder(weight)
@@ -180,7 +190,8 @@ class EmbedFunction(torch.autograd.Function):
             torch.autograd.backward(x0, g)
             fold_unsharded_grads(state.root_fsdp_params)
 
-        for_each_sub_batch(state.store, grad_slot(0, state.num_units), state.num_sub_batches, backprop)
+        for_each_sub_batch(state.store, grad_slot(0, state.num_units), state.num_sub_batches, backprop,
+                           reverse=state.next_reversed())
         state.store.end_step()
         return None, None
 
@@ -220,7 +231,7 @@ class UnitFunction(torch.autograd.Function):
                 y = y.detach()
             store.put(dst, i, y)
 
-        for_each_sub_batch(store, src, state.num_sub_batches, run)
+        for_each_sub_batch(store, src, state.num_sub_batches, run, reverse=state.next_reversed())
         ctx.state, ctx.unit = state, unit
         return _placeholder(placeholder)
 
@@ -250,7 +261,12 @@ class UnitFunction(torch.autograd.Function):
             fold_unsharded_grads(unit.fsdp_params)
             store.put(g_out, i, x.grad)
 
-        for_each_sub_batch(store, (src, g_in), state.num_sub_batches, backprop)
+        def next_unit_input(i: int) -> None:  # the next loop (unit l-1's backward) starts with sub-batch i
+            if src >= 1:
+                store.prefetch(src - 1, i)
+
+        for_each_sub_batch(store, (src, g_in), state.num_sub_batches, backprop, reverse=state.next_reversed(),
+                           lookahead=next_unit_input)
         return torch.zeros_like(grad_placeholder), None, None
 
 
@@ -285,7 +301,7 @@ class HeadLossFunction(torch.autograd.Function):
             for c in _chunks(x.shape[0], state.loss_chunk_tokens):
                 total.add_(_chunk_loss(state.adapter, x[c], labels[c]))
 
-        for_each_sub_batch(store, last, state.num_sub_batches, add_loss)
+        for_each_sub_batch(store, last, state.num_sub_batches, add_loss, reverse=state.next_reversed())
         ctx.state = state
         loss = total / state.num_label_tokens
         if state.router_loss is not None:  # as the MoE families' forwards: loss += coef * aux (whole batch)
@@ -312,7 +328,7 @@ class HeadLossFunction(torch.autograd.Function):
             fold_unsharded_grads(state.root_fsdp_params)
             store.put(grad_slot(last, last), i, grad.view_as(x_i))
 
-        for_each_sub_batch(store, last, state.num_sub_batches, backprop)
+        for_each_sub_batch(store, last, state.num_sub_batches, backprop, reverse=state.next_reversed())
         return torch.zeros((), dtype=torch.float32, device=grad_loss.device), None
 
 

@@ -157,6 +157,7 @@ class _StepRecord:
     num_fetches: int = 0
     num_stores: int = 0
     num_unpipelined: int = 0  # fetches into a new or just-freed buffer: the copy waits on all queued compute
+    num_fetches_saved: int = 0  # reads the caller served from a tensor it still held on the device (``saved_fetch``)
     waits: list = field(default_factory=list)  # (start, end) timing events around compute-stream waits
     sync_copy_s: float = 0.0  # CPU: time of the synchronous copies
     resolved: Optional[dict] = None
@@ -313,6 +314,10 @@ class TensorExchange:
         """Drops the ring buffers (held ones stay valid until their holders drop them)."""
         self._ring.clear()
 
+    def saved_fetch(self) -> None:
+        """Counts a read the caller answered from a device tensor it kept, instead of fetching (per step)."""
+        self._step.num_fetches_saved += 1
+
     def end_step(self) -> None:
         """Closes the step's metrics record (a no-op when the step did no copies)."""
         if self._step.active():
@@ -336,6 +341,7 @@ class TensorExchange:
                 "exchange_num_fetches": rec.num_fetches,
                 "exchange_num_stores": rec.num_stores,
                 "exchange_unpipelined_fetches": rec.num_unpipelined,
+                "exchange_fetches_saved": rec.num_fetches_saved,
                 "exchange_wait_s": wait_s if self.is_cuda else rec.sync_copy_s,
             }
         ring = {"exchange_ring_buffers": len(self._ring.all()), "exchange_ring_bytes": self._ring.nbytes}
