@@ -57,6 +57,11 @@ class SpeedLoaderOptions:
     them first: unit 1's CPU step, which can start only when the backward ends, is otherwise the one the GPU
     waits for. Each costs its parameters, gradients and optimizer states in GPU memory (16 B per parameter with
     fp32 AdamW); more than the number of units keeps them all."""
+    alternate_sub_batches: bool = True
+    """Each loop over the sub-batches runs in the reverse order of the loop before, so that it starts with the
+    sub-batch whose input was just computed: the host store hands it over on the device, without a round trip
+    through the host. False: every loop 0 .. N-1, whose fp32 sums of sub-batch gradients then equal FSDP2's gradient
+    accumulation bit for bit (the default differs from it in the last bits)."""
     keep_activations: int = 0
     """(unit, sub-batch) pairs, counted from the last unit back, whose activations inside the unit stay on
     the GPU from forward to backward, so that their backward skips the recompute (exact). Each costs one

@@ -479,6 +479,15 @@ def test_a_contender_may_start_its_worker_with_environment_variables():
             bench_train.parse_contender(bad, None)
 
 
+def test_a_speedloader_contender_may_run_its_sub_batches_in_ascending_order():
+    assert bench_train.parse_contender("speedloader-overlap:4x2:order=ascending", None).ascending
+    assert not bench_train.parse_contender("speedloader:4x2:order=alternate", None).ascending
+    assert not bench_train.parse_contender("speedloader:4x2", None).ascending
+    for bad in ("fsdp2-offload:1x8:order=ascending", "speedloader:4x2:order=descending"):
+        with pytest.raises(ValueError, match="order=alternate"):
+            bench_train.parse_contender(bad, None)
+
+
 def test_a_contender_may_prefetch_deeper():
     assert bench_train.parse_contender("speedloader-overlap:4x2:prefetch=2", None).prefetch == 2
     assert bench_train.parse_contender("ondevice:1x8:prefetch=0", None).prefetch == 0

@@ -130,6 +130,28 @@ def _canonical_step(model, ids, labels, num_sub_batches):
         model(input_ids=mb_ids, labels=mb_labels, num_items_in_batch=total).loss.backward()
 
 
+def test_ascending_sub_batches_sum_gradients_as_fsdp2_accumulation_does():
+    """``alternate_sub_batches=False``: every loop runs 0 .. N-1, so a unit's sub-batch gradients add up in FSDP2's
+    micro-batch order: the gradients are bit for bit those of gradient accumulation, and the alternating default's
+    are not (the same values in another fp32 summation order)."""
+    n_sub, grads = 3, {}
+    base = tiny_model("llama")
+    ids, labels = batch(n_sub, seed=0)
+    canonical = copy.deepcopy(base)
+    apply_fsdp(canonical, cpu_mesh(), units=[[b] for b in canonical.model.layers])
+    _canonical_step(canonical, ids, labels, n_sub)
+    for alternate in (False, True):
+        model = copy.deepcopy(base)
+        apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=n_sub, alternate_sub_batches=alternate)
+        model(input_ids=ids, labels=labels).loss.backward()
+        grads[alternate] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    reference = {n: p.grad.full_tensor() for n, p in canonical.named_parameters()}
+    assert all(torch.equal(grads[False][n], g) for n, g in reference.items())
+    assert not all(torch.equal(grads[True][n], g) for n, g in reference.items())
+    for n, g in reference.items():
+        torch.testing.assert_close(grads[True][n], g, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_two_optimizer_steps_match_canonical(family):
     """The first step's gradients equal FSDP2's gradient accumulation to fp32 rounding, and so do the parameters

@@ -392,6 +392,7 @@ class Contender(NamedTuple):
     affinity: bool = False  # speedloader-overlap: the worker on this rank's CPUs less one (optim.worker_affinity)
     env: tuple = ()  # every contender: (NAME, VALUE) its worker process starts with (contender_env)
     prefetch: Optional[int] = None  # every contender but DeepSpeed: units unsharded ahead in forward; None: --prefetch
+    ascending: bool = False  # speedloader contenders: every loop over the sub-batches 0 .. N-1 (alternate_sub_batches off)
 
 
 def contender_env(spec: str, base: Optional[dict] = None) -> dict:
@@ -432,7 +433,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     contenders): ``schedule.gradient_sync`` instead of the contender's own (``last`` for fsdp2-offload, else
     ``every``); ``reshard=off``: ``schedule.reshard_after_forward=false``, each unit gathered once per step.
     ``prefetch=K`` (every contender but DeepSpeed): ``schedule.forward_prefetch``, units unsharded ahead in forward,
-    instead of ``--prefetch``."""
+    instead of ``--prefetch``. ``order=ascending`` (speedloader contenders): ``schedule.alternate_sub_batches=false``,
+    every loop over the sub-batches 0 .. N-1 (the default alternates)."""
     from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 
     name, shape, *options = spec.split(":")
@@ -443,7 +445,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
     states, threads, slots, adamw, dev = "fp32", 0, 2, "local", 0
-    recompute, sync, reshard, nice, affinity, env, prefetch = True, None, True, 0, False, [], None
+    recompute, sync, reshard, nice, affinity, env, prefetch, ascending = True, None, True, 0, False, [], None, False
     fsdp2 = name in ("ondevice", "fsdp2-offload", "fsdp2-offload-rs")
     kernels_ok = name != "deepspeed-offload"
     for option in options:
@@ -489,6 +491,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             reshard = value == "on"
         elif key == "prefetch" and value.isdigit() and kernels_ok:
             prefetch = int(value)
+        elif key == "order" and value in ("alternate", "ascending") and name.startswith("speedloader"):
+            ascending = value == "ascending"
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
                              "(speedloader contenders), ':compile' or ':eager' (every contender but "
@@ -500,9 +504,10 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
                              "(speedloader-overlap), ':dev=K' (speedloader and fsdp2-offload contenders), "
                              "':recompute=on|off', ':sync=every|last' and ':reshard=on|off' (ondevice and "
                              "fsdp2-offload contenders), ':prefetch=K' (every contender but deepspeed-offload: "
-                             "units unsharded ahead in forward), ':env=NAME=VALUE' (every contender)")
+                             "units unsharded ahead in forward), ':order=alternate|ascending' (speedloader "
+                             "contenders: the sub-batch order of their loops), ':env=NAME=VALUE' (every contender)")
     return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads,
-                     slots, adamw, dev, recompute, sync, reshard, nice, affinity, tuple(env), prefetch)
+                     slots, adamw, dev, recompute, sync, reshard, nice, affinity, tuple(env), prefetch, ascending)
 
 
 def _positive_float(text: str) -> bool:
@@ -589,6 +594,7 @@ def run_worker(args: argparse.Namespace) -> dict:
             param_dtype=torch.bfloat16, forward_prefetch=args.prefetch,
             param_transfer_dtype=torch.bfloat16 if transfer == "bf16" else None, compile_blocks=compiled,
             offload_root=not root_on_device, device_units=contender.dev, keep_activations=contender.keep,
+            alternate_sub_batches=not contender.ascending,
             sdpa_backend=contender.sdpa,
             liger_kernels=contender.liger, float8_training=contender.fp8)
         apply_speedloader(model, options, mesh=mesh)
@@ -697,6 +703,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         result["exchange"] = engine.store.step_stats()  # the last measured step: copy bytes, compute-stream waits
         result["fast_paths"] = fsdp2.fast_path_stats()  # FSDP2 fast paths engaged / fallen back, whole run
         result["keep_activations"] = contender.keep
+        result["alternate_sub_batches"] = not contender.ascending
         result["kept_pair_bytes"] = engine.stats()["kept_pair_bytes"]  # GPU memory of one kept pair
         result["stale_transfer_casts"] = result["fast_paths"]["num_stale_transfer_casts"]  # casts on the unshard path
     return result

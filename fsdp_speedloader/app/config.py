@@ -212,6 +212,9 @@ class ScheduleConfig:
     """Tokens per chunk of the chunked cross-entropy (bounds the logits kept in memory)."""
     compile_blocks: bool = False
     """torch.compile the transformer blocks' forward (one compiled function shared by every block; training only)."""
+    alternate_sub_batches: bool = True
+    """speedloader: each loop over the sub-batches in the reverse order of the one before, so each unit starts with
+    the input still on the GPU (false: always 0 .. N-1: gradient sums bit for bit those of FSDP2's accumulation)."""
     keep_activations: int = 0
     """speedloader: (unit, sub-batch) pairs, from the last unit back, whose activations stay on the GPU from
     forward to backward so their backward skips the recompute (exact; GPU memory per pair); auto plans it."""

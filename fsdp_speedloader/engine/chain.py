@@ -45,7 +45,7 @@ class TrainStepState:
                  input_ids: list[torch.Tensor], position_ids: list[torch.Tensor], shift_labels: list[torch.Tensor],
                  block_inputs: list[BlockInputs], num_label_tokens: torch.Tensor, loss_chunk_tokens: int,
                  replay_rng: bool, grad_ready_hook: Optional[Callable[[int], None]] = None,
-                 router_loss: Optional[RouterLoss] = None, keep_activations: int = 0) -> None:
+                 router_loss: Optional[RouterLoss] = None, keep_activations: int = 0, alternate: bool = True) -> None:
         self.adapter = adapter
         # No backward will read x_l: slots alternate, so the store holds two (as generation's steps), not U + 1.
         self.forward_only = not torch.is_grad_enabled()
@@ -65,13 +65,15 @@ class TrainStepState:
         self.keep_pairs = kept_pairs(num_units, len(input_ids), keep_activations if torch.is_grad_enabled() else 0)
         self.kept: dict[tuple[int, int], tuple] = {}  # pair -> (input leaf, output, router logits) of its graph
         self.kept_pair_bytes = 0  # CUDA: the most GPU memory one kept pair held (its graph, input copy, output)
+        self.alternate = alternate  # SpeedLoaderOptions.alternate_sub_batches
         self._loops = 0  # loops over the sub-batches run so far this step (embed, units, head; forward, backward)
 
     def next_reversed(self) -> bool:
         """Whether the next loop over the sub-batches runs N-1 .. 0: every other one does, so each loop starts with
-        the sub-batch the one before ended with, whose output the store still holds on the device."""
+        the sub-batch the one before ended with, whose output the store still holds on the device (unless
+        ``alternate`` is off)."""
         self._loops += 1
-        return self._loops % 2 == 0
+        return self.alternate and self._loops % 2 == 0
 
     @property
     def num_slots(self) -> int:
@@ -261,9 +263,9 @@ class UnitFunction(torch.autograd.Function):
             fold_unsharded_grads(unit.fsdp_params)
             store.put(g_out, i, x.grad)
 
-        def next_unit_input(i: int) -> None:  # the next loop (unit l-1's backward) starts with sub-batch i
+        def next_unit_input(i: int) -> None:  # the next loop (unit l-1's backward) starts with i, or with 0
             if src >= 1:
-                store.prefetch(src - 1, i)
+                store.prefetch(src - 1, i if state.alternate else 0)
 
         for_each_sub_batch(store, (src, g_in), state.num_sub_batches, backprop, reverse=state.next_reversed(),
                            lookahead=next_unit_input)

@@ -157,7 +157,8 @@ class SpeedLoader:
             block_inputs=block_inputs, num_label_tokens=num_label_tokens(shifted, num_items_in_batch),
             loss_chunk_tokens=self.loss_chunk_tokens, grad_ready_hook=self.grad_ready_hook,
             replay_rng=adapter.model.training and adapter.has_dropout and torch.is_grad_enabled(),
-            router_loss=router_loss, keep_activations=self.options.keep_activations)
+            router_loss=router_loss, keep_activations=self.options.keep_activations,
+            alternate=self.options.alternate_sub_batches)
         self._step_state = weakref.ref(state)
         self.store.begin_step(state.num_slots, n_sub, (sub, input_ids.shape[1], adapter.config.hidden_size),
                               act_dtype, device)
