@@ -78,6 +78,49 @@ def test_kept_pairs_are_not_recomputed(monkeypatch, keep, expected_runs):
 def test_the_last_units_are_kept_first():
     assert kept_pairs(3, 2, 3) == {(3, 0), (3, 1), (2, 0)}
     assert kept_pairs(3, 2, 0) == frozenset() and len(kept_pairs(3, 2, 99)) == 6
+    # alternating order: unit 2's backward (the step's 8th loop of 10) runs sub-batch 1 first, so 1 is kept
+    assert kept_pairs(3, 2, 3, alternate=True) == {(3, 0), (3, 1), (2, 1)}
+    assert kept_pairs(3, 2, 4, alternate=True) == {(3, 0), (3, 1), (2, 1), (2, 0)}
+
+
+@pytest.mark.parametrize("alternate", [True, False])
+@pytest.mark.parametrize("keep", [1, 4, 7])
+def test_a_unit_partly_kept_backpropagates_its_kept_pairs_first(monkeypatch, alternate, keep):
+    """In every unit's backward, the kept pairs come before any recompute, in whatever order its loop runs: a kept
+    graph is freed before a recompute of the same unit allocates one, so the peak is one graph, not two."""
+    import fsdp_speedloader.engine.chain as chain
+
+    events = []  # ("kept" | "recompute", unit, sub-batch) in backward, in order
+    forward = Unit.forward
+    monkeypatch.setattr(Unit, "forward", lambda self, *a, **k: (
+        events.append(("recompute", self.index)) if torch.is_grad_enabled() else None) or forward(self, *a, **k))
+    pop = dict.pop
+
+    class Kept(dict):
+        def pop(self, key, default=None):
+            value = pop(self, key, default)
+            if value is not None:
+                events.append(("kept", key[0]))
+            return value
+
+    init = chain.TrainStepState.__init__
+
+    def tracked(self, *a, **k):
+        init(self, *a, **k)
+        self.kept = Kept()
+
+    monkeypatch.setattr(chain.TrainStepState, "__init__", tracked)
+    model = apply_speedloader(tiny_model("llama"), mesh=cpu_mesh(), num_sub_batches=3, keep_activations=keep,
+                              alternate_sub_batches=alternate)
+    ids, labels = batch(3)
+    loss = model(input_ids=ids, labels=labels).loss
+    events.clear()  # the forward's runs of kept pairs ran with grad too
+    loss.backward()
+    kept_seen = [e for e in events if e[0] == "kept"]
+    assert len(kept_seen) == keep
+    for unit in range(1, 5):
+        kinds = [kind for kind, u in events if u == unit]
+        assert kinds == sorted(kinds), (unit, kinds)  # "kept" < "recompute": every kept pair first
 
 
 def test_keep_activations_is_checked():

@@ -62,10 +62,11 @@ class TrainStepState:
         self.grad_ready_hook = grad_ready_hook  # called with l once unit l's gradients are final
         self.router_loss = router_loss  # MoE with the load-balancing loss: its full-batch statistics
         # (unit, sub-batch) pairs whose forward keeps its autograd graph, so their backward needs no recompute.
-        self.keep_pairs = kept_pairs(num_units, len(input_ids), keep_activations if torch.is_grad_enabled() else 0)
+        self.alternate = alternate  # SpeedLoaderOptions.alternate_sub_batches
+        self.keep_pairs = kept_pairs(num_units, len(input_ids), keep_activations if torch.is_grad_enabled() else 0,
+                                     alternate=alternate)
         self.kept: dict[tuple[int, int], tuple] = {}  # pair -> (input leaf, output, router logits) of its graph
         self.kept_pair_bytes = 0  # CUDA: the most GPU memory one kept pair held (its graph, input copy, output)
-        self.alternate = alternate  # SpeedLoaderOptions.alternate_sub_batches
         self._loops = 0  # loops over the sub-batches run so far this step (embed, units, head; forward, backward)
 
     def next_reversed(self) -> bool:
@@ -73,7 +74,7 @@ class TrainStepState:
         the sub-batch the one before ended with, whose output the store still holds on the device (unless
         ``alternate`` is off)."""
         self._loops += 1
-        return self.alternate and self._loops % 2 == 0
+        return reversed_loop(self._loops, self.alternate)
 
     @property
     def num_slots(self) -> int:
@@ -126,10 +127,25 @@ class TrainStepState:
             yield
 
 
-def kept_pairs(num_units: int, num_sub_batches: int, count: int) -> frozenset[tuple[int, int]]:
+def reversed_loop(loop: int, alternate: bool) -> bool:
+    """Whether a step's ``loop``-th loop over the sub-batches (1-based: the embeddings', units 1 .. U', the head's in
+    forward, then the head's, units U .. 1', the embeddings' in backward) runs them N-1 .. 0: every other one."""
+    return alternate and loop % 2 == 0
+
+
+def backward_order(unit: int, num_units: int, num_sub_batches: int, alternate: bool) -> list[int]:
+    """The order in which unit ``unit``'s backward runs the sub-batches: its loop is the step's 2U + 4 - unit-th."""
+    order = list(range(num_sub_batches))
+    return order[::-1] if reversed_loop(2 * num_units + 4 - unit, alternate) else order
+
+
+def kept_pairs(num_units: int, num_sub_batches: int, count: int, *, alternate: bool = False
+               ) -> frozenset[tuple[int, int]]:
     """The ``count`` (unit, sub-batch) pairs that keep their activations: every sub-batch of the last unit, then
-    of the one before, ... (the first pairs the backward reaches, so their memory is the first freed)."""
-    pairs = [(unit, i) for unit in range(num_units, 0, -1) for i in range(num_sub_batches)]
+    of the one before, ..., each unit's in the order its backward runs them (the first pairs the backward reaches,
+    so their memory is freed before a recompute of the same unit needs any)."""
+    pairs = [(unit, i) for unit in range(num_units, 0, -1)
+             for i in backward_order(unit, num_units, num_sub_batches, alternate)]
     return frozenset(pairs[:count])
 
 
