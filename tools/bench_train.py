@@ -265,7 +265,7 @@ def summarize_trace(path: str, step_s: float) -> dict:
     events = json.loads(Path(path).read_text())["traceEvents"]
     kernels: dict = {}
     collectives: list = []  # NCCL's kernels, whatever stream they run on
-    copies: dict = {}
+    copies: dict = {}  # direction -> [(start_us, end_us, bytes)]
     by_name: dict = {}
     host_calls: dict = {}  # CUDA runtime calls on the host (launches, synchronisations, event waits)
     named: dict = {}  # the package's host waits, named with record_function ("speedloader::..."): name -> spans
@@ -284,33 +284,30 @@ def summarize_trace(path: str, step_s: float) -> dict:
             named.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
         if e.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
-        if cat == "kernel":
-            kernel_ids.setdefault(e.get("args", {}).get("stream", -1), {})[e["ts"]] = e.get("args", {}).get(
-                "correlation")
         span = (e["ts"], e["ts"] + e["dur"])
         if cat == "gpu_memcpy":
             kind = e["name"].split("(")[0].replace("Memcpy", "").strip()  # HtoD, DtoH, DtoD
-            c = copies.setdefault(kind, {"bytes": 0, "spans": [], "sized": []})
-            c["bytes"] += e.get("args", {}).get("bytes", 0)
-            c["spans"].append(span)
-            c["sized"].append((*span, e.get("args", {}).get("bytes", 0)))
+            copies.setdefault(kind, []).append((*span, e.get("args", {}).get("bytes", 0)))
         elif cat == "kernel":
-            kernels.setdefault(e.get("args", {}).get("stream", -1), []).append(span)
+            stream = e.get("args", {}).get("stream", -1)
+            kernels.setdefault(stream, []).append(span)
+            kernel_ids.setdefault(stream, {})[e["ts"]] = e.get("args", {}).get("correlation")
             if e["name"].startswith("nccl"):
                 collectives.append(span)
             by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"] / 1e6
-    busy = {str(k): _union_s(v) for k, v in kernels.items()}
-    compute_spans = max(kernels.values(), key=_union_s) if kernels else []  # the stream with the most kernel time
-    compute = max(busy, key=busy.get) if busy else None
-    compute_ids = kernel_ids.get(max(kernels, key=lambda k: _union_s(kernels[k])), {}) if kernels else {}
-    all_copies = [span for c in copies.values() for span in c["spans"]]
+    busy = {stream: _union_s(spans) for stream, spans in kernels.items()}
+    stream = max(busy, key=busy.get) if busy else None  # the compute stream: the most kernel time
+    compute = None if stream is None else str(stream)
+    compute_spans, compute_ids = kernels.get(stream, []), kernel_ids.get(stream, {})
+    all_copies = [(a, b) for spans in copies.values() for a, b, _ in spans]
     gaps = long_gaps(compute_spans, collectives, all_copies)
     return {
         "step_s": step_s,
-        "stream_busy_s": busy,
+        "stream_busy_s": {str(k): v for k, v in busy.items()},
         "compute_stream": compute,
-        "compute_idle_fraction": (1 - busy[compute] / step_s) if compute else None,
-        "copies": {k: {"gib": v["bytes"] / 2**30, "busy_s": _union_s(v["spans"])} for k, v in copies.items()},
+        "compute_idle_fraction": (1 - busy[stream] / step_s) if compute else None,
+        "copies": {k: {"gib": sum(size for *_, size in v) / 2**30, "busy_s": _union_s([(a, b) for a, b, _ in v])}
+                   for k, v in copies.items()},
         "top_kernels_s": dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:15]),
         "timeline": timeline(step_s, compute_spans, all_copies),
         "compute_launch_gaps": launch_gaps(compute_spans),
@@ -320,7 +317,7 @@ def summarize_trace(path: str, step_s: float) -> dict:
         # when the kernel after each such gap was queued, and what its thread ran meanwhile
         "host_gaps_launches": late_launches(gaps, compute_ids, launches, host_ops),
         # which copies the compute stream's copy gaps waited for, by direction and size
-        "copy_gaps_by_copy": copy_gaps_by_copy(gaps, {k: v["sized"] for k, v in copies.items()}),
+        "copy_gaps_by_copy": copy_gaps_by_copy(gaps, copies),
         "named_waits_s": {name: _union_s(spans) for name, spans in sorted(named.items())},
         "top_host_cuda_calls_s": dict(sorted(host_calls.items(), key=lambda kv: -kv[1])[:8]),
     }

@@ -70,5 +70,5 @@ def speedloader_options(cfg: TrainConfig, *, param_dtype: torch.dtype, reduce_dt
         reduce_dtype=reduce_dtype, forward_prefetch=sched.forward_prefetch, loss_chunk_tokens=sched.loss_chunk_tokens,
         param_transfer_dtype=DTYPES.get(cfg.offload.param_transfer_dtype), compile_blocks=sched.compile_blocks,
         offload_root=cfg.offload.root, device_units=cfg.offload.device_units, keep_activations=sched.keep_activations,
-        alternate_sub_batches=sched.alternate_sub_batches, sdpa_backend=cfg.kernels.sdpa_backend, liger_kernels=cfg.kernels.liger_kernels,
-        float8_training=cfg.kernels.float8_training)
+        alternate_sub_batches=sched.alternate_sub_batches, sdpa_backend=cfg.kernels.sdpa_backend,
+        liger_kernels=cfg.kernels.liger_kernels, float8_training=cfg.kernels.float8_training)

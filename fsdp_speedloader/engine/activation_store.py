@@ -90,7 +90,8 @@ def for_each_sub_batch(store: ActivationStore, slots: Union[int, tuple[int, ...]
 
     The training chain runs each loop in the reverse order of the one before (``TrainStepState.next_reversed``):
     a loop's first sub-batch is then the one the previous loop put last, which the exchange store still holds on the
-    device (``ExchangeActivationStore.put``), so no unit starts by waiting for a host-to-device copy.
+    device (``ExchangeActivationStore.put``): a unit's forward starts without a host-to-device copy of its input, its
+    backward without one of its incoming gradient.
 
     Why this order: sub-batch i + 1's copy is queued before i's compute, so it runs while i computes, and
     after ``get(i)``, so that a copy ``get`` issues itself (no prefetch, or one a ``put`` made stale) is not

@@ -331,9 +331,11 @@ class OverlappedOptimizer(OptimizersContainer):
         if index == 0:
             needed.append(len(self._units))
         start = time.perf_counter()
-        with self._cond, torch.profiler.record_function("speedloader::optimizer_wait"):
-            while self._error is None and any(i in self._pending for i in needed):
-                self._cond.wait()
+        with self._cond:
+            if self._error is None and any(i in self._pending for i in needed):
+                with torch.profiler.record_function("speedloader::optimizer_wait"):  # named in traces, when it waits
+                    while self._error is None and any(i in self._pending for i in needed):
+                        self._cond.wait()
         self._wait_s += time.perf_counter() - start
         if self._error is not None:  # left for wait() / close() to report and clear
             raise RuntimeError("an overlapped optimizer step failed") from self._error
