@@ -108,6 +108,20 @@ def test_the_arena_holds_regions_for_the_units_in_flight():
     assert store.grad_shard_bytes == sum(p.numel() * 4 for p in model.parameters())
 
 
+def test_regions_beyond_the_units_are_not_planned():
+    """R larger than the number of units would only pad the arena: each unit then has a region of its own."""
+    model = _model(tiny_model("llama"))
+    units = len(speedloader_engine(model).units)
+    opt = OverlappedOptimizer(model, _adamw, grad_slots_in_flight=units + 3)
+    try:
+        _train(model, opt, 1)
+        store = speedloader_engine(model).store
+        regions = [s.name for s in store.arena.slots("grad_shards") if s.name.startswith("grad_ring:")]
+        assert store.grad_ring_regions == units == len(regions)
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("regions", [1, 2])
 @pytest.mark.parametrize("activation_store,offload_root,blocks_per_unit", [
     ("host", True, 1), ("host", False, 2), ("device", True, 1), ("device", False, 1)])

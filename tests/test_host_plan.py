@@ -26,6 +26,7 @@ def test_tiers_per_mode():
     assert exact.bytes_per_param()["optimizer_states"] == 8.0
     ring = plan_host_memory(units=units, root=root, grad_slots_in_flight=2)
     assert ring.grads == 2 * unit_grads + 16384  # two units' regions and the root's own slots
+    assert plan_host_memory(units=units, root=root, grad_slots_in_flight=9).grads == exact.grads  # 4 units: 4 regions
     assert ring.param_shards == exact.param_shards and ring.optimizer_states == exact.optimizer_states
     bf16 = plan_host_memory(units=units, root=root, grad_slots_in_flight=2, state_dtype="bf16")
     assert bf16.optimizer_states == exact.optimizer_states // 2
@@ -48,7 +49,7 @@ def test_refusal_is_one_line_with_the_bytes_each_setting_frees():
 
 
 def test_plan_of_a_model_and_config():
-    cfg = tiny_config("unused", offload={"params": True}, schedule={"name": "speedloader"}, model={"num_layers": 4})
+    cfg = tiny_config("unused", offload={"params": True}, schedule={"name": "speedloader"}, model={"num_layers": 6})
     model = build_model(cfg.model, device="meta")
     units, root = unit_and_root_shards(model, blocks_per_unit=1, shards=1)
     assert len(units) == cfg.model.num_layers
@@ -62,6 +63,24 @@ def test_plan_of_a_model_and_config():
     acts = settings["schedule.activation_store=device (activations on the GPU)"]
     assert acts.activations == 0 < plan.activations
     assert plan.activations == (cfg.model.num_layers + 1) * 2 * 2 * 32 * 64 * 2  # U + 1 slots of N x n x s x h, bf16
+
+
+def test_fewer_gradient_regions_in_flight_is_named_where_they_free_memory():
+    """The default R = 4 in-flight regions (slack for the worker on a busy host) cost 2 units' gradients more than
+    R = 2: a plan over the budget names that saving."""
+    ring = {"overlap_with_backward": True, "grad_clip": 0.0}
+    cfg = tiny_config("unused", offload={"params": True}, schedule={"name": "speedloader"}, optim=ring,
+                      model={"num_layers": 6})
+    assert cfg.optim.grad_slots_in_flight == 4
+    model = build_model(cfg.model, device="meta")
+    units, _ = unit_and_root_shards(model, blocks_per_unit=1, shards=1)
+    plan, alternatives = host_memory_plan(model, cfg, shards=1)
+    two = dict(alternatives)["optim.grad_slots_in_flight=2"]
+    region = max(sum(-(-local * 4 // 512) * 512 for _, local in unit) for unit in units)  # fp32, 512-B aligned
+    assert plan.grads - two.grads == 2 * region > 0
+    low = tiny_config("unused", offload={"params": True}, schedule={"name": "speedloader"},
+                      optim={**ring, "grad_slots_in_flight": 2}, model={"num_layers": 6})
+    assert "optim.grad_slots_in_flight=2" not in dict(host_memory_plan(model, low, shards=1)[1])
 
 
 def test_units_kept_on_the_device_leave_the_host_plan():

@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from fsdp_speedloader.app.config import OptimConfig  # noqa: E402
 from fsdp_speedloader.memory.arena import ALIGNMENT  # noqa: E402
 
 GIB = float(1 << 30)
@@ -230,7 +231,8 @@ def main() -> None:
     parser.add_argument("--blocks-per-unit", type=int, default=1)
     parser.add_argument("--activation-store", default="device", choices=("device", "host"),
                         help="modes: the activations on the GPU (no host tier) or in the host arena")
-    parser.add_argument("--grad-slots-in-flight", type=int, default=2, help="modes: R of the in-flight gradients")
+    parser.add_argument("--grad-slots-in-flight", type=int, default=OptimConfig().grad_slots_in_flight,
+                        help="modes: R of the in-flight gradients (default: optim.grad_slots_in_flight's)")
     parser.add_argument("--root-on-device", action="store_true", help="modes: offload.root=false")
     parser.add_argument("--param-transfer", action="store_true", help="modes: bf16 transfer copies")
     parser.add_argument("--host-gib", type=float, default=128.0, help="modes: the machine's host memory")

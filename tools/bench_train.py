@@ -379,7 +379,7 @@ class Contender(NamedTuple):
     fp8: Optional[str] = None  # a torchao float8 recipe for the blocks' linears (kernels.float8_training)
     states: str = "fp32"  # speedloader-overlap: AdamW's moments of host-resident parameters (optim.state_dtype)
     threads: int = 0  # speedloader-overlap: the optimizer worker's CPU threads (optim.worker_threads; 0: default)
-    slots: int = 2  # speedloader-overlap: in-flight host gradient slots (optim.grad_slots_in_flight; 0: one per param)
+    slots: int = 4  # speedloader-overlap: in-flight host gradient slots (optim.grad_slots_in_flight; 0: one per param)
     adamw: str = "local"  # speedloader-overlap's fp32 AdamW: 'local' (LocalShardAdamW, the trainer's) or 'torch'
     dev: int = 0  # offloading contenders: units 1 .. dev keep their states on the GPU (offload.device_units)
     recompute: bool = True  # FSDP2 contenders: every block recomputed in backward (schedule.activation_checkpointing)

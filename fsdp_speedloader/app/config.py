@@ -119,7 +119,7 @@ class OptimConfig:
     (``OverlappedOptimizer``; exact): as soon as its gradients reach the host, during the backward
     (grad_clip=0); or, with grad_clip > 0, once the global norm is known at the end of backward, in forward
     order, during the next forward (docs/design.md §9)."""
-    grad_slots_in_flight: int = 2
+    grad_slots_in_flight: int = 4
     """With overlap_with_backward and grad_clip=0 (each unit stepped as its gradients land): the host arena holds
     the gradients of this many units, reused in turn, instead of a slot per parameter (4 B/param -> about
     grad_slots_in_flight units' worth; exact, docs/design.md §13); 0: a slot per parameter. Clipping needs every

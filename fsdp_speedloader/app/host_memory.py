@@ -104,6 +104,8 @@ def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activat
         alternatives.append((f"optim.master_dtype=bf16{also} (bf16 master weights, stochastic rounding)",
                              plan(_with(cfg, optim={"master_dtype": "bf16", "state_dtype": states},
                                         offload={"param_transfer_dtype": None}))))
+    if _uses_ring(cfg) and cfg.optim.grad_slots_in_flight > 2:  # fewer regions in flight: less slack, less memory
+        alternatives.append(("optim.grad_slots_in_flight=2", plan(_with(cfg, optim={"grad_slots_in_flight": 2}))))
     if not _uses_ring(cfg) and cfg.offload.pin_memory:
         ring = _with(cfg, optim={"overlap_with_backward": True, "grad_clip": 0.0,
                                  "grad_slots_in_flight": cfg.optim.grad_slots_in_flight or 2})

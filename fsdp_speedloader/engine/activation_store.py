@@ -259,10 +259,11 @@ class ExchangeActivationStore(ActivationStore):
         training step on (a change re-plans the arena once). Only for a consumer that releases each unit's
         region once it has read and dropped that unit's gradients (``grad_ring.release(unit)``, unit 1-based),
         within the backward: ``OverlappedOptimizer`` without clipping. False when the arena holds no gradients
-        (parameters not offloaded, or not pinned)."""
+        (parameters not offloaded, or not pinned). More regions than units would only pad: min(num_regions, units)."""
         if self._param_root is None:
             return False
-        self.grad_ring_regions, self._ring_units = int(num_regions), [list(u) for u in units] if num_regions else []
+        num_regions = min(int(num_regions), len(units))
+        self.grad_ring_regions, self._ring_units = num_regions, [list(u) for u in units] if num_regions else []
         if self._grads_in_arena and self._ring_in_arena != self.grad_ring_regions:
             self.num_slots = 0  # the next begin_step re-plans the arena
         return True

@@ -93,8 +93,8 @@ def plan_host_memory(*, units: Sequence[Sequence[Shard]], root: Sequence[Shard],
     Args:
         units: each unit's parameter shards (``shard_numels``), in unit order.
         root: the root's (embeddings, final norm, LM head); on the host only with ``root_on_host``.
-        grad_slots_in_flight: R > 0: the units' gradients in R regions of the largest unit's (in-flight slots);
-            0: a slot per parameter.
+        grad_slots_in_flight: R > 0: the units' gradients in min(R, units) regions of the largest unit's
+            (in-flight slots); 0: a slot per parameter.
         state_dtype: AdamW's moments (``compressed_adamw.STATE_DTYPES``).
         activation_bytes: the host activation store's slots (0 when the activations stay on the device).
         transfer_itemsize: bytes per element of the transfer copies (2 for bf16; 0: none).
@@ -105,7 +105,7 @@ def plan_host_memory(*, units: Sequence[Sequence[Shard]], root: Sequence[Shard],
     shards = [s for unit in units for s in unit] + host_root
     grad_bytes = [[_aligned(local * param_itemsize) for _, local in unit if local] for unit in units]
     if grad_slots_in_flight:
-        unit_grads = grad_slots_in_flight * max((sum(g) for g in grad_bytes), default=0)
+        unit_grads = min(grad_slots_in_flight, len(units)) * max((sum(g) for g in grad_bytes), default=0)
     else:
         unit_grads = sum(sum(g) for g in grad_bytes)
     root_grads = sum(_aligned(local * param_itemsize) for _, local in host_root if local)

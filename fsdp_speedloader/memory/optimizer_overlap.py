@@ -32,7 +32,7 @@ Exact: every unit is stepped once per optimizer step with its final gradient, in
 ``param_transfer_dtype`` the worker also casts each unit's transfer copies right after that unit's step; the
 main thread casts only those of the units it steps itself.
 
-In-flight gradient slots (immediate mode, ``grad_slots_in_flight=R > 0``, the default 2): the units' host gradients
+In-flight gradient slots (immediate mode, ``grad_slots_in_flight=R > 0``, the default 4): the units' host gradients
 need not outlive the backward, so the arena holds R regions of one unit's gradients instead of a slot per
 parameter (``fsdp2/grad_slots.py``, ``GradRing``; the root keeps its own). Unit l's gradients land in a free
 region; the worker steps unit l, drops its gradients (``.grad`` is None from then on: read nothing from a unit's
@@ -210,7 +210,7 @@ class OverlappedOptimizer(OptimizersContainer):
     """
 
     def __init__(self, model: nn.Module, build: BuildOptimizer, *, max_norm: float = 0.0,
-                 skip_nonfinite: bool = False, grad_slots_in_flight: int = 2, worker_threads: int = 0,
+                 skip_nonfinite: bool = False, grad_slots_in_flight: int = 4, worker_threads: int = 0,
                  worker_nice: int = 0, worker_cpus: Optional[Sequence[int]] = None) -> None:
         if speedloader_engine(model, missing_ok=True) is None:
             raise ValueError("OverlappedOptimizer needs a model prepared with apply_speedloader")
