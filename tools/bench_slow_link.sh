@@ -29,7 +29,10 @@
 # syntax) change the training parts' batch and contenders; FSL_SLOW_LINK_CAP_GIB caps every rank's GPU memory alike
 # (bench_scale --max-gpu-memory-gib: the regime where the peers' best micro-batch is a small part of the batch;
 # the record's name gets _capG); FSL_SLOW_LINK_STEPS / _WARMUP (default 5 / 2) the timed
-# and warm-up steps; FSL_SLOW_LINK_INVOCATIONS (default 1) the invocations per command. A part run again with the
+# and warm-up steps; FSL_SLOW_LINK_INVOCATIONS (default 1) the invocations per command; FSL_SLOW_LINK_LAYERS (default
+# 4) the model's layers (the record's name says L<layers>); FSL_SLOW_LINK_TIMEOUT (default 240 s) each contender's
+# limit: under the cap a peer's step over 10 Gbit/s takes about 29 s at 4 layers (DeepSpeed 4 x 16 did not finish its
+# 7 steps in 240 s at d239093), so a capped run with DeepSpeed wants 2 layers or a longer limit. A part run again with the
 # same settings appends its invocations to the same record (the protocol's 3 over several device commands).
 # NCCL_* variables set by the caller reach every run.
 # Carry .wheels (tools/device_wheels.sh: hydra, wandb) and .whl (tools/build_deepspeed_wheels.sh: DeepSpeed), and
@@ -43,14 +46,17 @@ bench_install deepspeed
 modes=${FSL_LINK_MODES:-netns,lo,sockets}
 shape=${FSL_SLOW_LINK_SHAPE:-2x32}
 steps=${FSL_SLOW_LINK_STEPS:-5}; warmup=${FSL_SLOW_LINK_WARMUP:-2}  # the protocol's minimums (docs/benchmarking.md)
+layers=${FSL_SLOW_LINK_LAYERS:-4}; limit=${FSL_SLOW_LINK_TIMEOUT:-240}
 # Layer-major at its best (compiled, root on the GPU); the peers at their largest micro-batch first: over a slow link
 # each micro-batch gathers every layer again, so the fewest micro-batches that fit win (DeepSpeed 32 x 2 beat 16 x 4
 # over emulated Ethernet on 4 GPUs, bench/results/scale_llama2_7b_L4_s4096_64seq_micro_batches_eager.json), then
 # smaller ones (under a cap, only those fit).
 # Under FSL_SLOW_LINK_CAP_GIB=24 the peers' 32 x 2, 16 x 4 and 8 x 8 ran out of GPU memory (e98ed7a, 2 x H200,
-# bench/results/logs/slow_link_fsdp_10g_cap24_e98ed7a_h200x2.log), so a capped run starts from 4 x 16.
+# bench/results/logs/slow_link_fsdp_10g_cap24_e98ed7a_h200x2.log; DeepSpeed's 8 x 8 untried), so a capped run starts
+# from FSDP2's 4 x 16 (its largest that fits: 11.8 GiB at d239093; 2 x 32 would gather twice as often) and DeepSpeed's
+# 8 x 8, then its 4 x 16.
 uncapped=speedloader:compile:root=device,deepspeed-offload:32x2,fsdp2-offload:32x2:compile,fsdp2-offload:16x4:compile,deepspeed-offload:16x4,fsdp2-offload:8x8:compile
-capped=speedloader:compile:root=device,fsdp2-offload:4x16:compile,deepspeed-offload:4x16,deepspeed-offload:8x8,fsdp2-offload:2x32:compile
+capped=speedloader:compile:root=device,fsdp2-offload:4x16:compile,deepspeed-offload:8x8,deepspeed-offload:4x16
 contenders=${FSL_SLOW_LINK_CONTENDERS:-$([ -n "${FSL_SLOW_LINK_CAP_GIB:-}" ] && echo "$capped" || echo "$uncapped")}
 if [ "$dry" != 1 ]; then
   python3 tools/slow_link.py cleanup  # what a command killed on this machine before may have left
@@ -73,14 +79,14 @@ bw 1000 slow_link_allreduce_ceiling
 train() {  # train PART RATE DP_REPLICATE NAME: one bench_scale invocation in what is left of the budget
   local key=$1 rate=$2 replicate=$3 name=$4${FSL_SLOW_LINK_CAP_GIB:+_cap$FSL_SLOW_LINK_CAP_GIB}
   local left=$((budget - SECONDS - 20))
-  bench_run "$key" "$name" 60 0 python3 tools/bench_scale.py --model llama2_7b --layers 4 --seq-len 4096 \
+  bench_run "$key" "$name" 60 0 python3 tools/bench_scale.py --model llama2_7b --layers "$layers" --seq-len 4096 \
     --shape "$shape" --gpus '' --ethernet 2x1 --gpu-ids 0,1 --dp-replicate "$replicate" --link-gbit "$rate" \
     --link-modes "$modes" --contenders "$contenders" --steps "$steps" --warmup "$warmup" \
-    --invocations "${FSL_SLOW_LINK_INVOCATIONS:-1}" --timeout 240 --budget-s "$left" \
+    --invocations "${FSL_SLOW_LINK_INVOCATIONS:-1}" --timeout "$limit" --budget-s "$left" \
     ${FSL_SLOW_LINK_CAP_GIB:+--max-gpu-memory-gib "$FSL_SLOW_LINK_CAP_GIB"} \
     --name "$name"
 }
-train hsdp 10 2 "slow_link_hsdp_10g_llama2_7b_L4_s4096_$shape"
-train fsdp 10 1 "slow_link_fsdp_10g_llama2_7b_L4_s4096_$shape"
-train hsdp25 25 2 "slow_link_hsdp_25g_llama2_7b_L4_s4096_$shape"
+train hsdp 10 2 "slow_link_hsdp_10g_llama2_7b_L${layers}_s4096_$shape"
+train fsdp 10 1 "slow_link_fsdp_10g_llama2_7b_L${layers}_s4096_$shape"
+train hsdp25 25 2 "slow_link_hsdp_25g_llama2_7b_L${layers}_s4096_$shape"
 [ "$dry" = 1 ] || python3 tools/slow_link.py cleanup | tee -a "$times"  # nothing left behind (the EXIT trap too)
