@@ -195,6 +195,36 @@ def test_below_the_protocol_is_refused_unless_quick(tmp_path, capsys):
         bench_fair.main(["cpu_check", "--family", "deepspeed-offload", "--out-dir", str(tmp_path)])
 
 
+def test_a_repeat_continues_a_record_toward_the_minimum_and_counts_machine_starts(tmp_path, monkeypatch, capsys):
+    """The protocol's 3 invocations may come from several commands (separate starts of the GPU machine): a repeat
+    below the minimum is refused on its own, accepted with --partial (the summary says how many are missing) or
+    where the record's invocations make up the rest; the summary counts the machine starts (boot ids)."""
+    lm = "speedloader-overlap:1x2"
+    out = tmp_path / "out"
+    out.mkdir()
+    table = bench_fair.TABLES["cpu_check"]
+    seed = {**bench_fair.load_record(table, _args(quick=False, out_dir=str(out)), out / "fair_cpu_check.json"),
+            "sweep": [{**_row(lm, 3.0), "family": "layer-major"}]}
+    (out / "fair_cpu_check.json").write_text(json.dumps(seed))
+    monkeypatch.setattr(bench_fair, "run_point", lambda t, spec, a, **f: _row(spec, 1.0))
+    argv = ["cpu_check", "--out-dir", str(out), "--device", "cpu", "--part", "repeat", "--family", "layer-major"]
+    with pytest.raises(SystemExit) as e:
+        bench_fair.main(argv + ["--invocations", "1"])  # 0 done + 1 < 3
+    assert e.value.code == 2 and "invocations=1 (at least 3)" in capsys.readouterr().err
+    start = ["start-a"]
+    monkeypatch.setattr(bench_fair.harness, "boot_id", lambda: start[0])
+    assert bench_fair.main(argv + ["--invocations", "2", "--partial"]) == 0  # the first start: 2, 1 to come
+    record = json.loads((out / "fair_cpu_check.json").read_text())
+    assert record["protocol"] and record["summary"]["invocations_missing"] == 1
+    start[0] = "start-b"
+    assert bench_fair.main(argv + ["--invocations", "1"]) == 0  # the second start: 2 done + 1
+    record = json.loads((out / "fair_cpu_check.json").read_text())
+    assert record["protocol"] and record["summary"]["invocations_missing"] == 0
+    assert [inv["boot_id"] for inv in record["invocations"]] == ["start-a", "start-a", "start-b"]
+    assert record["summary"]["machine_starts"] == 2 and record["summary"]["families"]["layer-major"]["n"] == 3
+    assert [c["boot_id"] for c in record["commands"]] == [record["boot_id"], "start-a", "start-b"]
+
+
 def test_host_load_runs_and_stops():
     import time
 

@@ -78,6 +78,8 @@ def test_record_header_and_write_record(monkeypatch, tmp_path):
     assert header["commit"] == "feedbeef"
     assert header["command"] == "python tools/bench_train.py --model llama2_7b --name 'a b'"  # runnable again
     assert header["pytorch_cuda_alloc_conf"] == "expandable_segments:True"
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    assert header["boot_id"] == (boot.read_text().strip() if boot.is_file() else None)  # this machine start
     import transformers
 
     assert header["packages"]["transformers"] == transformers.__version__  # the installed metadata

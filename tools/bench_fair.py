@@ -382,7 +382,7 @@ def repeat(table: Table, families: Sequence[str], args: argparse.Namespace, reco
     for i in range(first, first + args.invocations):
         order = protocol.run_order(specs, i)
         rows = [run_point(table, spec, args, invocation=i) for spec in order]
-        record["invocations"].append({"index": i, "order": order, "rows": rows})
+        record["invocations"].append({"index": i, "order": order, "rows": rows, "boot_id": harness.boot_id()})
         write(record, path, table, args)
 
 
@@ -445,7 +445,9 @@ def summarize(record: dict, table: Table) -> dict:
         peers = [(families[p]["median"], p) for p in PEERS if families.get(p, {}).get("median")]
         if peers:
             ratios["best_peer"] = max(peers)[1]
-    return {"families": families, "ratios": ratios}
+    starts = {inv.get("boot_id") or f"unknown {inv['index']}" for inv in record["invocations"]}
+    missing = max(0, protocol.MIN_INVOCATIONS - len(record["invocations"])) if record.get("protocol", True) else 0
+    return {"families": families, "ratios": ratios, "machine_starts": len(starts), "invocations_missing": missing}
 
 
 def write(record: dict, path: Path, table: Table, args: argparse.Namespace) -> None:
@@ -467,6 +469,9 @@ def markdown(record: dict, table: Table) -> str:
         if isinstance(r, dict):
             lines.append(f"- {name}: **{r['ratio']:.2f}x**" + (" (ranges overlap: no measurable difference)"
                                                               if r["overlap"] else ""))
+    missing = record["summary"]["invocations_missing"]
+    lines.append(f"- {len(record['invocations'])} invocations on {record['summary']['machine_starts']} start(s) of the "
+                 "machine" + (f"; {missing} more to come (--partial)" if missing else ""))
     lines.append("")
     lines.append(f"sweep: {sum(r['status'] == 'ok' for r in record['sweep'])} points ran, "
                  f"{sum(r['status'] == 'oom' for r in record['sweep'])} out of memory, "
@@ -479,6 +484,9 @@ def record_path(table: Table, args: argparse.Namespace) -> Path:
     return Path(args.out_dir, f"fair_{table.name}{load}.json")
 
 
+COMMAND_KEYS = ("command", "commit", "device", "timestamp", "boot_id")  # each command that appended to a record
+
+
 def load_record(table: Table, args: argparse.Namespace, path: Path) -> dict:
     header = harness.record_header("fair", __file__, device=harness.cpu_name() if args.device == "cpu" else None)
     if path.is_file():
@@ -488,9 +496,9 @@ def load_record(table: Table, args: argparse.Namespace, path: Path) -> dict:
         if record["device"] != header["device"] and not args.dry_run:
             raise SystemExit(f"{path} was measured on {record['device']}, this machine is {header['device']}: the rows "
                              "of one table come from one GPU model (docs/benchmarking.md); use another --out-dir")
-        record["commands"].append({k: header[k] for k in ("command", "commit", "device", "timestamp")})
+        record["commands"].append({k: header[k] for k in COMMAND_KEYS})
         return record
-    return {**header, "commands": [{k: header[k] for k in ("command", "commit", "device", "timestamp")}],
+    return {**header, "commands": [{k: header[k] for k in COMMAND_KEYS}],
             "table": dataclasses.asdict(table), "protocol": not args.quick,
             "rules": {"invocations": args.invocations, "steps": args.steps, "warmup": args.warmup},
             "host_load": {"busy": args.host_busy, "copy": args.host_copy}, "sweep": [], "invocations": []}
@@ -507,6 +515,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=protocol.MIN_TIMED_STEPS)
     parser.add_argument("--warmup", type=int, default=protocol.MIN_WARMUP_STEPS)
     parser.add_argument("--quick", action="store_true", help="allow fewer than the protocol's minimums (marked)")
+    parser.add_argument("--partial", action="store_true",
+                        help="repeat: fewer invocations than the minimum now, a later command (another start of the "
+                             "machine) adds the rest to the same record; its summary says how many are missing")
     parser.add_argument("--host-busy", type=int, default=0, help="busy-loop processes beside every worker")
     parser.add_argument("--host-copy", type=int, default=0, help="memory-copy processes beside every worker")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per worker")
@@ -532,13 +543,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = sorted(set(families) - set(table.families))
     if unknown:
         parser.error(f"table {table.name} has no families {unknown}; it has {', '.join(table.families)}")
+    path = record_path(table, args)
     if not args.quick:
+        # A repeat may continue a record (another start of the GPU machine): its invocations count toward the minimum.
+        done = len(json.loads(path.read_text()).get("invocations", [])) if path.is_file() else 0
+        if args.partial and args.part != "repeat":
+            parser.error("--partial is for --part repeat (the sweep runs once)")
         try:
-            protocol.check_protocol(invocations=args.invocations, steps=args.steps, warmup=args.warmup)
+            protocol.check_protocol(invocations=protocol.MIN_INVOCATIONS if args.partial else
+                                    args.invocations + (done if args.part == "repeat" else 0),
+                                    steps=args.steps, warmup=args.warmup)
         except ValueError as e:
             parser.error(str(e))
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the trainer sets it
-    path = record_path(table, args)
     record = load_record(table, args, path)
     if args.quick:
         record["protocol"] = False

@@ -129,7 +129,16 @@ def record_header(benchmark: str, script: str, argv: Optional[Sequence[str]] = N
     return {"benchmark": benchmark, "device": device or device_name(), "torch": torch.__version__,
             "packages": package_versions(), "commit": commit(), "command": command_line(script, argv),
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+            "boot_id": boot_id(), "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+
+
+def boot_id() -> Optional[str]:
+    """This machine start's id (Linux: a fresh random one at every boot), or None: records whose commands ran on
+    separate starts of the GPU machine say so (the protocol's spread over starts, issue 40)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def write_record(path: str | Path, record: dict) -> Path:
