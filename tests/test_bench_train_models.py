@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fsdp_speedloader.app.config import OptimConfig
+
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
 sys.path.insert(0, str(TOOLS))
@@ -135,7 +137,7 @@ def test_the_overlapped_contender_may_compress_its_optimizer_states():
     assert bench_train.parse_contender("speedloader-overlap:2x4:affinity", None).affinity
     assert not bench_train.parse_contender("speedloader-overlap:2x4", None).affinity
     default = bench_train.parse_contender("speedloader-overlap:2x4", None)
-    assert (default.slots, default.adamw) == (2, "local")  # the trainer's defaults
+    assert (default.slots, default.adamw) == (OptimConfig().grad_slots_in_flight, "local")  # the trainer's defaults
     tuned = bench_train.parse_contender("speedloader-overlap:2x4:slots=0:adamw=torch", None)
     assert (tuned.slots, tuned.adamw) == (0, "torch")
     for bad in ("speedloader:2x4:states=bf16", "fsdp2-offload:2x4:states=bf16", "speedloader-overlap:2x4:states=fp8",
@@ -437,7 +439,7 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
         assert rows[spec]["optimizer_states"] == states and rows[spec]["optimizer_busy_s"] > 0  # the CPU step ran
         assert rows[spec]["optimizer_wait_s"] >= 0
     default = rows["speedloader-overlap:2x2:root=device"]
-    assert (default["optimizer_adamw"], default["grad_slots_in_flight"]) == ("local", 4)
+    assert (default["optimizer_adamw"], default["grad_slots_in_flight"]) == ("local", OptimConfig().grad_slots_in_flight)
     assert rows["speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0"]["uses_grad_ring"] is False
     assert "optimizer_busy_s" not in rows["fsdp2-offload:2x2"]
     first = [r["losses"][0] for r in rows.values()]

@@ -379,7 +379,7 @@ class Contender(NamedTuple):
     fp8: Optional[str] = None  # a torchao float8 recipe for the blocks' linears (kernels.float8_training)
     states: str = "fp32"  # speedloader-overlap: AdamW's moments of host-resident parameters (optim.state_dtype)
     threads: int = 0  # speedloader-overlap: the optimizer worker's CPU threads (optim.worker_threads; 0: default)
-    slots: int = 4  # speedloader-overlap: in-flight host gradient slots (optim.grad_slots_in_flight; 0: one per param)
+    slots: int = 4  # speedloader-overlap: in-flight gradient regions (optim.grad_slots_in_flight; 0: one per param)
     adamw: str = "local"  # speedloader-overlap's fp32 AdamW: 'local' (LocalShardAdamW, the trainer's) or 'torch'
     dev: int = 0  # offloading contenders: units 1 .. dev keep their states on the GPU (offload.device_units)
     recompute: bool = True  # FSDP2 contenders: every block recomputed in backward (schedule.activation_checkpointing)
@@ -441,7 +441,9 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     cap = None
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
-    states, threads, slots, adamw, dev = "fp32", 0, 2, "local", 0
+    from fsdp_speedloader.app.config import OptimConfig
+
+    states, threads, slots, adamw, dev = "fp32", 0, OptimConfig().grad_slots_in_flight, "local", 0
     recompute, sync, reshard, nice, affinity, env, prefetch, ascending = True, None, True, 0, False, [], None, False
     fsdp2 = name in ("ondevice", "fsdp2-offload", "fsdp2-offload-rs")
     kernels_ok = name != "deepspeed-offload"
