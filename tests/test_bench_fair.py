@@ -259,6 +259,7 @@ def test_a_whole_table_on_the_cpu(tmp_path):
     fam = record["summary"]["families"]
     assert fam["layer-major"]["n"] == 2 and fam["fsdp2-offload"]["n"] == 2 and fam[best + ":threads=1"]["n"] == 2
     assert fam["layer-major"]["host_thread_cpu_s_median"] > 0
+    assert fam["layer-major"]["alloc_retries_timed_median"] == 0  # no caching allocator on the CPU
     assert "layer-major/fsdp2-offload" in record["summary"]["ratios"]
     row = record["invocations"][0]["rows"][0]
     assert len(row["step_times_s"]) == 2 and row["tokens_per_s"] > 0

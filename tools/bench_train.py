@@ -329,9 +329,11 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
     the phase boundaries), then with ``args.profile`` one traced step summarized by ``summarize_trace``.
 
     Returns (fwd+bwd seconds, optimizer seconds, losses) of the timed steps, the profile summary, and the main
-    thread's median CPU seconds and involuntary context switches per timed forward+backward.
+    thread's median CPU seconds and involuntary context switches per timed forward+backward, with the caching
+    allocator's retries during the timed steps (``alloc_retries_timed``: each one freed the cache and synchronised).
     """
     fb_times, opt_times, losses, host_cpu, switches = [], [], [], [], []
+    retries_at_start = 0
     for step in range(args.warmup + args.steps):
         sync()
         cpu0, sw0 = host_thread_usage()
@@ -345,6 +347,7 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
         t2 = time.perf_counter()
         if step == args.warmup - 1:
             reset_peak()
+            retries_at_start = alloc_retries()
         if step >= args.warmup:
             fb_times.append(t1 - t0)
             opt_times.append(t2 - t1)
@@ -362,8 +365,16 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
 
     profile = harness.profile_summary(traced_step, summarize_trace) if args.profile else None  # one more step
     host = {"host_thread_cpu_s": statistics.median(host_cpu) if host_cpu else None,
-            "host_thread_involuntary_switches": statistics.median(switches) if switches else None}
+            "host_thread_involuntary_switches": statistics.median(switches) if switches else None,
+            "alloc_retries_timed": alloc_retries() - retries_at_start}
     return fb_times, opt_times, losses, profile, host
+
+
+def alloc_retries() -> int:
+    """The caching allocator's cudaMalloc retries so far in this process (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_initialized() else 0
 
 
 class Contender(NamedTuple):
@@ -682,8 +693,9 @@ def run_worker(args: argparse.Namespace) -> dict:
         "recompute": layer_major or checkpointed, "gradient_sync": gradient_sync, "reshard_after_forward": reshard,
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
-        # cudaMalloc failures the caching allocator answered by freeing its cache and retrying: a step near its cap
-        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
+        # cudaMalloc failures the caching allocator answered by freeing its cache and retrying, over the whole run
+        # (warm-up and compilation included; alloc_retries_timed: the timed steps' alone)
+        "alloc_retries": alloc_retries(),
     }
     if profile is not None:
         result["profile"] = profile
