@@ -60,7 +60,8 @@ ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
 GPU_MARGIN_GIB = 4.0  # the allocator's workspace, the compiled blocks' buffers, two gathered units in flight
 KEEP_TIERS = 4  # layer-major: kept-pair counts tried per micro-batch, each an eighth of the pairs fewer
 # A worker's step phases summarized per row: forward+backward, optimizer, the main thread's CPU time in forward+backward,
-# the overlapped optimizer worker's busy time and the backward's waits for its gradient regions (bench_train's fields).
+# the overlapped optimizer worker's busy time, the backward's waits for its gradient regions and the caching
+# allocator's retries in the timed steps (bench_train's fields).
 PHASES = ("fwd_bwd_s", "optimizer_s", "host_thread_cpu_s", "optimizer_busy_s", "grad_ring_wait_s",
           "alloc_retries_timed")
 
