@@ -225,6 +225,18 @@ def test_a_repeat_continues_a_record_toward_the_minimum_and_counts_machine_start
     assert [c["boot_id"] for c in record["commands"]] == [record["boot_id"], "start-a", "start-b"]
 
 
+def test_a_repeat_without_a_sweep_runs_the_named_settings_only(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(bench_fair, "run_point", lambda t, spec, a, **f: ran.append(spec) or _row(spec, 1.0))
+    argv = ["cpu_check", "--out-dir", str(tmp_path), "--device", "cpu", "--part", "repeat", "--family", "layer-major"]
+    with pytest.raises(SystemExit, match="--also"):
+        bench_fair.main(argv)
+    assert bench_fair.main(argv + ["--also", "speedloader-overlap:1x2:cap=none:keep=2"]) == 0
+    assert ran == ["speedloader-overlap:1x2:cap=none:keep=2"] * 3
+    record = json.loads((tmp_path / "fair_cpu_check.json").read_text())
+    assert record["summary"]["families"]["layer-major"]["n"] == 3 and record["sweep"] == []
+
+
 def test_host_load_runs_and_stops():
     import time
 

@@ -16,7 +16,8 @@ family has its own knobs, swept under the same cap (:func:`train_ladders`, :func
            point that fits. Every tried point, out-of-memory ones included, stays in the record.
   repeat   each family's best sweep point (:func:`protocol.best_point`), in at least 3 invocations with the order
            of contenders alternated (:func:`protocol.run_order`); with DeepSpeed in the table (eager: its engine
-           does not run our compiled blocks), layer-major's best point eager beside it.
+           does not run our compiled blocks), layer-major's best point eager beside it. Without a sweep, only the
+           settings named by --also (a setting known from elsewhere, e.g. the full model's kept pairs uncapped).
   all      sweep, then repeat.
 
 Each part appends to one record, DIR/fair_<table>[_busyK][_copyM].json, written after every worker, so parts can
@@ -377,8 +378,9 @@ def take_points(record: dict, table: Table, families: Sequence[str], source: Pat
 
 def repeat(table: Table, families: Sequence[str], args: argparse.Namespace, record: dict, path: Path) -> None:
     best = best_specs(record, table, families)
-    if not best:
-        raise SystemExit(f"{table.name}: no sweep point ran in {path}; run --part sweep first")
+    if not best and not args.also:
+        raise SystemExit(f"{table.name}: no sweep point ran in {path}; run --part sweep first, or name the settings "
+                         "to repeat with --also")
     specs = list(best.values()) + [spec for spec in args.also if spec not in best.values()]
     first = len(record["invocations"])
     for i in range(first, first + args.invocations):
