@@ -108,10 +108,12 @@ def test_the_arena_holds_regions_for_the_units_in_flight():
     assert store.grad_shard_bytes == sum(p.numel() * 4 for p in model.parameters())
 
 
-def test_regions_beyond_the_units_are_not_planned():
-    """R larger than the number of units would only pad the arena: each unit then has a region of its own."""
-    model = _model(tiny_model("llama"))
-    units = len(speedloader_engine(model).units)
+@pytest.mark.parametrize("device_units", [0, 1])
+def test_regions_beyond_the_units_are_not_planned(device_units):
+    """R larger than the number of units with host gradients would only pad the arena: each such unit then has a
+    region of its own (units kept on the GPU have no host gradients)."""
+    model = _model(tiny_model("llama", layers=3), device_units=device_units)
+    units = len(speedloader_engine(model).units) - device_units
     opt = OverlappedOptimizer(model, _adamw, grad_slots_in_flight=units + 3)
     try:
         _train(model, opt, 1)

@@ -259,10 +259,12 @@ class ExchangeActivationStore(ActivationStore):
         training step on (a change re-plans the arena once). Only for a consumer that releases each unit's
         region once it has read and dropped that unit's gradients (``grad_ring.release(unit)``, unit 1-based),
         within the backward: ``OverlappedOptimizer`` without clipping. False when the arena holds no gradients
-        (parameters not offloaded, or not pinned). More regions than units would only pad: min(num_regions, units)."""
+        (parameters not offloaded, or not pinned). More regions than units with offloaded gradients would only pad:
+        at most that many (units kept on the GPU, ``device_units``, have none)."""
         if self._param_root is None:
             return False
-        num_regions = min(int(num_regions), len(units))
+        _, offsets = grad_ring_layout(units, ALIGNMENT)
+        num_regions = min(int(num_regions), sum(any(o >= 0 for o in unit) for unit in offsets))
         self.grad_ring_regions, self._ring_units = num_regions, [list(u) for u in units] if num_regions else []
         if self._grads_in_arena and self._ring_in_arena != self.grad_ring_regions:
             self.num_slots = 0  # the next begin_step re-plans the arena
