@@ -264,6 +264,29 @@ def test_a_late_kernel_is_traced_to_what_its_thread_ran_meanwhile(tmp_path):
     assert list(ran) == ["FSDP::post_backward_reduce", "aten::copy_"]  # longest first
 
 
+def test_the_host_syncs_are_split_by_thread_and_named_by_the_operator_they_ran_in(tmp_path):
+    """Thread 5 queued the compute stream's kernels: its stream sync inside aten::item (inside a forward) is the
+    launcher's; thread 9's event syncs (an optimizer worker) are the others'; a launch is no sync."""
+    def event(cat, name, ts, dur, tid=0, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        event("kernel", "gemm", 0, 10, stream=7, correlation=1), event("kernel", "gemm", 300, 10, stream=7, correlation=2),
+        event("cuda_runtime", "cudaLaunchKernel", 0, 2, tid=5, correlation=1),
+        event("cuda_runtime", "cudaLaunchKernel", 290, 2, tid=5, correlation=2),
+        event("cpu_op", "UnitFunction", 20, 200, tid=5), event("cpu_op", "aten::item", 50, 100, tid=5),
+        event("cuda_runtime", "cudaStreamSynchronize", 60, 80, tid=5),
+        event("cuda_runtime", "cudaDeviceSynchronize", 250, 20, tid=5),
+        event("cuda_runtime", "cudaEventSynchronize", 30, 200, tid=9),
+        event("cuda_runtime", "cudaEventSynchronize", 240, 40, tid=9)]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    got = bench_train.summarize_trace(str(path), 400e-6)["host_syncs"]
+    assert got["launcher"] == pytest.approx({"cudaStreamSynchronize": 80e-6, "cudaDeviceSynchronize": 20e-6})
+    assert got["others"] == pytest.approx({"cudaEventSynchronize": 240e-6})
+    assert got["launcher_inside"] == pytest.approx({"aten::item": 80e-6, "(none)": 20e-6})
+
+
 def test_the_host_thread_usage_counts_this_threads_cpu_time():
     import time
 

@@ -247,6 +247,30 @@ def late_launches(gaps: list, kernel_ids: dict, launches: dict, host_ops: dict, 
     return out
 
 
+# CUDA runtime calls that block the calling host thread until the GPU reaches a point.
+BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+
+
+def host_syncs(syncs: list, host_ops: dict, launcher, *, top: int = 8) -> dict:
+    """The host's blocking CUDA calls (``syncs``: [(ts, end, call name, thread)]) split between the thread that
+    queued the compute stream's kernels (``launcher``: while it blocks, nothing new reaches the GPU) and the others
+    (the optimizer worker waiting for gradients: harmless), in seconds per call; and, for the launching thread, the
+    innermost operator or annotation each sync ran inside (``launcher_inside``, the ``top`` longest; '(none)' outside
+    any): which part of the step waited for the GPU."""
+    out: dict = {"launcher": {}, "others": {}}
+    inside: dict = {}
+    ops = sorted(host_ops.get(launcher, []))
+    for ts, end, name, tid in syncs:
+        side = out["launcher" if tid == launcher else "others"]
+        side[name] = side.get(name, 0.0) + (end - ts) / 1e6
+        if tid == launcher:
+            enclosing = [op for op in ops if op[0] <= ts and op[1] >= end]
+            label = max(enclosing, key=lambda op: op[0])[2] if enclosing else "(none)"  # the innermost: latest start
+            inside[label] = inside.get(label, 0.0) + (end - ts) / 1e6
+    out["launcher_inside"] = dict(sorted(inside.items(), key=lambda kv: -kv[1])[:top])
+    return out
+
+
 def host_thread_usage() -> tuple[float, int]:
     """The calling thread's CPU seconds and involuntary context switches so far (Linux: RUSAGE_THREAD; elsewhere
     the process's): a step whose thread CPU time is near its wall time is bound by the host thread, and switches
@@ -271,6 +295,7 @@ def summarize_trace(path: str, step_s: float) -> dict:
     named: dict = {}  # the package's host waits, named with record_function ("speedloader::..."): name -> spans
     launches: dict = {}  # correlation id -> (ts, host thread) of the CUDA call that queued the GPU work
     host_ops: dict = {}  # host thread -> [(ts, end, name)] of its operators and annotations
+    syncs: list = []  # (ts, end, name, thread) of the host's blocking CUDA calls
     kernel_ids: dict = {}  # stream -> {kernel start: correlation id}
     for e in events:
         cat = e.get("cat", "")
@@ -278,6 +303,8 @@ def summarize_trace(path: str, step_s: float) -> dict:
             launches[e.get("args", {}).get("correlation")] = (e["ts"], e.get("tid"))
         if e.get("ph") == "X" and cat == "cuda_runtime":
             host_calls[e["name"]] = host_calls.get(e["name"], 0.0) + e["dur"] / 1e6
+            if e["name"] in BLOCKING_CALLS:
+                syncs.append((e["ts"], e["ts"] + e["dur"], e["name"], e.get("tid")))
         if e.get("ph") == "X" and cat in ("cpu_op", "user_annotation"):
             host_ops.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
         if e.get("ph") == "X" and cat == "user_annotation" and e["name"].startswith("speedloader::"):
@@ -301,6 +328,11 @@ def summarize_trace(path: str, step_s: float) -> dict:
     compute_spans, compute_ids = kernels.get(stream, []), kernel_ids.get(stream, {})
     all_copies = [(a, b) for spans in copies.values() for a, b, _ in spans]
     gaps = long_gaps(compute_spans, collectives, all_copies)
+    queued_by: dict = {}  # thread -> compute-stream kernels it queued
+    for correlation in compute_ids.values():
+        if correlation in launches:
+            queued_by[launches[correlation][1]] = queued_by.get(launches[correlation][1], 0) + 1
+    launcher = max(queued_by, key=queued_by.get) if queued_by else None
     return {
         "step_s": step_s,
         "stream_busy_s": {str(k): v for k, v in busy.items()},
@@ -320,6 +352,8 @@ def summarize_trace(path: str, step_s: float) -> dict:
         "copy_gaps_by_copy": copy_gaps_by_copy(gaps, copies),
         "named_waits_s": {name: _union_s(spans) for name, spans in sorted(named.items())},
         "top_host_cuda_calls_s": dict(sorted(host_calls.items(), key=lambda kv: -kv[1])[:8]),
+        # who blocked on the GPU: the launching thread (and inside which operator) or the others
+        "host_syncs": host_syncs(syncs, host_ops, launcher),
     }
 
 
