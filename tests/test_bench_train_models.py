@@ -157,17 +157,19 @@ def test_the_trace_timeline_splits_the_step_between_compute_copies_and_the_host(
     assert t == pytest.approx(expected)
 
 
+def _event(cat, name, ts, dur, tid=0, **args):
+    """One complete ('X') event of a Chrome trace, as the profiler writes it."""
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
 def test_a_traced_step_is_summarised_with_its_timeline(tmp_path):
     """summarize_trace on a hand-made trace: stream 7 has the most kernel time (the compute stream, 60 us), the
     copies (30-70 us) overlap it 20 us, and the host's CUDA calls are listed."""
-    def event(cat, name, ts, dur, **args):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
-
-    trace = {"traceEvents": [event("kernel", "gemm", 0, 40, stream=7), event("kernel", "gemm", 60, 20, stream=7),
-                             event("kernel", "copy", 0, 5, stream=14),
-                             event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 30, 20, bytes=2**30),
-                             event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 45, 25, bytes=2**30),
-                             event("cuda_runtime", "cudaEventSynchronize", 0, 30)]}
+    trace = {"traceEvents": [_event("kernel", "gemm", 0, 40, stream=7), _event("kernel", "gemm", 60, 20, stream=7),
+                             _event("kernel", "copy", 0, 5, stream=14),
+                             _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 30, 20, bytes=2**30),
+                             _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 45, 25, bytes=2**30),
+                             _event("cuda_runtime", "cudaEventSynchronize", 0, 30)]}
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(trace))
     summary = bench_train.summarize_trace(str(path), 100e-6)
@@ -179,15 +181,15 @@ def test_a_traced_step_is_summarised_with_its_timeline(tmp_path):
     assert summary["compute_launch_gaps"] == pytest.approx({"count": 1, "total_s": 20e-6, "long_count": 0,
                                                             "long_total_s": 0.0, "long_us": 50.0})
     # one more compute kernel at 200 us after an all-gather (NCCL's kernel, another stream) ending at 195 us
-    trace["traceEvents"] += [event("kernel", "gemm", 200, 40, stream=7),
-                             event("kernel", "ncclDevKernel_AllGather_RING_LL(x)", 150, 45, stream=21)]
+    trace["traceEvents"] += [_event("kernel", "gemm", 200, 40, stream=7),
+                             _event("kernel", "ncclDevKernel_AllGather_RING_LL(x)", 150, 45, stream=21)]
     path.write_text(json.dumps(trace))
     waited = bench_train.summarize_trace(str(path), 250e-6)["compute_gaps_waited_for"]
     assert (waited["collective_count"], waited["copy_count"], waited["host_count"]) == (1, 0, 0)
     assert waited["collective_s"] == pytest.approx(120e-6)
     # a compute kernel at 300 us, 20 us after a 1 GiB host-to-device copy (260-280) ended: the gap 240-300 waited for it
-    trace["traceEvents"] += [event("kernel", "gemm", 300, 10, stream=7),
-                             event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 260, 20, bytes=2**30)]
+    trace["traceEvents"] += [_event("kernel", "gemm", 300, 10, stream=7),
+                             _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 260, 20, bytes=2**30)]
     path.write_text(json.dumps(trace))
     summary = bench_train.summarize_trace(str(path), 350e-6)
     assert summary["compute_gaps_waited_for"]["copy_count"] == 1
@@ -227,13 +229,10 @@ def test_host_gaps_are_named_by_the_host_waits_under_way():
 
 
 def test_a_trace_names_the_host_waits(tmp_path):
-    def event(cat, name, ts, dur, **args):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
-
-    trace = {"traceEvents": [event("kernel", "gemm", 0, 10, stream=7), event("kernel", "gemm", 200, 10, stream=7),
-                             event("user_annotation", "speedloader::grad_ring_wait", 50, 100),
-                             event("user_annotation", "speedloader::grad_ring_wait", 120, 60),
-                             event("user_annotation", "aten::mm", 0, 200)]}
+    trace = {"traceEvents": [_event("kernel", "gemm", 0, 10, stream=7), _event("kernel", "gemm", 200, 10, stream=7),
+                             _event("user_annotation", "speedloader::grad_ring_wait", 50, 100),
+                             _event("user_annotation", "speedloader::grad_ring_wait", 120, 60),
+                             _event("user_annotation", "aten::mm", 0, 200)]}
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(trace))
     summary = bench_train.summarize_trace(str(path), 250e-6)
@@ -245,16 +244,14 @@ def test_a_late_kernel_is_traced_to_what_its_thread_ran_meanwhile(tmp_path):
     """Kernels at 0, 200 and 400 us on the compute stream; the second was queued at 150 us by thread 5, which ran a
     post-backward reduce (20-120, a copy 30-60 inside it) in the gap: a late launch. The third was queued at 5 us,
     before its gap: it waited on the GPU. Thread 9's work does not count: it queued nothing there."""
-    def event(cat, name, ts, dur, tid=0, **args):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
-
     trace = {"traceEvents": [
-        event("kernel", "gemm", 0, 10, stream=7, correlation=1), event("kernel", "gemm", 200, 10, stream=7, correlation=2),
-        event("kernel", "gemm", 400, 10, stream=7, correlation=3),
-        event("cuda_runtime", "cudaLaunchKernel", 150, 3, tid=5, correlation=2),
-        event("cuda_driver", "cuLaunchKernel", 5, 3, tid=5, correlation=3),
-        event("cpu_op", "FSDP::post_backward_reduce", 20, 100, tid=5), event("cpu_op", "aten::copy_", 30, 30, tid=5),
-        event("cpu_op", "aten::mm", 10, 140, tid=9)]}
+        _event("kernel", "gemm", 0, 10, stream=7, correlation=1),
+        _event("kernel", "gemm", 200, 10, stream=7, correlation=2),
+        _event("kernel", "gemm", 400, 10, stream=7, correlation=3),
+        _event("cuda_runtime", "cudaLaunchKernel", 150, 3, tid=5, correlation=2),
+        _event("cuda_driver", "cuLaunchKernel", 5, 3, tid=5, correlation=3),
+        _event("cpu_op", "FSDP::post_backward_reduce", 20, 100, tid=5), _event("cpu_op", "aten::copy_", 30, 30, tid=5),
+        _event("cpu_op", "aten::mm", 10, 140, tid=9)]}
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(trace))
     got = bench_train.summarize_trace(str(path), 500e-6)["host_gaps_launches"]
@@ -267,18 +264,16 @@ def test_a_late_kernel_is_traced_to_what_its_thread_ran_meanwhile(tmp_path):
 def test_the_host_syncs_are_split_by_thread_and_named_by_the_operator_they_ran_in(tmp_path):
     """Thread 5 queued the compute stream's kernels: its stream sync inside aten::item (inside a forward) is the
     launcher's; thread 9's event syncs (an optimizer worker) are the others'; a launch is no sync."""
-    def event(cat, name, ts, dur, tid=0, **args):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
-
     trace = {"traceEvents": [
-        event("kernel", "gemm", 0, 10, stream=7, correlation=1), event("kernel", "gemm", 300, 10, stream=7, correlation=2),
-        event("cuda_runtime", "cudaLaunchKernel", 0, 2, tid=5, correlation=1),
-        event("cuda_runtime", "cudaLaunchKernel", 290, 2, tid=5, correlation=2),
-        event("cpu_op", "UnitFunction", 20, 200, tid=5), event("cpu_op", "aten::item", 50, 100, tid=5),
-        event("cuda_runtime", "cudaStreamSynchronize", 60, 80, tid=5),
-        event("cuda_runtime", "cudaDeviceSynchronize", 250, 20, tid=5),
-        event("cuda_runtime", "cudaEventSynchronize", 30, 200, tid=9),
-        event("cuda_runtime", "cudaEventSynchronize", 240, 40, tid=9)]}
+        _event("kernel", "gemm", 0, 10, stream=7, correlation=1),
+        _event("kernel", "gemm", 300, 10, stream=7, correlation=2),
+        _event("cuda_runtime", "cudaLaunchKernel", 0, 2, tid=5, correlation=1),
+        _event("cuda_runtime", "cudaLaunchKernel", 290, 2, tid=5, correlation=2),
+        _event("cpu_op", "UnitFunction", 20, 200, tid=5), _event("cpu_op", "aten::item", 50, 100, tid=5),
+        _event("cuda_runtime", "cudaStreamSynchronize", 60, 80, tid=5),
+        _event("cuda_runtime", "cudaDeviceSynchronize", 250, 20, tid=5),
+        _event("cuda_runtime", "cudaEventSynchronize", 30, 200, tid=9),
+        _event("cuda_runtime", "cudaEventSynchronize", 240, 40, tid=9)]}
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(trace))
     got = bench_train.summarize_trace(str(path), 400e-6)["host_syncs"]
