@@ -548,9 +548,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         parser.error(f"table {table.name} has no families {unknown}; it has {', '.join(table.families)}")
     path = record_path(table, args)
+    record = load_record(table, args, path)
     if not args.quick:
         # A repeat may continue a record (another start of the GPU machine): its invocations count toward the minimum.
-        done = len(json.loads(path.read_text()).get("invocations", [])) if path.is_file() else 0
+        done = len(record["invocations"])
         if args.partial and args.part != "repeat":
             parser.error("--partial is for --part repeat (the sweep runs once)")
         try:
@@ -560,7 +561,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ValueError as e:
             parser.error(str(e))
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the trainer sets it
-    record = load_record(table, args, path)
     if args.quick:
         record["protocol"] = False
     if args.points_from:

@@ -477,6 +477,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     ``prefetch=K`` (every contender but DeepSpeed): ``schedule.forward_prefetch``, units unsharded ahead in forward,
     instead of ``--prefetch``. ``order=ascending`` (speedloader contenders): ``schedule.alternate_sub_batches=false``,
     every loop over the sub-batches 0 .. N-1 (the default alternates)."""
+    from fsdp_speedloader.app.config import OptimConfig
     from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 
     name, shape, *options = spec.split(":")
@@ -486,8 +487,6 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     cap = None
     keep = 0
     sdpa, liger, fp8 = "auto", False, None
-    from fsdp_speedloader.app.config import OptimConfig
-
     states, threads, slots, adamw, dev = "fp32", 0, OptimConfig().grad_slots_in_flight, "local", 0
     recompute, sync, reshard, nice, affinity, env, prefetch, ascending = True, None, True, 0, False, [], None, False
     fsdp2 = name in ("ondevice", "fsdp2-offload", "fsdp2-offload-rs")
