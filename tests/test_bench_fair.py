@@ -77,6 +77,34 @@ def test_sweep_prunes_tiers_that_ran_out_of_memory_at_a_smaller_micro_batch(tmp_
     assert best == {"fsdp2-offload": "fsdp2-offload:2x4:root=device:dev=1:reshard=off"}  # the fastest that ran
 
 
+def test_a_ladder_tries_the_next_tier_where_the_allocator_retried(tmp_path, monkeypatch):
+    # Layer-major's kept pairs at the 40 GiB cap: at n = 1 keep=53 fits but the allocator retried in the timed steps
+    # (its reserved memory met the cap), so keep=45 runs too and is the faster; the ladder then stops (37, 29 not
+    # run). At n = 2 keep=26 ran without retries: the ladder stops there. At n = 4 keep=13 is out of memory and
+    # keep=11 retried: keep=9 runs, and keep=7 does not.
+    launched = []
+    retries = {"keep=53": 3, "keep=11": 2}
+    speed = {"keep=53": 10.0, "keep=45": 12.0, "keep=26": 11.0, "keep=11": 9.0, "keep=9": 8.0}
+
+    def fake_run_point(table, spec, args, **fields):
+        launched.append(spec)
+        keep = spec.rsplit(":", 1)[1]
+        return {"spec": spec, "family": bench_fair.family_of(spec), **fields,
+                "status": "oom" if keep == "keep=13" else "ok", "tokens_per_s": speed.get(keep),
+                "alloc_retries_timed": retries.get(keep, 0)}
+
+    monkeypatch.setattr(bench_fair, "run_point", fake_run_point)
+    record = {"sweep": [], "invocations": [], "device": "cpu", "commit": "x"}
+    bench_fair.sweep(T40, ["layer-major"], _args(), record, tmp_path / "r.json")
+    keeps = [s.split(":", 1)[1] for s in launched]
+    assert keeps == ["1x8:root=device:dev=1:keep=53", "1x8:root=device:dev=1:keep=45",
+                     "2x4:root=device:dev=1:keep=26",
+                     "4x2:root=device:dev=1:keep=13", "4x2:root=device:dev=1:keep=11", "4x2:root=device:dev=1:keep=9"]
+    assert bench_fair.best_specs(record, T40, ["layer-major"]) == {
+        "layer-major": "speedloader-overlap:1x8:root=device:dev=1:keep=45"}
+    assert bench_fair.retried({"alloc_retries_timed": 1}) and not bench_fair.retried({"alloc_retries": 9})
+
+
 def _row(spec, value, n=None, status="ok"):
     row = {"spec": spec, "status": status, "tokens_per_s": value, "mfu": (value or 0) / 1e5, "peak_hbm_gib": 30.0}
     if n:
@@ -175,6 +203,28 @@ def test_points_from_another_record_are_marked_and_repeated(tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="another definition"):
         bench_fair.main(["cpu_check", "--out-dir", str(tmp_path / "o2"), "--device", "cpu", "--part", "repeat",
                          "--points-from", str(tmp_path / "src.json")])
+
+
+def test_points_from_two_records_a_family_from_the_first_that_has_it(tmp_path, monkeypatch):
+    """--points-from twice (a new sweep of one family beside an older record of the others): each family's points
+    come from the first record that has any, so the older record's rows of a re-swept family are not mixed in."""
+    table = bench_fair.TABLES["cpu_check"]
+    new_lm, old_lm, fs = "speedloader-overlap:1x2:keep=1", "speedloader-overlap:1x2:keep=2", "fsdp2-offload:2x1"
+    header = {"table": bench_fair.dataclasses.asdict(table), "device": "NVIDIA H200"}
+    new = {**header, "commit": "new", "sweep": [{**_row(new_lm, 3.0), "family": "layer-major"}]}
+    old = {**header, "commit": "old", "sweep": [{**_row(old_lm, 9.0), "family": "layer-major"},
+                                                {**_row(fs, 2.0), "family": "fsdp2-offload"}]}
+    for name, rec in (("new", new), ("old", old)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(rec))
+    ran = []
+    monkeypatch.setattr(bench_fair, "run_point", lambda t, spec, a, **f: ran.append(spec) or _row(spec, 1.0))
+    assert bench_fair.main(["cpu_check", "--out-dir", str(tmp_path / "out"), "--device", "cpu", "--part", "repeat",
+                            "--family", "layer-major", "--family", "fsdp2-offload", "--invocations", "1", "--quick",
+                            "--points-from", str(tmp_path / "new.json"), "--points-from", str(tmp_path / "old.json")]) == 0
+    record = json.loads((tmp_path / "out" / "fair_cpu_check.json").read_text())
+    assert {(r["spec"], r["from_record"]["commit"]) for r in record["sweep"]} == {(new_lm, "new"), (fs, "old")}
+    assert sorted(ran) == sorted([new_lm, fs])  # the old, faster layer-major row is not the best point: not taken
+    assert [p["path"] for p in record["points_from"]] == [str(tmp_path / "new.json"), str(tmp_path / "old.json")]
 
 
 def test_family_of_every_spec():

@@ -204,8 +204,8 @@ def ceiling_fits(table: Table, shape: Shape) -> bool:
 
 def train_ladders(table: Table, family: str, shape: Shape) -> list[list[list[str]]]:
     """The family's sweep as ladders (one per micro-batch n), each a list of tiers, each a list of bench_train
-    contender specs. A ladder stops at the first tier where a point ran (the later tiers only trade speed for
-    memory at the same n)."""
+    contender specs. A ladder stops at the first tier where a point ran (the later tiers trade speed for memory at
+    the same n), or at the tier after it where that point's allocator retried (:func:`retried`)."""
     ladders = []
     for n in protocol.divisors(table.batch):
         num = table.batch // n
@@ -326,8 +326,10 @@ def sweep(table: Table, families: Sequence[str], args: argparse.Namespace, recor
         ladders = train_ladders(table, family, shape) if table.kind == "train" else infer_ladders(table, family)
         start = 0  # MONOTONE: the first tier still worth trying
         for ladder_index, ladder in enumerate(ladders):
-            fitted = None
+            fitted = None  # the first tier where a point ran
             for tier_index, tier in enumerate(ladder):
+                if fitted is not None and tier_index > fitted + 1:
+                    break
                 if tier_index < start:
                     rows = [{"spec": spec, "family": family_of(spec), "ladder": ladder_index, "tier": tier_index,
                              "status": "skipped", "reason": "out of memory at a smaller micro-batch"}
@@ -338,11 +340,20 @@ def sweep(table: Table, families: Sequence[str], args: argparse.Namespace, recor
                             for spec in tier]
                 record["sweep"] = [r for r in record["sweep"] if r["spec"] not in tier] + rows
                 write(record, path, table, args)
-                if any(r["status"] == "ok" for r in rows):
+                ran = [r for r in rows if r["status"] == "ok"]
+                if ran and fitted is None:
                     fitted = tier_index
-                    break
+                    if not any(retried(r) for r in ran):
+                        break
             if family in MONOTONE and table.kind == "train" and not args.dry_run:
                 start = len(ladder) if fitted is None else fitted
+
+
+def retried(row: dict) -> bool:
+    """Whether the caching allocator retried in the point's timed steps: its reserved memory met the cap, and each
+    retry freed the cache after synchronising the GPU (the launching thread blocked in an allocation). The next
+    tier, with less memory, may then be faster, so the ladder tries it too."""
+    return (row.get("alloc_retries_timed") or 0) > 0
 
 
 def best_specs(record: dict, table: Table, families: Sequence[str]) -> dict[str, str]:
@@ -370,8 +381,10 @@ def take_points(record: dict, table: Table, families: Sequence[str], source: Pat
     other = json.loads(source.read_text())
     if not same_table(other["table"], table):
         raise SystemExit(f"{source} holds another definition of {table.name}: its points do not apply")
+    # a family this record (or an earlier --points-from) already has points of keeps them: one sweep per family
+    have = {r["family"] for r in record["sweep"]}
     taken = [{**r, "from_record": {"path": str(source), "device": other["device"], "commit": other["commit"]}}
-             for r in other["sweep"] if r["family"] in families and r["spec"] not in {s["spec"] for s in record["sweep"]}]
+             for r in other["sweep"] if r["family"] in families and r["family"] not in have]
     record["sweep"].extend(taken)
     record.setdefault("points_from", []).append({"path": str(source), "device": other["device"]})
 
@@ -527,8 +540,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=240, help="seconds per worker")
     parser.add_argument("--also", action="append", default=[], metavar="SPEC",
                         help="repeat: another setting beside the best points (a lever's A/B), its own summary row")
-    parser.add_argument("--points-from", default=None, metavar="RECORD",
-                        help="take the sweep points from another record of this table (marked), instead of a sweep")
+    parser.add_argument("--points-from", action="append", default=[], metavar="RECORD",
+                        help="take the sweep points from another record of this table (marked), instead of a sweep; "
+                             "repeatable: a family's points come from the first record that has any")
     parser.add_argument("--profile", action="store_true",
                         help="training workers trace one extra step (stream busy time, launch gaps, copies)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -563,8 +577,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the trainer sets it
     if args.quick:
         record["protocol"] = False
-    if args.points_from:
-        take_points(record, table, families, Path(args.points_from))
+    for source in args.points_from:
+        take_points(record, table, families, Path(source))
     if args.part in ("sweep", "all"):
         sweep(table, families, args, record, path)
     if args.part in ("repeat", "all") and not args.dry_run:
