@@ -78,3 +78,67 @@ def test_state_dict_round_trip_continues_bit_for_bit():
     _steps(resumed, params_b, 2, seed=7)
     for x, y in zip(params_a, params_b):
         assert torch.equal(x.full_tensor(), y.full_tensor())
+
+
+@pytest.mark.parametrize("host_chunk,amsgrad", [(64, False), (1024, False), (1024, True), (1 << 21, False)])
+def test_host_chunks_on_the_pool_give_torch_adamws_bits(host_chunk, amsgrad):
+    """optim.fp32_host_step=pool: the host step as chunks of the fused kernel on the host pool (2 threads, chunks
+    starting at multiples of 64 elements, tensors whose sizes are not): the bits of torch.optim.AdamW's fused step,
+    the moments and the step counts too."""
+    mesh = cpu_mesh()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True, amsgrad=amsgrad)
+    ref_params, params = _params(mesh), _params(mesh)
+    ref, opt = torch.optim.AdamW(_groups(ref_params), **kw), LocalShardAdamW(_groups(params), host_chunk=host_chunk, **kw)
+    chunks = []
+    with _KernelArguments() as seen:
+        original = torch._fused_adamw_
+        torch._fused_adamw_ = lambda p, *a, **k: (chunks.append(p[0].numel()), original(p, *a, **k))[1]
+        try:
+            _steps(opt, params, 3)
+        finally:
+            torch._fused_adamw_ = original
+    _steps(ref, ref_params, 3)
+    assert seen.types == {torch.Tensor}  # local shards, never a DTensor
+    if host_chunk < 70_000:
+        assert max(chunks) == host_chunk and len(chunks) > 3 * len(SHAPES)  # stepped in chunks
+    for a, b in zip(ref_params, params):
+        assert torch.equal(a.full_tensor(), b.full_tensor())
+        for key in ("exp_avg", "exp_avg_sq", "step") + (("max_exp_avg_sq",) if amsgrad else ()):
+            want, got = ref.state[a][key], opt.state[b][key]
+            assert torch.equal(*(t.full_tensor() if isinstance(t, DTensor) else t for t in (want, got))), key
+
+
+def test_host_chunks_step_a_non_contiguous_tensor_whole_and_refuse_bad_settings():
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(64, 300, generator=gen), torch.randn(1000, generator=gen)]
+    ref_params = [torch.nn.Parameter(base[0].t()), torch.nn.Parameter(base[1].clone())]  # the first: a transpose
+    params = [torch.nn.Parameter(base[0].clone().t()), torch.nn.Parameter(base[1].clone())]
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
+    opt = LocalShardAdamW(params, lr=1e-2, fused=True, host_chunk=128)
+    for _ in range(2):
+        for a, b in zip(ref_params, params):
+            g = torch.randn(a.shape, generator=gen)
+            a.grad, b.grad = g.clone(), g.clone()
+        ref.step()
+        opt.step()
+    assert not params[0].is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
+    for bad in (-64, 100):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            LocalShardAdamW(params, lr=1e-2, fused=True, host_chunk=bad)
+    with pytest.raises(ValueError, match="fused=True"):
+        LocalShardAdamW(params, lr=1e-2, foreach=True, host_chunk=64)
+
+
+def test_build_adamw_pools_the_fp32_step_of_host_parameters_only():
+    from fsdp_speedloader.app.config import OptimConfig
+    from fsdp_speedloader.app.optim import build_adamw
+    from fsdp_speedloader.memory.compressed_adamw import CHUNK_PER_THREAD
+
+    params = [torch.nn.Parameter(torch.randn(8, 8))]
+    assert build_adamw(params, OptimConfig()).host_chunk == 0  # openmp: the default
+    assert build_adamw(params, OptimConfig(fp32_host_step="pool")).host_chunk == CHUNK_PER_THREAD
+    assert build_adamw(params, OptimConfig(fp32_host_step="pool", state_dtype="int8")).__class__.__name__ == \
+        "CompressedAdamW"  # compressed moments have their own pooled chunks
+    with pytest.raises(ValueError, match="optim.fp32_host_step"):
+        OptimConfig(fp32_host_step="dynamic")

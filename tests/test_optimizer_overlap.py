@@ -47,6 +47,31 @@ def test_overlapped_steps_equal_a_plain_step(offload, offload_root, device_units
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
+def test_overlapped_pooled_host_steps_equal_a_plain_fused_step():
+    """optim.fp32_host_step=pool: the worker's host steps in chunks on the host pool (from the worker thread) give
+    the bits of one plain fused step of the same offloaded model."""
+    from fsdp_speedloader.memory.local_adamw import LocalShardAdamW
+
+    base = tiny_model("llama")
+    models = [apply_speedloader(copy.deepcopy(base), mesh=cpu_mesh(), num_sub_batches=2, offload_params=True)
+              for _ in range(2)]
+    plain = LocalShardAdamW(models[0].parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    overlapped = OverlappedOptimizer(models[1], lambda ps: LocalShardAdamW(ps, lr=1e-2, weight_decay=0.1, fused=True,
+                                                                            host_chunk=64))
+    try:
+        for step in range(2):
+            ids, labels = batch(2, seed=step)
+            for model, opt in zip(models, (plain, overlapped)):
+                model(input_ids=ids, labels=labels).loss.backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        overlapped.close()
+    assert all(opt.host_chunk == 64 for opt in overlapped.optimizers)
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+
+
 def test_overlap_needs_a_layer_major_model():
     with pytest.raises(ValueError, match="apply_speedloader"):
         OverlappedOptimizer(tiny_model("llama"), _adamw)

@@ -10,6 +10,8 @@ the state and, for the torch.compile'd ones, compile):
   torch-foreach      torch.optim.AdamW(foreach=True), fp32 moments
   local-fused        fsdp_speedloader LocalShardAdamW(fused=True): torch's fused AdamW called on the local shards of
                      DTensor parameters (what the trainer builds; the same as torch-fused on plain tensors)
+  local-pool         local-fused in chunks of --chunks elements (default compressed_adamw.CHUNK_PER_THREAD) on the
+                     host pool, each thread taking the next chunk (optim.fp32_host_step=pool; the same bits)
   fsl-bf16           fsdp_speedloader CompressedAdamW, bf16 moments (torch's fused kernel on decoded chunks:
                      kernel='torch')
   fsl-int8           fsdp_speedloader CompressedAdamW, 8-bit blockwise moments (same)
@@ -77,13 +79,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
 import harness  # noqa: E402
+from host_load import HostLoad  # noqa: E402
 
 REPO = harness.REPO
 BLOCK_SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 3 + [(4096,)] * 2  # one LLaMA-2-7B block
-CANDIDATES = ("torch-fused", "torch-foreach", "local-fused", "fsl-bf16", "fsl-int8", "fsl-int8-bf16-sr",
+CANDIDATES = ("torch-fused", "torch-foreach", "local-fused", "local-pool", "fsl-bf16", "fsl-int8", "fsl-int8-bf16-sr",
               "fsl-bf16-fused", "fsl-int8-fused", "fsl-int8-bf16-sr-fused", "torch-fused-bf16p", "torchao-8bit", "torchao-4bit", "torchao-fp8", "torchao-bf16-sr", "bnb-8bit",
               "clip-norms-torch", "clip-norms-fsl")
-STATE_BYTES = {"clip-norms-torch": 0, "clip-norms-fsl": 0, "local-fused": 8, "torch-fused": 8, "torch-foreach": 8,
+STATE_BYTES = {"clip-norms-torch": 0, "clip-norms-fsl": 0, "local-fused": 8, "local-pool": 8, "torch-fused": 8, "torch-foreach": 8,
                "fsl-bf16": 4, "fsl-int8": 2, "fsl-int8-bf16-sr": 2, "fsl-bf16-fused": 4, "fsl-int8-fused": 2,
                "fsl-int8-bf16-sr-fused": 2, "torch-fused-bf16p": 4,
                "torchao-8bit": 2, "torchao-4bit": 1, "torchao-fp8": 2, "torchao-bf16-sr": 4, "bnb-8bit": 2}
@@ -99,10 +102,12 @@ def build(name: str, params: list):
         return torch.optim.AdamW(params, fused=True, **kw)
     if name == "torch-foreach":
         return torch.optim.AdamW(params, foreach=True, **kw)
-    if name == "local-fused":
+    if name in ("local-fused", "local-pool"):
+        from fsdp_speedloader.memory import compressed_adamw
         from fsdp_speedloader.memory.local_adamw import LocalShardAdamW
 
-        return LocalShardAdamW(params, fused=True, **kw)
+        chunk = compressed_adamw.CHUNK_PER_THREAD if name == "local-pool" else 0
+        return LocalShardAdamW(params, fused=True, host_chunk=chunk, **kw)
     if name.startswith("fsl-"):
         from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
 
@@ -312,6 +317,7 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="comma-separated intra-op thread counts")
     parser.add_argument("--blocks", type=int, default=2, help="LLaMA-2-7B blocks of parameters (202M each)")
     parser.add_argument("--chunks", default="", help="comma-separated elements per host chunk of the fsl candidates "
+                        "and local-pool "
                         "(default: the library's CHUNK_PER_THREAD)")
     parser.add_argument("--dtensor", action="store_true", help="parameters and gradients as DTensors (FSDP2's)")
     parser.add_argument("--steps", type=int, default=3)
@@ -325,6 +331,8 @@ def main() -> None:
     parser.add_argument("--affinity", action="store_true",
                         help="as optim.worker_affinity: each worker's step on its rank's CPUs less one, one thread "
                              "per CPU (--threads is then ignored), the main-thread progress measured on the CPU left")
+    parser.add_argument("--host-busy", type=int, default=0,
+                        help="K processes spinning a Python loop beside every row's workers (tools/host_load.py)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -351,9 +359,11 @@ def main() -> None:
     if args.processes < 1:
         parser.error("--processes: at least 1")
     for name, threads, chunk in [(n, t, c) for n in candidates for t in args.threads.split(",")
-                                 for c in ((chunks or [""]) if n.startswith("fsl-") else [""])]:
+                                 for c in ((chunks or [""]) if n.startswith("fsl-") or n == "local-pool" else [""])]:
         cmd = harness.worker_command(__file__, f"{name}@{threads}@{chunk}", sys.argv[1:], drop=("--candidates",))
-        row = run_row(cmd, name, threads, args)
+        with HostLoad(busy=args.host_busy) as load:
+            row = run_row(cmd, name, threads, args)
+        row["host_load"] = load.summary()
         rows.append(row)
         harness.write_record(path, record)
         if row["status"] == "ok":

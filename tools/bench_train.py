@@ -425,7 +425,7 @@ class Contender(NamedTuple):
     states: str = "fp32"  # speedloader-overlap: AdamW's moments of host-resident parameters (optim.state_dtype)
     threads: int = 0  # speedloader-overlap: the optimizer worker's CPU threads (optim.worker_threads; 0: default)
     slots: int = 4  # speedloader-overlap: in-flight gradient regions (optim.grad_slots_in_flight; 0: one per param)
-    adamw: str = "local"  # speedloader-overlap's fp32 AdamW: 'local' (LocalShardAdamW, the trainer's) or 'torch'
+    adamw: str = "local"  # speedloader-overlap's fp32 AdamW: 'local' (LocalShardAdamW), 'pool' (its host pool) or 'torch'
     dev: int = 0  # offloading contenders: units 1 .. dev keep their states on the GPU (offload.device_units)
     recompute: bool = True  # FSDP2 contenders: every block recomputed in backward (schedule.activation_checkpointing)
     sync: Optional[str] = None  # FSDP2 contenders: schedule.gradient_sync ('every', 'last'); None: the contender's own
@@ -452,7 +452,7 @@ def contender_env(spec: str, base: Optional[dict] = None) -> dict:
 
 def parse_contender(spec: str, default_transfer: Optional[str], default_compile: bool = False) -> Contender:
     """'NAME:nxN[:transfer=bf16|fp32][:compile|:eager][:root=device][:cap=GiB|none][:keep=K][:sdpa=B][:liger]
-    [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|torch][:dev=K][:recompute=off]
+    [:fp8[=RECIPE]][:states=fp32|bf16|int8][:threads=K][:slots=R][:adamw=local|pool|torch][:dev=K][:recompute=off]
     [:sync=every|last][:reshard=off][:nice=K][:affinity][:env=NAME=VALUE]'
     -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
@@ -468,7 +468,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     (``optim.worker_affinity``); ``env=NAME=VALUE`` (every contender, repeatable): its worker process starts with
     that environment variable (:func:`contender_env`; e.g. ``env=OMP_WAIT_POLICY=PASSIVE``); ``slots`` its in-flight host gradient slots
     (``optim.grad_slots_in_flight``, 0: one per parameter); ``adamw`` its fp32 AdamW, the trainer's
-    ``LocalShardAdamW`` (default) or ``torch.optim.AdamW`` on the DTensors. Every other contender steps
+    ``LocalShardAdamW`` (default), the same with its host step in chunks on the host pool (``pool``:
+    ``optim.fp32_host_step=pool``) or ``torch.optim.AdamW`` on the DTensors. Every other contender steps
     ``torch.optim.AdamW`` (fused). ``dev`` (speedloader and FSDP2-offload contenders): units 1 .. K keep their
     states on the GPU (``offload.device_units``). ``recompute=off`` (FSDP2 contenders): no block is recomputed in
     backward (``schedule.activation_checkpointing=false``): the ceiling where its activations fit. ``sync`` (FSDP2
@@ -522,7 +523,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             affinity = True
         elif key == "slots" and value.isdigit() and name == "speedloader-overlap":
             slots = int(value)
-        elif key == "adamw" and value in ("local", "torch") and name == "speedloader-overlap":
+        elif key == "adamw" and value in ("local", "pool", "torch") and name == "speedloader-overlap":
             adamw = value
         elif key == "dev" and value.isdigit() and (name.startswith("speedloader") or name.startswith("fsdp2-offload")):
             dev = int(value)
@@ -543,7 +544,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
                              f"contenders: keep_activations), ':sdpa={'|'.join(SDPA_BACKENDS)}', ':liger' and "
                              f"':fp8[={'|'.join(FLOAT8_RECIPES)}]' (every contender but deepspeed-offload), "
                              "':states=fp32|bf16|int8', ':threads=K', ':nice=K', ':affinity', ':slots=R' and "
-                             "':adamw=local|torch' "
+                             "':adamw=local|pool|torch' "
                              "(speedloader-overlap), ':dev=K' (speedloader and fsdp2-offload contenders), "
                              "':recompute=on|off', ':sync=every|last' and ':reshard=on|off' (ondevice and "
                              "fsdp2-offload contenders), ':prefetch=K' (every contender but deepspeed-offload: "
@@ -660,10 +661,12 @@ def run_worker(args: argparse.Namespace) -> dict:
             from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
 
             return CompressedAdamW(params, state_dtype=contender.states, lr=1e-5)
-        if name == "speedloader-overlap" and contender.adamw == "local":
+        if name == "speedloader-overlap" and contender.adamw in ("local", "pool"):
+            from fsdp_speedloader.memory.compressed_adamw import CHUNK_PER_THREAD
             from fsdp_speedloader.memory.local_adamw import LocalShardAdamW
 
-            return LocalShardAdamW(params, lr=1e-5, fused=True)
+            pooled = contender.adamw == "pool" and all(p.device.type == "cpu" for p in params)
+            return LocalShardAdamW(params, lr=1e-5, fused=True, host_chunk=CHUNK_PER_THREAD if pooled else 0)
         return torch.optim.AdamW(params, lr=1e-5, fused=True)
 
     if name == "speedloader-overlap":

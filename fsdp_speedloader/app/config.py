@@ -150,6 +150,13 @@ class OptimConfig:
     kernel where it builds, else torch ops after one warning; $FSDP_SPEEDLOADER_FUSED_ADAMW=1/0 turns 'auto' into
     'fused'/'torch'). The kernel does the torch ops' arithmetic (docs/design.md §13)."""
 
+    fp32_host_step: str = "openmp"
+    """How the fp32 AdamW step of host parameters (state_dtype fp32) spreads over its CPU threads: 'openmp' (torch's
+    fused kernel, each tensor split evenly over the threads: the step waits for the slowest, and on a host where
+    other processes keep cores busy that is a thread sharing its core) or 'pool' (the same kernel on chunks of 2^21
+    elements, each host-pool thread taking the next: a slowed thread takes fewer; memory/local_adamw.py). Exact
+    either way (the same bits). Not yet measured on the GPU machine: 'openmp' stays the default."""
+
     master_dtype: str = "fp32"
     """The host copy of the parameters (offload=params): 'fp32' (exact, the default) or 'bf16' (2 B/param instead of
     4, and the gradients with them; each update stochastically rounded, memory/bf16_master.py; not exact: checked
@@ -176,6 +183,7 @@ class OptimConfig:
         check_choice(self.state_dtype, "optim.state_dtype", ("fp32", "bf16", "int8"))
         check_choice(self.master_dtype, "optim.master_dtype", ("fp32", "bf16"))
         check_choice(self.host_kernel, "optim.host_kernel", ("auto", "fused", "torch"))
+        check_choice(self.fp32_host_step, "optim.fp32_host_step", ("openmp", "pool"))
         check(self.master_dtype == "fp32" or self.state_dtype != "fp32", "optim.master_dtype",
               "bf16 master weights are stepped by the compressed AdamW: set optim.state_dtype=bf16 or int8 too "
               "(or optim.master_dtype=fp32)")

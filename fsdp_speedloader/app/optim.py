@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from fsdp_speedloader.app.config import OptimConfig
-from fsdp_speedloader.memory.compressed_adamw import CompressedAdamW
+from fsdp_speedloader.memory.compressed_adamw import CHUNK_PER_THREAD, CompressedAdamW
 from fsdp_speedloader.memory.local_adamw import LocalShardAdamW
 from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer, OverlappedOptimizer
 from fsdp_speedloader.memory.threads import optimizer_cpus
@@ -51,7 +51,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, seed: int = 0) 
 def build_adamw(parameters: list, cfg: OptimConfig, *, seed: int = 0) -> torch.optim.Optimizer:
     """One AdamW over the trainable ``parameters``: matrices with weight decay, the rest without. Its moments in
     ``cfg.state_dtype``: fp32 (``torch.optim.AdamW``, stepping DTensors through their local shards:
-    ``LocalShardAdamW``), or bf16 / int8 (``CompressedAdamW``) for parameters in host memory; parameters on the
+    ``LocalShardAdamW``; host ones in chunks on the host pool with ``cfg.fp32_host_step=pool``), or bf16 / int8 (``CompressedAdamW``) for parameters in host memory; parameters on the
     GPU (``offload.root=false``'s root, or no offload) keep fp32 moments, stepped by the fused kernel on the device.
     bf16 parameters (``cfg.master_dtype=bf16``) are updated with stochastic rounding seeded by ``seed``."""
     params = [p for p in parameters if p.requires_grad]
@@ -62,8 +62,9 @@ def build_adamw(parameters: list, cfg: OptimConfig, *, seed: int = 0) -> torch.o
     if cfg.state_dtype != "fp32" and all(p.device.type == "cpu" for p in params):
         return CompressedAdamW(groups, state_dtype=cfg.state_dtype, kernel=cfg.host_kernel,
                                rounding="stochastic" if cfg.master_dtype == "bf16" else "nearest", seed=seed, **kwargs)
+    pooled = cfg.fp32_host_step == "pool" and all(p.device.type == "cpu" for p in params)
     try:  # fused runs on CUDA and (torch >= 2.4) on CPU; on FSDP2's DTensors through their local shards
-        return LocalShardAdamW(groups, fused=True, **kwargs)
+        return LocalShardAdamW(groups, fused=True, host_chunk=CHUNK_PER_THREAD if pooled else 0, **kwargs)
     except (RuntimeError, TypeError) as e:
         log.warning("fused AdamW is not supported here (%s); using the foreach implementation", e)
         return LocalShardAdamW(groups, foreach=True, **kwargs)
