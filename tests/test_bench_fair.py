@@ -220,7 +220,8 @@ def test_points_from_two_records_a_family_from_the_first_that_has_it(tmp_path, m
     monkeypatch.setattr(bench_fair, "run_point", lambda t, spec, a, **f: ran.append(spec) or _row(spec, 1.0))
     assert bench_fair.main(["cpu_check", "--out-dir", str(tmp_path / "out"), "--device", "cpu", "--part", "repeat",
                             "--family", "layer-major", "--family", "fsdp2-offload", "--invocations", "1", "--quick",
-                            "--points-from", str(tmp_path / "new.json"), "--points-from", str(tmp_path / "old.json")]) == 0
+                            "--points-from", str(tmp_path / "new.json"),
+                            "--points-from", str(tmp_path / "old.json")]) == 0
     record = json.loads((tmp_path / "out" / "fair_cpu_check.json").read_text())
     assert {(r["spec"], r["from_record"]["commit"]) for r in record["sweep"]} == {(new_lm, "new"), (fs, "old")}
     assert sorted(ran) == sorted([new_lm, fs])  # the old, faster layer-major row is not the best point: not taken

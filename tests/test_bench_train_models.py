@@ -144,7 +144,8 @@ def test_the_overlapped_contender_may_compress_its_optimizer_states():
     for bad in ("speedloader:2x4:states=bf16", "fsdp2-offload:2x4:states=bf16", "speedloader-overlap:2x4:states=fp8",
                 "speedloader-overlap:2x4:threads=0", "speedloader:2x4:threads=4", "speedloader:2x4:slots=2",
                 "speedloader-overlap:2x4:slots=-1", "speedloader-overlap:2x4:adamw=dtensor",
-                "fsdp2-offload:2x4:adamw=local", "ondevice:1x8:adamw=pool", "speedloader-overlap:2x4:nice=20", "ondevice:1x8:nice=5",
+                "fsdp2-offload:2x4:adamw=local", "ondevice:1x8:adamw=pool",
+                "speedloader-overlap:2x4:nice=20", "ondevice:1x8:nice=5",
                 "speedloader:2x4:affinity", "speedloader-overlap:2x4:affinity=on"):
         with pytest.raises(ValueError, match="states"):
             bench_train.parse_contender(bad, None)

@@ -88,7 +88,8 @@ def test_host_chunks_on_the_pool_give_torch_adamws_bits(host_chunk, amsgrad):
     mesh = cpu_mesh()
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True, amsgrad=amsgrad)
     ref_params, params = _params(mesh), _params(mesh)
-    ref, opt = torch.optim.AdamW(_groups(ref_params), **kw), LocalShardAdamW(_groups(params), host_chunk=host_chunk, **kw)
+    ref = torch.optim.AdamW(_groups(ref_params), **kw)
+    opt = LocalShardAdamW(_groups(params), host_chunk=host_chunk, **kw)
     chunks = []
     with _KernelArguments() as seen:
         original = torch._fused_adamw_

@@ -19,6 +19,22 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
 
 
+def _train_both(models, plain, overlapped, *, steps: int, sequences: int) -> None:
+    """``steps`` training steps of both models (the plain optimizer's, the overlapped one's, closed after), then
+    every parameter equal bit for bit."""
+    try:
+        for step in range(steps):
+            ids, labels = batch(sequences, seed=step)
+            for model, opt in zip(models, (plain, overlapped)):
+                model(input_ids=ids, labels=labels).loss.backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        overlapped.close()
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+
+
 @pytest.mark.parametrize("offload,offload_root,device_units", [(False, True, 0), (True, True, 0), (True, False, 0),
                                                                 (True, False, 1)])
 @pytest.mark.parametrize("blocks_per_unit", [1, 2])
@@ -32,19 +48,9 @@ def test_overlapped_steps_equal_a_plain_step(offload, offload_root, device_units
     ready = []
     hook = speedloader_engine(models[1]).grad_ready_hook
     speedloader_engine(models[1]).grad_ready_hook = lambda index: (ready.append(index), hook(index))
-    try:
-        for step in range(3):
-            ids, labels = batch(3, seed=step)
-            for model, opt in zip(models, (plain, overlapped)):
-                model(input_ids=ids, labels=labels).loss.backward()
-                opt.step()
-                opt.zero_grad()
-    finally:
-        overlapped.close()
+    _train_both(models, plain, overlapped, steps=3, sequences=3)
     units = 4 // blocks_per_unit
     assert ready == list(range(units, 0, -1)) * 3  # every unit, last first, once per step
-    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
-        assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
 def test_overlapped_pooled_host_steps_equal_a_plain_fused_step():
@@ -58,18 +64,8 @@ def test_overlapped_pooled_host_steps_equal_a_plain_fused_step():
     plain = LocalShardAdamW(models[0].parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     overlapped = OverlappedOptimizer(models[1], lambda ps: LocalShardAdamW(ps, lr=1e-2, weight_decay=0.1, fused=True,
                                                                             host_chunk=64))
-    try:
-        for step in range(2):
-            ids, labels = batch(2, seed=step)
-            for model, opt in zip(models, (plain, overlapped)):
-                model(input_ids=ids, labels=labels).loss.backward()
-                opt.step()
-                opt.zero_grad()
-    finally:
-        overlapped.close()
+    _train_both(models, plain, overlapped, steps=2, sequences=2)
     assert all(opt.host_chunk == 64 for opt in overlapped.optimizers)
-    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
-        assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
 
 def test_overlap_needs_a_layer_major_model():

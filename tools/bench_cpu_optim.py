@@ -86,7 +86,8 @@ BLOCK_SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 3 + [(4096,)] * 2  # one L
 CANDIDATES = ("torch-fused", "torch-foreach", "local-fused", "local-pool", "fsl-bf16", "fsl-int8", "fsl-int8-bf16-sr",
               "fsl-bf16-fused", "fsl-int8-fused", "fsl-int8-bf16-sr-fused", "torch-fused-bf16p", "torchao-8bit", "torchao-4bit", "torchao-fp8", "torchao-bf16-sr", "bnb-8bit",
               "clip-norms-torch", "clip-norms-fsl")
-STATE_BYTES = {"clip-norms-torch": 0, "clip-norms-fsl": 0, "local-fused": 8, "local-pool": 8, "torch-fused": 8, "torch-foreach": 8,
+STATE_BYTES = {"clip-norms-torch": 0, "clip-norms-fsl": 0, "local-fused": 8, "local-pool": 8, "torch-fused": 8,
+               "torch-foreach": 8,
                "fsl-bf16": 4, "fsl-int8": 2, "fsl-int8-bf16-sr": 2, "fsl-bf16-fused": 4, "fsl-int8-fused": 2,
                "fsl-int8-bf16-sr-fused": 2, "torch-fused-bf16p": 4,
                "torchao-8bit": 2, "torchao-4bit": 1, "torchao-fp8": 2, "torchao-bf16-sr": 4, "bnb-8bit": 2}

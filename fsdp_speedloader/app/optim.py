@@ -51,8 +51,9 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, seed: int = 0) 
 def build_adamw(parameters: list, cfg: OptimConfig, *, seed: int = 0) -> torch.optim.Optimizer:
     """One AdamW over the trainable ``parameters``: matrices with weight decay, the rest without. Its moments in
     ``cfg.state_dtype``: fp32 (``torch.optim.AdamW``, stepping DTensors through their local shards:
-    ``LocalShardAdamW``; host ones in chunks on the host pool with ``cfg.fp32_host_step=pool``), or bf16 / int8 (``CompressedAdamW``) for parameters in host memory; parameters on the
-    GPU (``offload.root=false``'s root, or no offload) keep fp32 moments, stepped by the fused kernel on the device.
+    ``LocalShardAdamW``; host ones in chunks on the host pool with ``cfg.fp32_host_step=pool``), or bf16 / int8
+    (``CompressedAdamW``) for parameters in host memory; parameters on the GPU (``offload.root=false``'s root, or no
+    offload) keep fp32 moments, stepped by the fused kernel on the device.
     bf16 parameters (``cfg.master_dtype=bf16``) are updated with stochastic rounding seeded by ``seed``."""
     params = [p for p in parameters if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},

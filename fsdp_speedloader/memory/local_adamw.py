@@ -73,7 +73,8 @@ class LocalShardAdamW(torch.optim.AdamW):
             kw = dict(amsgrad=group["amsgrad"], lr=group["lr"], beta1=beta1, beta2=beta2,
                       weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
             for i, p in enumerate(params):
-                tensors = [p, grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([max_exp_avg_sqs[i]] if group["amsgrad"] else [])
+                tensors = [p, grads[i], exp_avgs[i], exp_avg_sqs[i]]
+                tensors += [max_exp_avg_sqs[i]] if group["amsgrad"] else []
                 if not all(t.is_contiguous() for t in tensors):  # no flat view: the whole tensor is one task
                     tasks.append(functools.partial(_fused_step, tensors, steps[i], kw))
                     continue
