@@ -71,3 +71,14 @@ def test_affinity_pins_each_ranks_step_to_its_own_cpus(tmp_path):
     assert all(cpus) and all(p["threads"] == len(p["cpus"]) for p in row["processes"])
     if len(os.sched_getaffinity(0)) >= 2:
         assert not set(cpus[0]) & set(cpus[1]), cpus
+
+
+def test_the_pooled_step_is_a_row_per_chunk_beside_a_host_load(tmp_path):
+    """local-pool (optim.fp32_host_step=pool): a row per --chunks size, the chunk recorded; --host-busy 1 runs one
+    busy-loop process beside every row's worker, and each row records it."""
+    done = _run(tmp_path, "--candidates", "local-pool", "--threads", "2", "--chunks", "1048576",
+                "--blocks", "1", "--steps", "1", "--warmup", "0", "--host-busy", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "t.json").read_text())["results"]
+    assert [(r["candidate"], r["chunk_elements"], r["status"]) for r in rows] == [("local-pool", 1048576, "ok")]
+    assert rows[0]["host_load"]["busy_processes"] == 1 and rows[0]["host_load"]["busy_iterations"] > 0
