@@ -665,8 +665,8 @@ def run_worker(args: argparse.Namespace) -> dict:
             from fsdp_speedloader.memory.compressed_adamw import CHUNK_PER_THREAD
             from fsdp_speedloader.memory.local_adamw import LocalShardAdamW
 
-            pooled = contender.adamw == "pool" and all(p.device.type == "cpu" for p in params)
-            return LocalShardAdamW(params, lr=1e-5, fused=True, host_chunk=CHUNK_PER_THREAD if pooled else 0)
+            chunk = CHUNK_PER_THREAD if contender.adamw == "pool" else 0  # device parameters step unchunked anyway
+            return LocalShardAdamW(params, lr=1e-5, fused=True, host_chunk=chunk)
         return torch.optim.AdamW(params, lr=1e-5, fused=True)
 
     if name == "speedloader-overlap":

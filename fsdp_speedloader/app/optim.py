@@ -63,9 +63,9 @@ def build_adamw(parameters: list, cfg: OptimConfig, *, seed: int = 0) -> torch.o
     if cfg.state_dtype != "fp32" and all(p.device.type == "cpu" for p in params):
         return CompressedAdamW(groups, state_dtype=cfg.state_dtype, kernel=cfg.host_kernel,
                                rounding="stochastic" if cfg.master_dtype == "bf16" else "nearest", seed=seed, **kwargs)
-    pooled = cfg.fp32_host_step == "pool" and all(p.device.type == "cpu" for p in params)
+    chunk = CHUNK_PER_THREAD if cfg.fp32_host_step == "pool" else 0  # device parameters step unchunked anyway
     try:  # fused runs on CUDA and (torch >= 2.4) on CPU; on FSDP2's DTensors through their local shards
-        return LocalShardAdamW(groups, fused=True, host_chunk=CHUNK_PER_THREAD if pooled else 0, **kwargs)
+        return LocalShardAdamW(groups, fused=True, host_chunk=chunk, **kwargs)
     except (RuntimeError, TypeError) as e:
         log.warning("fused AdamW is not supported here (%s); using the foreach implementation", e)
         return LocalShardAdamW(groups, foreach=True, **kwargs)

@@ -36,7 +36,8 @@ CHUNK_ALIGN = 64  # elements: a multiple of every CPU vector width and cache lin
 
 class LocalShardAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (same arguments) that updates DTensors through their local tensors; with
-    ``host_chunk`` > 0 (and ``fused=True``), host tensors step in chunks of that many elements on the host pool."""
+    ``host_chunk`` > 0 (and ``fused=True``), host tensors step in chunks of that many elements on the host pool (an
+    optimizer with any parameter off the host steps as torch's does)."""
 
     def __init__(self, params, *args, host_chunk: int = 0, **kwargs):
         if host_chunk < 0 or host_chunk % CHUNK_ALIGN:
