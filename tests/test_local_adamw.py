@@ -137,8 +137,8 @@ def test_build_adamw_pools_the_fp32_step_of_host_parameters_only():
     from fsdp_speedloader.memory.compressed_adamw import CHUNK_PER_THREAD
 
     params = [torch.nn.Parameter(torch.randn(8, 8))]
-    assert build_adamw(params, OptimConfig()).host_chunk == 0  # openmp: the default
-    assert build_adamw(params, OptimConfig(fp32_host_step="pool")).host_chunk == CHUNK_PER_THREAD
+    assert build_adamw(params, OptimConfig()).host_chunk == CHUNK_PER_THREAD  # pool: the default
+    assert build_adamw(params, OptimConfig(fp32_host_step="openmp")).host_chunk == 0
     assert build_adamw(params, OptimConfig(fp32_host_step="pool", state_dtype="int8")).__class__.__name__ == \
         "CompressedAdamW"  # compressed moments have their own pooled chunks
     with pytest.raises(ValueError, match="optim.fp32_host_step"):

@@ -150,12 +150,13 @@ class OptimConfig:
     kernel where it builds, else torch ops after one warning; $FSDP_SPEEDLOADER_FUSED_ADAMW=1/0 turns 'auto' into
     'fused'/'torch'). The kernel does the torch ops' arithmetic (docs/design.md §13)."""
 
-    fp32_host_step: str = "openmp"
+    fp32_host_step: str = "pool"
     """How the fp32 AdamW step of host parameters (state_dtype fp32) spreads over its CPU threads: 'openmp' (torch's
     fused kernel, each tensor split evenly over the threads: the step waits for the slowest, and on a host where
     other processes keep cores busy that is a thread sharing its core) or 'pool' (the same kernel on chunks of 2^21
     elements, each host-pool thread taking the next: a slowed thread takes fewer; memory/local_adamw.py). Exact
-    either way (the same bits). Not yet measured on the GPU machine: 'openmp' stays the default."""
+    either way (the same bits). 'pool' is the default: on the GPU machine's 16-core host it stepped faster quiet and
+    much faster beside busy cores (docs/results.md, issue 40)."""
 
     master_dtype: str = "fp32"
     """The host copy of the parameters (offload=params): 'fp32' (exact, the default) or 'bf16' (2 B/param instead of
