@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -282,10 +283,12 @@ def test_a_repeat_without_a_sweep_runs_the_named_settings_only(tmp_path, monkeyp
     argv = ["cpu_check", "--out-dir", str(tmp_path), "--device", "cpu", "--part", "repeat", "--family", "layer-major"]
     with pytest.raises(SystemExit, match="--also"):
         bench_fair.main(argv)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert bench_fair.main(argv + ["--also", "speedloader-overlap:1x2:cap=none:keep=2"]) == 0
     assert ran == ["speedloader-overlap:1x2:cap=none:keep=2"] * 3
     record = json.loads((tmp_path / "fair_cpu_check.json").read_text())
     assert record["summary"]["families"]["layer-major"]["n"] == 3 and record["sweep"] == []
+    assert record["pytorch_cuda_alloc_conf"] == os.environ["PYTORCH_CUDA_ALLOC_CONF"]  # what the workers ran with
 
 
 def test_host_load_runs_and_stops():

@@ -561,6 +561,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = sorted(set(families) - set(table.families))
     if unknown:
         parser.error(f"table {table.name} has no families {unknown}; it has {', '.join(table.families)}")
+    # As the trainer sets it; before the record is made, which says what every worker ran with.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     path = record_path(table, args)
     record = load_record(table, args, path)
     if not args.quick:
@@ -574,7 +576,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                     steps=args.steps, warmup=args.warmup)
         except ValueError as e:
             parser.error(str(e))
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the trainer sets it
     if args.quick:
         record["protocol"] = False
     for source in args.points_from:
