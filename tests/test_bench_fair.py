@@ -42,7 +42,7 @@ def test_ladders_sweep_every_micro_batch_with_the_same_allowances():
     assert fsdp2[3][-1] == ["fsdp2-offload:8x1:root=device:dev=1"]
     layer_major = bench_fair.train_ladders(T40, "layer-major", shape)
     assert len(layer_major) == 3  # N = 1 is the canonical schedule, not layer-major
-    assert layer_major[0][0] == ["speedloader-overlap:1x8:root=device:dev=1:keep=53"]
+    assert layer_major[0][0] == ["speedloader-overlap:1x8:root=device:dev=1:adamw=pool:keep=53"]  # the trainer's step
     assert [tier[0].rsplit("=", 1)[1] for tier in layer_major[0]] == ["53", "45", "37", "29"]
     ceiling = bench_fair.train_ladders(bench_fair.TABLES["map_7b_L8_b8_cap24"], "ceiling", shape)
     assert all(spec.endswith(":cap=none:recompute=off:reshard=off") for spec in ceiling[0][0])
@@ -98,11 +98,10 @@ def test_a_ladder_tries_the_next_tier_where_the_allocator_retried(tmp_path, monk
     record = {"sweep": [], "invocations": [], "device": "cpu", "commit": "x"}
     bench_fair.sweep(T40, ["layer-major"], _args(), record, tmp_path / "r.json")
     keeps = [s.split(":", 1)[1] for s in launched]
-    assert keeps == ["1x8:root=device:dev=1:keep=53", "1x8:root=device:dev=1:keep=45",
-                     "2x4:root=device:dev=1:keep=26",
-                     "4x2:root=device:dev=1:keep=13", "4x2:root=device:dev=1:keep=11", "4x2:root=device:dev=1:keep=9"]
-    assert bench_fair.best_specs(record, T40, ["layer-major"]) == {
-        "layer-major": "speedloader-overlap:1x8:root=device:dev=1:keep=45"}
+    at = ":root=device:dev=1:adamw=pool:"
+    assert keeps == [f"1x8{at}keep=53", f"1x8{at}keep=45", f"2x4{at}keep=26",
+                     f"4x2{at}keep=13", f"4x2{at}keep=11", f"4x2{at}keep=9"]
+    assert bench_fair.best_specs(record, T40, ["layer-major"]) == {"layer-major": f"speedloader-overlap:1x8{at}keep=45"}
     assert bench_fair.retried({"alloc_retries_timed": 1}) and not bench_fair.retried({"alloc_retries": 9})
 
 

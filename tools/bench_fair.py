@@ -217,7 +217,8 @@ def train_ladders(table: Table, family: str, shape: Shape) -> list[list[list[str
             first = kept_pairs(table, shape, n)
             step = max(1, pairs // 8)
             keeps = sorted({max(0, first - i * step) for i in range(KEEP_TIERS)}, reverse=True)
-            ladders.append([[f"speedloader-overlap:{shape_spec}{table.allowances}{table.levers}:keep={k}"]
+            # The trainer's default host step (optim.fp32_host_step=pool), named: bench_train's default is openmp.
+            ladders.append([[f"speedloader-overlap:{shape_spec}{table.allowances}{table.levers}:adamw=pool:keep={k}"]
                             for k in keeps])
         elif family == "fsdp2-offload":
             base = f"fsdp2-offload:{shape_spec}{table.allowances}{table.levers}"
