@@ -46,6 +46,13 @@ def test_ladders_sweep_every_micro_batch_with_the_same_allowances():
     assert [tier[0].rsplit("=", 1)[1] for tier in layer_major[0]] == ["53", "45", "37", "29"]
     ceiling = bench_fair.train_ladders(bench_fair.TABLES["map_7b_L8_b8_cap24"], "ceiling", shape)
     assert all(spec.endswith(":cap=none:recompute=off:reshard=off") for spec in ceiling[0][0])
+    # Between no recompute and every block: one block (the 8th), then every other, as torchtitan's selective option.
+    assert [[s.split(":cap=none")[1] for s in tier] for tier in ceiling[0]] == [
+        [":recompute=off:reshard=off"], [":recompute=every8:reshard=off", ":recompute=off"],
+        [":recompute=every2:reshard=off", ":reshard=off"], [""]]
+    two_layers = bench_fair.train_ladders(bench_fair.TABLES["cpu_check"], "fsdp2-offload",
+                                          bench_fair.Shape.of(bench_fair.TABLES["cpu_check"]))
+    assert [len(tier) for tier in two_layers[0]] == [1, 2, 1, 1]  # every 2nd block is the last of 2: once
     assert bench_fair.train_ladders(T40, "deepspeed-offload", shape)[1] == [["deepspeed-offload:2x4"]]
     with pytest.raises(ValueError, match="unknown training family"):
         bench_fair.train_ladders(T40, "megatron", shape)
@@ -68,14 +75,16 @@ def test_sweep_prunes_tiers_that_ran_out_of_memory_at_a_smaller_micro_batch(tmp_
     by_spec = {r["spec"]: r["status"] for r in record["sweep"]}
     assert by_spec["fsdp2-offload:1x8:root=device:dev=1:recompute=off:reshard=off"] == "oom"
     assert by_spec["fsdp2-offload:1x8:root=device:dev=1:recompute=off"] == "ok"  # tier 1 fits: the ladder stops
+    assert by_spec["fsdp2-offload:1x8:root=device:dev=1:recompute=every8:reshard=off"] == "ok"  # one block recomputed
     assert "fsdp2-offload:1x8:root=device:dev=1" not in by_spec
+    assert "fsdp2-offload:2x4:root=device:dev=1:recompute=every2:reshard=off" not in by_spec
     assert by_spec["fsdp2-offload:2x4:root=device:dev=1:recompute=off:reshard=off"] == "skipped"  # not launched
     assert "fsdp2-offload:2x4:root=device:dev=1:recompute=off:reshard=off" not in launched
     assert by_spec["fsdp2-offload:4x2:root=device:dev=1"] == "oom"  # n = 4: nothing fits
     assert all(v == "skipped" for k, v in by_spec.items() if ":8x1" in k)  # so nothing at n = 8 is launched
     assert not any(":8x1" in s for s in launched)
     best = bench_fair.best_specs(record, T40, ["fsdp2-offload"])
-    assert best == {"fsdp2-offload": "fsdp2-offload:2x4:root=device:dev=1:reshard=off"}  # the fastest that ran
+    assert best == {"fsdp2-offload": "fsdp2-offload:2x4:root=device:dev=1:recompute=off"}  # the fastest that ran
 
 
 def test_a_ladder_tries_the_next_tier_where_the_allocator_retried(tmp_path, monkeypatch):

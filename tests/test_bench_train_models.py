@@ -298,7 +298,10 @@ def test_the_host_thread_usage_counts_this_threads_cpu_time():
 def test_an_fsdp2_contender_may_skip_the_recompute():
     assert bench_train.parse_contender("ondevice:1x8:recompute=off", None).recompute is False
     assert bench_train.parse_contender("fsdp2-offload:1x8", None).recompute is True
-    for bad in ("speedloader:1x8:recompute=off", "deepspeed-offload:1x8:recompute=off", "ondevice:1x8:recompute=no"):
+    assert bench_train.parse_contender("ondevice:1x8:recompute=every4", None)[-2:] == (False, 4)  # ascending, every
+    assert bench_train.parse_contender("fsdp2-offload:1x8:recompute=every12", None).recompute_every == 12
+    for bad in ("speedloader:1x8:recompute=off", "deepspeed-offload:1x8:recompute=off", "ondevice:1x8:recompute=no",
+                "ondevice:1x8:recompute=every1", "ondevice:1x8:recompute=every0", "ondevice:1x8:recompute=every"):
         with pytest.raises(ValueError, match="recompute=on"):
             bench_train.parse_contender(bad, None)
 
@@ -425,7 +428,7 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
     contenders = ["speedloader-overlap:2x2:root=device",
                   "speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0",
                   "fsdp2-offload:2x2", "ondevice:1x4:cap=none", "ondevice:1x4:cap=none:recompute=off",
-                  "ondevice:1x4:cap=none:recompute=off:sync=last:reshard=off"]
+                  "ondevice:1x4:cap=none:recompute=off:sync=last:reshard=off", "ondevice:1x4:cap=none:recompute=every2"]
     if importlib.util.find_spec("deepspeed") is not None:
         contenders.append("deepspeed-offload:2x2")
     argv = ["--device", "cpu", "--model", _yaml(tmp_path, "qwen3_moe"), "--layers", "2", "--seq-len", "32", "--steps",
@@ -454,6 +457,10 @@ def test_every_training_contender_runs_a_moe_model_on_the_cpu(tmp_path):
     assert (gathered["gradient_sync"], gathered["reshard_after_forward"]) == ("last", False)
     assert rows["fsdp2-offload:2x2"]["gradient_sync"] == "last"
     assert plain["hfu_fwd_bwd"] > plain["mfu_fwd_bwd"] and kept["hfu_fwd_bwd"] == pytest.approx(kept["mfu_fwd_bwd"])
+    half = rows["ondevice:1x4:cap=none:recompute=every2"]  # block 2 of 2 recomputes: half the blocks' extra work
+    assert (plain["blocks_recomputed"], half["blocks_recomputed"], kept["blocks_recomputed"]) == (2, 1, 0)
+    assert half["hfu_fwd_bwd"] / half["mfu_fwd_bwd"] - 1 == pytest.approx(
+        (plain["hfu_fwd_bwd"] / plain["mfu_fwd_bwd"] - 1) / 2)
     for spec, states in (("speedloader-overlap:2x2:root=device", "fp32"),
                          ("speedloader-overlap:2x2:root=device:states=bf16:threads=1:slots=0", "bf16")):
         assert rows[spec]["optimizer_states"] == states and rows[spec]["optimizer_busy_s"] > 0  # the CPU step ran

@@ -142,6 +142,27 @@ def test_canonical_activation_checkpointing_recomputes(tmp_path, checkpointing):
     assert len(calls) == 2 * (2 if checkpointing else 1)  # 2 micro-batches, forward (+ recompute)
 
 
+def test_canonical_recomputes_every_kth_block_only_and_trains_the_same(tmp_path):
+    """schedule.activation_checkpointing_every=2: blocks 2, 4, ... recompute, the others keep their activations; the
+    losses are those of no recompute at all (fp32 on the CPU: recompute is exact)."""
+    def run(path, **schedule):
+        trainer = Trainer(tiny_config(path, steps=3, schedule={"name": "canonical", **schedule}))
+        calls = [[] for _ in trainer.adapter.blocks]
+        for i, block in enumerate(trainer.adapter.blocks):
+            block.mlp.register_forward_pre_hook(lambda *_, i=i: calls[i].append(1))
+        return _losses(trainer.train()), [len(c) for c in calls], trainer
+
+    every2, calls, trainer = run(tmp_path / "a", activation_checkpointing_every=2)
+    assert len(calls) >= 2
+    assert calls == [3 * 2 * (2 if i % 2 == 0 else 1) for i in range(1, len(calls) + 1)]  # 3 steps x 2 micro-batches
+    none, _, plain = run(tmp_path / "b", activation_checkpointing=False)
+    assert every2 == pytest.approx(none, rel=1e-6)
+    full_hfu = Trainer(tiny_config(tmp_path / "c", steps=1, schedule={"name": "canonical"}))
+    recompute = full_hfu.metrics.hardware_flops_per_token - plain.metrics.hardware_flops_per_token
+    assert trainer.metrics.hardware_flops_per_token - plain.metrics.hardware_flops_per_token == pytest.approx(
+        recompute * (len(calls) // 2) / len(calls))  # HFU counts the recomputed blocks only
+
+
 def test_grad_clip_off_reports_no_norm(tmp_path):
     history = Trainer(tiny_config(tmp_path, schedule={"name": "canonical"}, steps=1,
                                   optim={"grad_clip": 0.0})).train()

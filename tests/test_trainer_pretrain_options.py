@@ -106,6 +106,16 @@ def test_gradient_sync_is_for_the_canonical_schedule(tmp_path):
         tiny_config(tmp_path, schedule={"name": "speedloader", "gradient_sync": "last"})
 
 
+@pytest.mark.parametrize("schedule,message", [
+    ({"name": "speedloader"}, "set schedule.keep_activations instead"),
+    ({"name": "canonical", "activation_checkpointing": False}, "activation_checkpointing=False"),
+    ({"name": "canonical", "activation_checkpointing_every": 0}, "schedule.activation_checkpointing_every"),
+])
+def test_recompute_every_kth_block_is_for_the_canonical_schedule_with_checkpointing(tmp_path, schedule, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tiny_config(tmp_path, schedule={"activation_checkpointing_every": 2, **schedule})
+
+
 # --- optim.overlap_with_backward ---------------------------------------------------------------
 
 OVERLAP = {"schedule": {"name": "speedloader"}, "offload": {"params": True}, "optim": {"grad_clip": 0.0}}

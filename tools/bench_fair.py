@@ -221,19 +221,28 @@ def train_ladders(table: Table, family: str, shape: Shape) -> list[list[list[str
             ladders.append([[f"speedloader-overlap:{shape_spec}{table.allowances}{table.levers}:adamw=pool:keep={k}"]
                             for k in keeps])
         elif family == "fsdp2-offload":
-            base = f"fsdp2-offload:{shape_spec}{table.allowances}{table.levers}"
-            ladders.append([[f"{base}:recompute=off:reshard=off"],
-                            [f"{base}:recompute=off", f"{base}:reshard=off"], [base]])
+            ladders.append(fsdp2_tiers(f"fsdp2-offload:{shape_spec}{table.allowances}{table.levers}", shape))
         elif family == "ceiling":
             cap = "" if ceiling_fits(table, shape) else ":cap=none"
-            base = f"ondevice:{shape_spec}{table.levers}:sync=last{cap}"
-            ladders.append([[f"{base}:recompute=off:reshard=off"],
-                            [f"{base}:recompute=off", f"{base}:reshard=off"], [base]])
+            ladders.append(fsdp2_tiers(f"ondevice:{shape_spec}{table.levers}:sync=last{cap}", shape))
         elif family == "deepspeed-offload":
             ladders.append([[f"deepspeed-offload:{shape_spec}"]])
         else:
             raise ValueError(f"table {table.name}: unknown training family {family!r}")
     return ladders
+
+
+def fsdp2_tiers(base: str, shape: Shape) -> list[list[str]]:
+    """An FSDP2 family's tiers at one micro-batch, from the most memory to the least: nothing recomputed and every
+    unit gathered once per step; then one block recomputed (the last: torchtitan's selective per-layer recompute at
+    every L-th block) or the units resharded after forward; then every other block recomputed, or every block with
+    the units gathered once; then every block recomputed and resharded (FSDP2's own default)."""
+    every = lambda k: [f"{base}:recompute=every{k}:reshard=off"] if k >= 2 else []  # noqa: E731
+    tiers = [[f"{base}:recompute=off:reshard=off"],
+             every(shape.num_layers) + [f"{base}:recompute=off"],
+             (every(2) if shape.num_layers > 2 else []) + [f"{base}:reshard=off"],
+             [base]]
+    return tiers
 
 
 # Generation: each family's batches and policies (FlexGen's gpu_batch_size x num_gpu_batches, ours prompts x

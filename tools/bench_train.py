@@ -435,6 +435,7 @@ class Contender(NamedTuple):
     env: tuple = ()  # every contender: (NAME, VALUE) its worker process starts with (contender_env)
     prefetch: Optional[int] = None  # every contender but DeepSpeed: units unsharded ahead in forward; None: --prefetch
     ascending: bool = False  # speedloader contenders: every loop over the sub-batches 0 .. N-1 (alternate_sub_batches off)
+    recompute_every: int = 1  # FSDP2 contenders with recompute: only every k-th block (activation_checkpointing_every)
 
 
 def contender_env(spec: str, base: Optional[dict] = None) -> dict:
@@ -490,6 +491,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     sdpa, liger, fp8 = "auto", False, None
     states, threads, slots, adamw, dev = "fp32", 0, OptimConfig().grad_slots_in_flight, "local", 0
     recompute, sync, reshard, nice, affinity, env, prefetch, ascending = True, None, True, 0, False, [], None, False
+    recompute_every = 1
     fsdp2 = name in ("ondevice", "fsdp2-offload", "fsdp2-offload-rs")
     kernels_ok = name != "deepspeed-offload"
     for option in options:
@@ -529,6 +531,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             dev = int(value)
         elif key == "recompute" and value in ("on", "off") and fsdp2:
             recompute = value == "on"
+        elif key == "recompute" and re.fullmatch(r"every[2-9][0-9]*|every1[0-9]+", value) and fsdp2:
+            recompute_every = int(value[5:])
         elif key == "sync" and value in ("every", "last") and fsdp2:
             sync = value
         elif key == "reshard" and value in ("on", "off") and fsdp2:
@@ -546,12 +550,14 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
                              "':states=fp32|bf16|int8', ':threads=K', ':nice=K', ':affinity', ':slots=R' and "
                              "':adamw=local|pool|torch' "
                              "(speedloader-overlap), ':dev=K' (speedloader and fsdp2-offload contenders), "
-                             "':recompute=on|off', ':sync=every|last' and ':reshard=on|off' (ondevice and "
+                             "':recompute=on|off|everyK' (K >= 2: every K-th block), ':sync=every|last' and "
+                             "':reshard=on|off' (ondevice and "
                              "fsdp2-offload contenders), ':prefetch=K' (every contender but deepspeed-offload: "
                              "units unsharded ahead in forward), ':order=alternate|ascending' (speedloader "
                              "contenders: the sub-batch order of their loops), ':env=NAME=VALUE' (every contender)")
     return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads,
-                     slots, adamw, dev, recompute, sync, reshard, nice, affinity, tuple(env), prefetch, ascending)
+                     slots, adamw, dev, recompute, sync, reshard, nice, affinity, tuple(env), prefetch, ascending,
+                     recompute_every)
 
 
 def _positive_float(text: str) -> bool:
@@ -570,9 +576,10 @@ def gpu_cap_gib(contender: Contender, default: Optional[float]) -> Optional[floa
 
 def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, num_sub: int, compiled: bool,
                            kernels=None, device_units: int = 0, recompute: bool = True, sync: Optional[str] = None,
-                           reshard: bool = True, root_on_device: bool = False):
+                           reshard: bool = True, root_on_device: bool = False, recompute_every: int = 1):
     """An FSDP2 contender as the trainer's canonical schedule (``apply_schedule`` shards by it): gradient
-    accumulation over ``num_sub`` micro-batches, every block recomputed (none without ``recompute``), one FSDP
+    accumulation over ``num_sub`` micro-batches, every (``recompute_every``-th) block recomputed (none without
+    ``recompute``), one FSDP
     unit per block;
     ``fsdp2-offload`` reduce-scatters after the last micro-batch only, ``fsdp2-offload-rs`` and ``ondevice``
     after every one (``sync``: this instead); ``reshard=False`` keeps each unit gathered from the step's first
@@ -581,7 +588,8 @@ def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, 
     from fsdp_speedloader.app.config import DataConfig, KernelsConfig, OffloadConfig, ScheduleConfig, TrainConfig
 
     schedule = ScheduleConfig(name="canonical", sub_batch_size=sub_batch, num_sub_batches=num_sub,
-                              activation_checkpointing=recompute, forward_prefetch=args.prefetch,
+                              activation_checkpointing=recompute, activation_checkpointing_every=recompute_every,
+                              forward_prefetch=args.prefetch,
                               compile_blocks=compiled,
                               gradient_sync=sync or ("last" if name == "fsdp2-offload" else "every"),
                               reshard_after_forward=reshard)
@@ -646,7 +654,8 @@ def run_worker(args: argparse.Namespace) -> dict:
         kernels = KernelsConfig(sdpa_backend=contender.sdpa, liger_kernels=contender.liger,
                                 float8_training=contender.fp8)
         train_cfg = canonical_train_config(args, name, sub_batch, num_sub, compiled, kernels, contender.dev,
-                                           contender.recompute, contender.sync, contender.reshard, root_on_device)
+                                           contender.recompute, contender.sync, contender.reshard, root_on_device,
+                                           contender.recompute_every)
         scope = apply_schedule(model, train_cfg, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         gradient_sync, reshard = train_cfg.schedule.gradient_sync, train_cfg.schedule.reshard_after_forward
     # FSDP units besides the root: each holds whole blocks (a mixture of experts' block with all its experts).
@@ -703,10 +712,12 @@ def run_worker(args: argparse.Namespace) -> dict:
         optim.zero_grad(set_to_none=True)
 
     # Of the blocks' forward work, recomputed in backward (HFU): layer-major recomputes every (unit, sub-batch) pair
-    # it does not keep; an FSDP2 contender what Hugging Face's own flag says (transformers 5.x: either name).
+    # it does not keep; an FSDP2 contender the blocks whose own flag says so, where Hugging Face's model flag is on
+    # (transformers 5.x: either name).
     checkpointed = bool(getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", 0)))
     pairs = len(engine.units) * num_sub if layer_major else 0
-    recomputed = 1.0 - min(contender.keep, pairs) / pairs if layer_major else float(checkpointed)
+    blocks_recomputed = sum(bool(getattr(b, "gradient_checkpointing", False)) for b in adapter.blocks) * checkpointed
+    recomputed = 1.0 - min(contender.keep, pairs) / pairs if layer_major else blocks_recomputed / len(adapter.blocks)
 
     fb_times, opt_times, losses, profile, host = time_steps(
         fwd_bwd, optimizer_step, argparse.Namespace(**{**vars(args), "profile": args.profile and cuda}),
@@ -726,7 +737,8 @@ def run_worker(args: argparse.Namespace) -> dict:
                                 attention_flops_per_token=adapter.attention_flops_per_token(args.seq_len),
                                 recomputed=recomputed, host_peak_rss_gib=harness.host_peak_rss_gib()),
         **host,  # the main thread's CPU seconds and preemptions per forward+backward (issue 40)
-        "recompute": layer_major or checkpointed, "gradient_sync": gradient_sync, "reshard_after_forward": reshard,
+        "recompute": layer_major or checkpointed, "blocks_recomputed": None if layer_major else blocks_recomputed,
+        "gradient_sync": gradient_sync, "reshard_after_forward": reshard,
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "peak_hbm_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
         # cudaMalloc failures the caching allocator answered by freeing its cache and retrying, over the whole run

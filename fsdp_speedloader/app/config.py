@@ -207,6 +207,9 @@ class ScheduleConfig:
     (host when parameters are offloaded)."""
     activation_checkpointing: bool = True
     """Canonical schedule: recompute each block in backward (speedloader always recomputes)."""
+    activation_checkpointing_every: int = 1
+    """Canonical schedule with activation_checkpointing: recompute only every k-th block (blocks k, 2k, ..., counted
+    from 1; torchtitan's selective per-layer option): the others keep their activations. 1: every block."""
     gradient_sync: str = "every"
     """Canonical schedule: reduce-scatter gradients after 'every' micro-batch (they accumulate sharded, on the
     host when offloaded) or only the 'last' (unsharded gradients accumulate on the device: faster, more memory)."""
@@ -253,6 +256,13 @@ class ScheduleConfig:
               f"false applies to schedule.name='canonical' only (layer-major unshards each unit once per forward "
               f"and once per backward anyway); got schedule.name={self.name!r}: set "
               "schedule.reshard_after_forward=true")
+        check_positive(self.activation_checkpointing_every, "schedule.activation_checkpointing_every")
+        check(self.activation_checkpointing_every == 1 or (self.name == "canonical" and self.activation_checkpointing),
+              "schedule.activation_checkpointing_every",
+              f"{self.activation_checkpointing_every} applies to schedule.name='canonical' with "
+              f"schedule.activation_checkpointing=true only (layer-major recomputes every (unit, sub-batch) pair it "
+              f"does not keep: set schedule.keep_activations instead); got schedule.name={self.name!r}, "
+              f"activation_checkpointing={self.activation_checkpointing}")
         check_positive(self.forward_prefetch, "schedule.forward_prefetch", allow_zero=True)
         check_positive(self.loss_chunk_tokens, "schedule.loss_chunk_tokens")
         check_positive(self.keep_activations, "schedule.keep_activations", allow_zero=True)

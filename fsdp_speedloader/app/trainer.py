@@ -82,13 +82,19 @@ IGNORE_INDEX = -100
 # ---------------------------------------------------------------------------------------------
 
 
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Hugging Face's per-block recompute, non-reentrant (the variant that composes with FSDP2)."""
+def enable_activation_checkpointing(model: torch.nn.Module, every: int = 1) -> int:
+    """Hugging Face's per-block recompute, non-reentrant (the variant that composes with FSDP2), on every ``every``-th
+    block (blocks k, 2k, ... counted from 1): the others keep their activations. Returns how many blocks recompute."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns there
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    blocks = list(get_adapter(model).blocks)
+    for i, block in enumerate(blocks, start=1):
+        if i % every:  # the flag each block's checkpointing wrapper reads (GradientCheckpointingLayer)
+            block.gradient_checkpointing = False
+    return len(blocks) // every
 
 
 def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *, param_dtype: torch.dtype,
@@ -110,7 +116,7 @@ def apply_schedule(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *
                           liger_kernels=kernels.liger_kernels, float8_training=kernels.float8_training,
                           compiled=sched.compile_blocks)
     if sched.activation_checkpointing:  # before sharding: FSDP's hooks then sit inside the checkpoint
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, sched.activation_checkpointing_every)
     if sched.compile_blocks:  # lazy; before sharding, so a refusal leaves the model untouched
         get_adapter(model).compile_blocks(as_forward=True)
     blocks = list(get_adapter(model).blocks)
@@ -319,6 +325,9 @@ class Trainer:
         recompute_flops = recompute_flops_per_token(
             num_block_params=num_block_params(self.adapter.blocks), num_layers=len(self.adapter.blocks),
             hidden_size=model.config.hidden_size, seq_len=cfg.data.seq_len) if recompute else 0.0
+        if sched.name == "canonical":  # only every k-th block recomputes
+            num_blocks = len(self.adapter.blocks)
+            recompute_flops *= (num_blocks // sched.activation_checkpointing_every) / num_blocks
         self.num_params = sum(p.numel() for p in model.parameters())
         if cfg.optim.master_dtype == "bf16":  # before sharding: FSDP2 keeps each parameter's dtype in its shard
             on_device = list(self.adapter.blocks)[:cfg.offload.device_units * sched.blocks_per_unit]  # units 1 .. K
