@@ -238,11 +238,10 @@ def fsdp2_tiers(base: str, shape: Shape) -> list[list[str]]:
     every L-th block) or the units resharded after forward; then every other block recomputed, or every block with
     the units gathered once; then every block recomputed and resharded (FSDP2's own default)."""
     every = lambda k: [f"{base}:recompute=every{k}:reshard=off"] if k >= 2 else []  # noqa: E731
-    tiers = [[f"{base}:recompute=off:reshard=off"],
-             every(shape.num_layers) + [f"{base}:recompute=off"],
-             (every(2) if shape.num_layers > 2 else []) + [f"{base}:reshard=off"],
-             [base]]
-    return tiers
+    return [[f"{base}:recompute=off:reshard=off"],
+            every(shape.num_layers) + [f"{base}:recompute=off"],
+            (every(2) if shape.num_layers > 2 else []) + [f"{base}:reshard=off"],
+            [base]]
 
 
 # Generation: each family's batches and policies (FlexGen's gpu_batch_size x num_gpu_batches, ours prompts x

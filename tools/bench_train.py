@@ -531,7 +531,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             dev = int(value)
         elif key == "recompute" and value in ("on", "off") and fsdp2:
             recompute = value == "on"
-        elif key == "recompute" and re.fullmatch(r"every[2-9][0-9]*|every1[0-9]+", value) and fsdp2:
+        elif key == "recompute" and value[:5] == "every" and value[5:].isdigit() and int(value[5:]) >= 2 and fsdp2:
             recompute_every = int(value[5:])
         elif key == "sync" and value in ("every", "last") and fsdp2:
             sync = value
@@ -579,8 +579,7 @@ def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, 
                            reshard: bool = True, root_on_device: bool = False, recompute_every: int = 1):
     """An FSDP2 contender as the trainer's canonical schedule (``apply_schedule`` shards by it): gradient
     accumulation over ``num_sub`` micro-batches, every (``recompute_every``-th) block recomputed (none without
-    ``recompute``), one FSDP
-    unit per block;
+    ``recompute``), one FSDP unit per block;
     ``fsdp2-offload`` reduce-scatters after the last micro-batch only, ``fsdp2-offload-rs`` and ``ondevice``
     after every one (``sync``: this instead); ``reshard=False`` keeps each unit gathered from the step's first
     forward to its last backward; units 1 .. ``device_units`` of the offloading ones keep their states on the GPU,
