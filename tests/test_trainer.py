@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -381,8 +382,53 @@ def test_cpu_run_prints_no_gpu_fields(tmp_path, caplog):
     assert status and build and status[0] < build[0] < messages.index(steps[0])
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["mfu"] > 0 and "peak_gpu_mem_allocated_gib" not in record
-    gpu_record = {"loss": 2.0, "mfu": 0.41, "peak_gpu_mem_allocated_gib": 3.0, "peak_gpu_mem_reserved_gib": 4.0}
+    gpu_record = {"loss": 2.0, "mfu": 0.41, "peak_gpu_mem_allocated_gib": 3.0, "peak_gpu_mem_reserved_gib": 4.0,
+                  "gpu_alloc_retries": 0}
     assert "mfu 41.0%" in format_metrics(gpu_record, 1) and "gpu 3.00/4.00 GiB" in format_metrics(gpu_record, 1)
+    assert "retries" not in format_metrics(gpu_record, 1)
+    assert "gpu 3.00/4.00 GiB | 3 allocator retries" in format_metrics({**gpu_record, "gpu_alloc_retries": 3}, 1)
+
+
+@pytest.mark.parametrize("schedule,fix", [({"name": "speedloader"}, "schedule.keep_activations"),
+                                          ({"name": "canonical"}, "schedule.activation_checkpointing")])
+def test_allocator_retries_after_the_first_steps_warn_once_with_what_to_lower(tmp_path, caplog, schedule, fix):
+    trainer = Trainer(tiny_config(tmp_path, schedule=schedule))
+    caplog.set_level("WARNING")
+    for step, retries in ((1, 4), (2, 4), (3, 0), (4, 2), (5, 7)):
+        trainer.step = step
+        trainer._check_alloc_retries({"gpu_alloc_retries": retries})
+    warned = [r.getMessage() for r in caplog.records if "allocator retried" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 4: the CUDA caching allocator retried 2 allocation(s)")
+    assert fix in warned[0]
+    trainer.step = 9
+    trainer._check_alloc_retries({})  # no GPU: no key, nothing to say
+    assert len([r for r in caplog.records if "allocator retried" in r.getMessage()]) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif("expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                    reason="expandable segments grow in place instead of retrying")
+def test_step_metrics_count_the_allocators_retries_per_step():
+    """A freed 600 MiB block cannot hold 700 MiB, and the cap leaves no room for both: the allocator frees its cache
+    and retries. The step's metrics count that retry; the next step's count starts again from 0."""
+    device, mib = torch.device("cuda", 0), 2**20
+    torch.cuda.empty_cache()
+    cap = torch.cuda.memory_reserved(device) + 1024 * mib  # what earlier tests still hold, and 1 GiB
+    torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, device)
+    metrics = StepMetrics(device=device, world_size=1, tokens_per_step_per_device=1, flops_per_token=1.0,
+                          peak_tflops=1.0)
+    try:
+        metrics.start_step()
+        first = torch.empty(600 * mib, dtype=torch.uint8, device=device)
+        del first  # cached, not returned
+        second = torch.empty(700 * mib, dtype=torch.uint8, device=device)
+        assert metrics.end_step(loss=0.0, lr=0.0, grad_norm=None)["gpu_alloc_retries"] >= 1
+        metrics.start_step()
+        second.add_(1)
+        assert metrics.end_step(loss=0.0, lr=0.0, grad_norm=None)["gpu_alloc_retries"] == 0
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
 def test_progress_bar_rank0_on_a_terminal_or_forced(tmp_path, monkeypatch, capfd):

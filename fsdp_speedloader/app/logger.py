@@ -68,6 +68,8 @@ def format_metrics(metrics: dict, step: int, *, show_mfu: bool = True) -> str:
     if "peak_gpu_mem_allocated_gib" in metrics:
         parts.append(f"gpu {metrics['peak_gpu_mem_allocated_gib']:.2f}/"
                      f"{metrics.get('peak_gpu_mem_reserved_gib', 0.0):.2f} GiB")
+        if metrics.get("gpu_alloc_retries"):
+            parts.append(f"{metrics['gpu_alloc_retries']} allocator retries")
     if "host_rss_gib" in metrics:
         parts.append(f"rss {metrics['host_rss_gib']:.2f} GiB")
     return " | ".join(parts)

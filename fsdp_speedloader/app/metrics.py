@@ -81,6 +81,7 @@ class StepMetrics:
     def start_step(self) -> None:
         if self._is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._alloc_retries = alloc_retries(self.device)
         self._t0 = time.perf_counter()
         self._t_data = None
 
@@ -124,4 +125,12 @@ class StepMetrics:
         if self._is_cuda:  # no GPU, no GPU memory figures (not zeros)
             metrics["peak_gpu_mem_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
             metrics["peak_gpu_mem_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / GIB
+            # The caching allocator's retries in this step (torchtitan logs them too): reserved memory met the cap,
+            # and each retry freed the cache after synchronising the GPU, with the launching thread waiting.
+            metrics["gpu_alloc_retries"] = alloc_retries(self.device) - self._alloc_retries
         return metrics
+
+
+def alloc_retries(device: torch.device) -> int:
+    """The CUDA caching allocator's cudaMalloc retries so far on ``device``."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))

@@ -299,6 +299,7 @@ class Trainer:
         param_dtype = resolve_param_dtype(cfg.param_dtype, device_type)
         reduce_dtype = DTYPES[cfg.reduce_dtype]
         self.tune_plan = None
+        self._warned_alloc_retries = False
         if sched.name == "auto":  # two trial steps on a throw-away model, then the plan's layer-major schedule
             self._info("schedule=auto: tuning n and N from trial steps")
             self.tune_plan = tune_train_config(cfg, mesh=self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -480,7 +481,29 @@ class Trainer:
             metrics.update(engine.store.step_stats())
         if hasattr(self.optimizer, "step_stats"):  # the overlapped CPU step: its busy seconds and what showed
             metrics.update(self.optimizer.step_stats())
+        self._check_alloc_retries(metrics)
         return metrics
+
+    # The first steps fill the caching allocator's cache (and compile): retries there say nothing of the steady state.
+    RETRY_WARMUP_STEPS = 2
+
+    def _check_alloc_retries(self, metrics: dict) -> None:
+        """Warns once when the caching allocator retried after the first steps: the step runs at the GPU memory
+        cap, where each retry synchronises the GPU and frees the cache (docs/benchmarking.md, the ladder rule)."""
+        retries = metrics.get("gpu_alloc_retries", 0)
+        if not retries or self.step <= self.RETRY_WARMUP_STEPS or self._warned_alloc_retries:
+            return
+        self._warned_alloc_retries = True
+        sched = self.cfg.schedule
+        if sched.name == "canonical":
+            fix = "schedule.sub_batch_size, or recompute (schedule.activation_checkpointing[_every])"
+        else:
+            fix = "schedule.keep_activations (pairs kept on the GPU) or schedule.sub_batch_size" + (
+                ", or schedule.gpu_memory_budget_gib" if self.tune_plan is not None else "")
+        self._warning("step %d: the CUDA caching allocator retried %d allocation(s): GPU memory is at its cap, and "
+                      "every retry synchronises the GPU and empties the cache. A step with a little less memory is "
+                      "often faster: lower %s (this warning shows once; gpu_alloc_retries is in every step's "
+                      "metrics)", self.step, retries, fix)
 
     # --- validation ----------------------------------------------------------------------------
     def evaluate(self) -> dict:
