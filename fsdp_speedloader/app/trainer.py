@@ -496,14 +496,15 @@ class Trainer:
         self._warned_alloc_retries = True
         sched = self.cfg.schedule
         if sched.name == "canonical":
-            fix = "schedule.sub_batch_size, or recompute (schedule.activation_checkpointing[_every])"
+            fix = ("lower schedule.sub_batch_size, or recompute more blocks (schedule.activation_checkpointing=true, "
+                   "a smaller schedule.activation_checkpointing_every)")
         else:
-            fix = "schedule.keep_activations (pairs kept on the GPU) or schedule.sub_batch_size" + (
+            fix = "lower schedule.keep_activations (pairs kept on the GPU) or schedule.sub_batch_size" + (
                 ", or schedule.gpu_memory_budget_gib" if self.tune_plan is not None else "")
         self._warning("step %d: the CUDA caching allocator retried %d allocation(s): GPU memory is at its cap, and "
                       "every retry synchronises the GPU and empties the cache. A step with a little less memory is "
-                      "often faster: lower %s (this warning shows once; gpu_alloc_retries is in every step's "
-                      "metrics)", self.step, retries, fix)
+                      "often faster: %s (this warning shows once; gpu_alloc_retries is in every step's metrics)",
+                      self.step, retries, fix)
 
     # --- validation ----------------------------------------------------------------------------
     def evaluate(self) -> dict:
