@@ -125,13 +125,17 @@ def test_status_of_a_point():
 
 
 def test_summary_of_metrics_skips_the_warmup_step_and_repeated_steps():
-    records = [{"step": 1, "tokens_per_s": 10.0, "loss": 5.0, "peak_gpu_mem_allocated_gib": 3.0},
-               {"step": 2, "tokens_per_s": 100.0, "loss": 4.0, "peak_gpu_mem_allocated_gib": 2.0},
-               {"step": 3, "tokens_per_s": 999.0, "loss": 3.5},
-               {"step": 3, "tokens_per_s": 120.0, "loss": 3.0}]  # step 3 again, after a restart: the last counts
+    records = [{"step": 1, "tokens_per_s": 10.0, "loss": 5.0, "peak_gpu_mem_allocated_gib": 3.0,
+                "gpu_alloc_retries": 9},
+               {"step": 2, "tokens_per_s": 100.0, "loss": 4.0, "peak_gpu_mem_allocated_gib": 2.0,
+                "gpu_alloc_retries": 2},
+               {"step": 3, "tokens_per_s": 999.0, "loss": 3.5, "gpu_alloc_retries": 5},
+               {"step": 3, "tokens_per_s": 120.0, "loss": 3.0, "gpu_alloc_retries": 1}]  # step 3 again: the last counts
     m = summarize_metrics(records)
     assert m["steps"] == 3 and m["final_loss"] == 3.0 and m["tokens_per_s"] == 110.0
     assert m["peak_gpu_mem_allocated_gib"] == 3.0
+    assert m["gpu_alloc_retries"] == 3  # after the warm-up step
+    assert summarize_metrics([{"step": 1, "loss": 1.0}])["gpu_alloc_retries"] is None  # a CPU run: no figure
     assert summarize_metrics([]) == {}
 
 
@@ -153,6 +157,7 @@ def test_table_and_heatmap_with_a_third_swept_key(tmp_path):
         "schedule.sub_batch_size", "schedule.num_sub_batches", ["schedule.blocks_per_unit"])
     table = markdown_table(summary["points"], summary["axes"])
     assert table.count("\n") == 2 + 8 - 1 and "**timeout**" in table and "| 1,000 |" in table
+    assert "| allocator retries |" in table
     if not _has_matplotlib():
         assert plot_heatmap(summary, tmp_path / "h.png") is None
         return

@@ -169,7 +169,8 @@ def log_summary_to_wandb(summary: dict, sweep_dir: Path, logger_cfg: LoggerConfi
     from fsdp_speedloader.app.logger import resolve_wandb_mode
 
     axes = summary["axes"]
-    columns = [*axes, "status", "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_gpu_mem_allocated_gib"]
+    columns = [*axes, "status", "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_gpu_mem_allocated_gib",
+               "gpu_alloc_retries"]
     table = wandb.Table(columns=columns)
     for p in summary["points"]:
         m = p.get("metrics") or {}

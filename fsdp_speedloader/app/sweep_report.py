@@ -87,10 +87,14 @@ def summarize_metrics(records: Sequence[dict]) -> dict:
         values = [r[key] for r in ordered if isinstance(r.get(key), (int, float))]
         return max(values) if values else None
 
+    # The caching allocator's retries after the warm-up (a GPU run): a point at the memory cap, often slower than
+    # the next smaller one (docs/benchmarking.md, the ladder rule).
+    retries = [r["gpu_alloc_retries"] for r in steady if isinstance(r.get("gpu_alloc_retries"), int)]
     return {"steps": ordered[-1]["step"], "final_loss": ordered[-1].get("loss"),
             "tokens_per_s": median("tokens_per_s"), "tokens_per_s_per_device": median("tokens_per_s_per_device"),
             "mfu": median("mfu"), "step_time_s": median("step_time_s"),
-            "peak_gpu_mem_allocated_gib": peak("peak_gpu_mem_allocated_gib"), "host_rss_gib": peak("host_rss_gib")}
+            "peak_gpu_mem_allocated_gib": peak("peak_gpu_mem_allocated_gib"), "host_rss_gib": peak("host_rss_gib"),
+            "gpu_alloc_retries": sum(retries) if retries else None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,8 +110,8 @@ def _fmt(value: Any, spec: str) -> str:
 
 def markdown_table(points: Sequence[dict], axes: Sequence[str]) -> str:
     """One row per point: its swept values, status and figures (failed points: their error)."""
-    head = ["#", *axes, "status", "tokens/s", "tokens/s/device", "MFU", "step s", "peak GPU GiB", "host RSS GiB",
-            "final loss"]
+    head = ["#", *axes, "status", "tokens/s", "tokens/s/device", "MFU", "step s", "peak GPU GiB",
+            "allocator retries", "host RSS GiB", "final loss"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in points:
         m = p.get("metrics") or {}
@@ -115,7 +119,8 @@ def markdown_table(points: Sequence[dict], axes: Sequence[str]) -> str:
         cells = [str(p["index"]), *(str(p["params"].get(a, "")) for a in axes), status,
                  _fmt(m.get("tokens_per_s"), ",.0f"), _fmt(m.get("tokens_per_s_per_device"), ",.0f"),
                  _fmt(m.get("mfu"), ".1%"), _fmt(m.get("step_time_s"), ".3f"),
-                 _fmt(m.get("peak_gpu_mem_allocated_gib"), ".2f"), _fmt(m.get("host_rss_gib"), ".2f"),
+                 _fmt(m.get("peak_gpu_mem_allocated_gib"), ".2f"), _fmt(m.get("gpu_alloc_retries"), "d"),
+                 _fmt(m.get("host_rss_gib"), ".2f"),
                  _fmt(m.get("final_loss"), ".4f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
