@@ -237,11 +237,11 @@ def fsdp2_tiers(base: str, shape: Shape) -> list[list[str]]:
     unit gathered once per step; then one block recomputed (the last: torchtitan's selective per-layer recompute at
     every L-th block) or the units resharded after forward; then every other block recomputed, or every block with
     the units gathered once; then every block recomputed and resharded (FSDP2's own default)."""
-    every = lambda k: [f"{base}:recompute=every{k}:reshard=off"] if k >= 2 else []  # noqa: E731
-    return [[f"{base}:recompute=off:reshard=off"],
-            every(shape.num_layers) + [f"{base}:recompute=off"],
-            (every(2) if shape.num_layers > 2 else []) + [f"{base}:reshard=off"],
-            [base]]
+    layers = shape.num_layers
+    one_block = [f"{base}:recompute=every{layers}:reshard=off"] if layers >= 2 else []
+    every_other = [f"{base}:recompute=every2:reshard=off"] if layers > 2 else []  # with 2 layers: one_block
+    return [[f"{base}:recompute=off:reshard=off"], one_block + [f"{base}:recompute=off"],
+            every_other + [f"{base}:reshard=off"], [base]]
 
 
 # Generation: each family's batches and policies (FlexGen's gpu_batch_size x num_gpu_batches, ours prompts x
