@@ -337,6 +337,11 @@ def test_a_whole_table_on_the_cpu(tmp_path):
     assert "layer-major/fsdp2-offload" in record["summary"]["ratios"]
     row = record["invocations"][0]["rows"][0]
     assert len(row["step_times_s"]) == 2 and row["tokens_per_s"] > 0
+    phases = row["worker_phases_s"]  # where the worker's wall time went: its parts fit inside the harness's wall_s
+    assert all(v is not None and v >= 0 for v in phases.values()), phases
+    assert phases["timed_steps"] <= phases["steps_total"] and phases["before_worker"] > 0
+    parts = sum(v for k, v in phases.items() if k not in ("first_step", "other_warmup_steps", "timed_steps"))
+    assert parts <= row["wall_s"]
 
 
 def test_every_tables_points_are_well_formed_worker_specs():

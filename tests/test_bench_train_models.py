@@ -295,6 +295,20 @@ def test_the_host_thread_usage_counts_this_threads_cpu_time():
     assert 0.02 < cpu1 - cpu0 < 1.0 and switches1 >= switches0
 
 
+def test_the_process_age_counts_from_this_processs_start():
+    """A worker's ``before_worker`` phase: the interpreter's start and imports, read from /proc (10 ms ticks)."""
+    import time
+
+    age0 = bench_train.process_age_s()
+    time.sleep(0.2)
+    assert age0 > 0 and 0.15 < bench_train.process_age_s() - age0 < 2.0
+    tools = str(Path(bench_train.__file__).parent)
+    code = (f"import sys, time; sys.path.insert(0, {tools!r}); time.sleep(0.5); import bench_train; "
+            "print(bench_train.process_age_s())")
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 0.5 <= child < 60.0  # its sleep and imports, not this process's age
+
+
 def test_an_fsdp2_contender_may_skip_the_recompute():
     assert bench_train.parse_contender("ondevice:1x8:recompute=off", None).recompute is False
     assert bench_train.parse_contender("fsdp2-offload:1x8", None).recompute is True

@@ -364,10 +364,12 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
 
     Returns (fwd+bwd seconds, optimizer seconds, losses) of the timed steps, the profile summary, and the main
     thread's median CPU seconds and involuntary context switches per timed forward+backward, with the caching
-    allocator's retries during the timed steps (``alloc_retries_timed``: each one freed the cache and synchronised).
+    allocator's retries during the timed steps (``alloc_retries_timed``: each one freed the cache and synchronised),
+    the first step's wall seconds (``first_step_s``: compilation, first allocations) and all warm-up steps'.
     """
     fb_times, opt_times, losses, host_cpu, switches = [], [], [], [], []
     retries_at_start = 0
+    walls = []  # each step's wall seconds, warm-up included (the first compiles): where a worker's time goes
     for step in range(args.warmup + args.steps):
         sync()
         cpu0, sw0 = host_thread_usage()
@@ -379,6 +381,7 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
         optimizer_step()
         sync()
         t2 = time.perf_counter()
+        walls.append(t2 - t0)
         if step == args.warmup - 1:
             reset_peak()
             retries_at_start = alloc_retries()
@@ -400,7 +403,8 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
     profile = harness.profile_summary(traced_step, summarize_trace) if args.profile else None  # one more step
     host = {"host_thread_cpu_s": statistics.median(host_cpu) if host_cpu else None,
             "host_thread_involuntary_switches": statistics.median(switches) if switches else None,
-            "alloc_retries_timed": alloc_retries() - retries_at_start}
+            "alloc_retries_timed": alloc_retries() - retries_at_start,
+            "first_step_s": walls[0] if walls else None, "warmup_steps_s": sum(walls[:args.warmup])}
     return fb_times, opt_times, losses, profile, host
 
 
@@ -599,8 +603,21 @@ def canonical_train_config(args: argparse.Namespace, name: str, sub_batch: int, 
                        device=args.device, param_dtype="bfloat16")
 
 
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started, the interpreter's start and imports included (Linux /proc; else None)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_worker(args: argparse.Namespace) -> dict:
     """One contender, one process: build, warm up, time ``--steps`` steps, return the figures."""
+    before_worker_s, t_entry = process_age_s(), time.perf_counter()
     import torch
     from torch.distributed.fsdp import FSDPModule
 
@@ -660,7 +677,9 @@ def run_worker(args: argparse.Namespace) -> dict:
     # FSDP units besides the root: each holds whole blocks (a mixture of experts' block with all its experts).
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
     blocks_per_fsdp_unit = sorted({sum(b in set(u.modules()) for b in adapter.blocks) for u in units})
+    t_built = time.perf_counter()
     materialize_model(model, cfg, device=device, seed=0, param_device=torch.device("cpu") if offload else device)
+    t_materialized = time.perf_counter()
     model.train()
     engine = speedloader_engine(model) if layer_major else None
 
@@ -718,10 +737,19 @@ def run_worker(args: argparse.Namespace) -> dict:
     blocks_recomputed = sum(bool(getattr(b, "gradient_checkpointing", False)) for b in adapter.blocks) * checkpointed
     recomputed = 1.0 - min(contender.keep, pairs) / pairs if layer_major else blocks_recomputed / len(adapter.blocks)
 
+    t_steps = time.perf_counter()
     fb_times, opt_times, losses, profile, host = time_steps(
         fwd_bwd, optimizer_step, argparse.Namespace(**{**vars(args), "profile": args.profile and cuda}),
         sync=torch.cuda.synchronize if cuda else (lambda: None),
         reset_peak=torch.cuda.reset_peak_memory_stats if cuda else (lambda: None))
+    # Where the worker's wall time went (the harness's wall_s adds the process's exit): a sweep point costs far more
+    # than its timed steps, and these say which part to shorten.
+    steps_total_s = time.perf_counter() - t_steps
+    first_step_s, warmup_steps_s = host.pop("first_step_s"), host.pop("warmup_steps_s")
+    phases = {"before_worker": before_worker_s, "build": t_built - t_entry, "materialize": t_materialized - t_built,
+              "optimizer_and_inputs": t_steps - t_materialized, "first_step": first_step_s,
+              "other_warmup_steps": warmup_steps_s - (first_step_s or 0.0),
+              "timed_steps": sum(fb_times) + sum(opt_times), "steps_total": steps_total_s}
     result = {
         "contender": name, "contender_spec": args.worker, "worker_env": dict(contender.env),
         "openmp_wait": {k: os.environ.get(k) for k in openmp_wait.USER_CHOICES},  # as the worker started
@@ -743,6 +771,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         # cudaMalloc failures the caching allocator answered by freeing its cache and retrying, over the whole run
         # (warm-up and compilation included; alloc_retries_timed: the timed steps' alone)
         "alloc_retries": alloc_retries(),
+        "worker_phases_s": phases,
     }
     if profile is not None:
         result["profile"] = profile
