@@ -365,7 +365,8 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
     Returns (fwd+bwd seconds, optimizer seconds, losses) of the timed steps, the profile summary, and the main
     thread's median CPU seconds and involuntary context switches per timed forward+backward, with the caching
     allocator's retries during the timed steps (``alloc_retries_timed``: each one freed the cache and synchronised),
-    the first step's wall seconds (``first_step_s``: compilation, first allocations) and all warm-up steps'.
+    and the steps' wall seconds (``worker_phases_s``: the first step's, with compilation and first allocations, the
+    other warm-up steps', the timed steps').
     """
     fb_times, opt_times, losses, host_cpu, switches = [], [], [], [], []
     retries_at_start = 0
@@ -404,7 +405,8 @@ def time_steps(fwd_bwd: Callable, optimizer_step: Callable, args: argparse.Names
     host = {"host_thread_cpu_s": statistics.median(host_cpu) if host_cpu else None,
             "host_thread_involuntary_switches": statistics.median(switches) if switches else None,
             "alloc_retries_timed": alloc_retries() - retries_at_start,
-            "first_step_s": walls[0] if walls else None, "warmup_steps_s": sum(walls[:args.warmup])}
+            "worker_phases_s": {"first_step": walls[0] if walls else None,
+                                "other_warmup_steps": sum(walls[1:args.warmup]), "timed_steps": sum(walls[args.warmup:])}}
     return fb_times, opt_times, losses, profile, host
 
 
@@ -744,12 +746,9 @@ def run_worker(args: argparse.Namespace) -> dict:
         reset_peak=torch.cuda.reset_peak_memory_stats if cuda else (lambda: None))
     # Where the worker's wall time went (the harness's wall_s adds the process's exit): a sweep point costs far more
     # than its timed steps, and these say which part to shorten.
-    steps_total_s = time.perf_counter() - t_steps
-    first_step_s, warmup_steps_s = host.pop("first_step_s"), host.pop("warmup_steps_s")
     phases = {"before_worker": before_worker_s, "build": t_built - t_entry, "materialize": t_materialized - t_built,
-              "optimizer_and_inputs": t_steps - t_materialized, "first_step": first_step_s,
-              "other_warmup_steps": warmup_steps_s - (first_step_s or 0.0),
-              "timed_steps": sum(fb_times) + sum(opt_times), "steps_total": steps_total_s}
+              "optimizer_and_inputs": t_steps - t_materialized, **host.pop("worker_phases_s"),
+              "steps_total": time.perf_counter() - t_steps}
     result = {
         "contender": name, "contender_spec": args.worker, "worker_env": dict(contender.env),
         "openmp_wait": {k: os.environ.get(k) for k in openmp_wait.USER_CHOICES},  # as the worker started
