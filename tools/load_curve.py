@@ -23,12 +23,10 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+from bench_fair import family_of  # noqa: E402
+
 CEILING = "ceiling"
-
-
-def _family(spec: str) -> str:
-    """bench_fair's family of a worker spec (the ceiling's rows are the ``ondevice`` worker's)."""
-    return CEILING if spec.startswith("ondevice:") else spec
 
 
 def rows_by_spec(record: dict, key: str = "tokens_per_s") -> dict[str, dict[str, list[float]]]:
@@ -57,7 +55,7 @@ def load_losses(quiet: dict, loaded: dict, key: str = "tokens_per_s") -> dict:
                        statistics.median(v for vs in l[spec].values() for v in vs))
         by_start = {boot: loss(statistics.median(q[spec][boot]), statistics.median(l[spec][boot]))
                     for boot in sorted(q[spec].keys() & l[spec].keys())}
-        rows[spec] = {"family": _family(spec), "loss": overall, "by_start": by_start}
+        rows[spec] = {"family": family_of(spec), "loss": overall, "by_start": by_start}
     ceiling = next((r for r in rows.values() if r["family"] == CEILING), None)
     for r in rows.values():
         if ceiling is None or r is ceiling:
