@@ -19,7 +19,8 @@ T40 = bench_fair.TABLES["train_7b_L8_b8_cap40"]
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(steps=5, warmup=2, device="cpu", dry_run=False, host_busy=0, host_copy=0, timeout=60, invocations=3)
+    base = dict(steps=5, warmup=2, device="cpu", dry_run=False, host_busy=0, host_copy=0, timeout=60, invocations=3,
+                gpus=1)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -367,3 +368,54 @@ def test_every_tables_points_are_well_formed_worker_specs():
                         assert contender.root_on_device and contender.dev >= 1, spec  # the same allowances
                 else:
                     assert spec.split(":")[0] in bench_infer.CONTENDERS, spec
+
+
+def test_slots_split_the_hosts_cores_among_the_gpus(monkeypatch):
+    monkeypatch.setattr(bench_fair.os, "sched_getaffinity", lambda pid: set(range(2, 12)))  # 10 cores: 4 + 3 + 3
+    got = bench_fair.slots(3)
+    assert [s.gpu for s in got] == [0, 1, 2]
+    assert [s.cpus for s in got] == [(2, 3, 4, 5), (6, 7, 8), (9, 10, 11)]
+    env = got[1].env({"KEEP": "1"})
+    assert env == {"KEEP": "1", "CUDA_VISIBLE_DEVICES": "1", "FSL_WORKER_CPUS": "6,7,8", "OMP_NUM_THREADS": "3"}
+    with pytest.raises(ValueError, match="at most 10"):
+        bench_fair.slots(11)
+
+
+def test_a_worker_takes_its_slots_cores_before_loading_anything():
+    import subprocess
+
+    cpu = min(os.sched_getaffinity(0))
+    code = (f"import sys; sys.path.insert(0, {str(Path(bench_fair.__file__).parent)!r}); import bench_train, os; "
+            "print(sorted(os.sched_getaffinity(0)))")
+    env = {**os.environ, "FSL_WORKER_CPUS": str(cpu)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"[{cpu}]"
+
+
+@pytest.mark.parametrize("extra, message", [(["--gpus", "0"], "use 1 or more"),
+                                            (["--gpus", "2", "--host-busy", "1"], "its own host load")])
+def test_bad_gpus_settings_fail_before_any_worker(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit):
+        bench_fair.main(["cpu_check", "--out-dir", str(tmp_path), "--device", "cpu", "--quick", *extra])
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # no record begun
+
+
+@pytest.mark.slow
+def test_families_sweep_side_by_side_on_their_own_slots(tmp_path):
+    """--gpus 2 on the CPU: both families' sweeps run at once through real workers, each family's points on one slot
+    (half the cores), the same points as one at a time."""
+    argv = ["cpu_check", "--out-dir", str(tmp_path), "--device", "cpu", "--quick", "--steps", "1", "--warmup", "1",
+            "--timeout", "120", "--part", "sweep"]
+    assert bench_fair.main([*argv, "--gpus", "2"]) == 0
+    record = json.loads((tmp_path / "fair_cpu_check.json").read_text())
+    ran = [r for r in record["sweep"] if r["status"] != "skipped"]
+    assert all(r["status"] == "ok" for r in ran), [r.get("error") for r in ran]
+    by_family = {f: {r["gpu_slot"] for r in ran if r["family"] == f} for f in ("layer-major", "fsdp2-offload")}
+    assert all(len(s) == 1 for s in by_family.values()) and set.union(*by_family.values()) <= {0, 1}, by_family
+    sizes = {s.gpu: len(s.cpus) for s in bench_fair.slots(2)}
+    assert all(r["worker_cpus"] == sizes[r["gpu_slot"]] for r in ran)
+    table = bench_fair.TABLES["cpu_check"]
+    shape = bench_fair.Shape.of(table)
+    first_tiers = {ladder[0][0] for f in table.families for ladder in bench_fair.train_ladders(table, f, shape)}
+    assert first_tiers <= {r["spec"] for r in record["sweep"]}  # every ladder's first point was tried

@@ -40,7 +40,10 @@ import argparse
 import dataclasses
 import json
 import os
+import queue
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -48,7 +51,7 @@ from typing import Optional, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
 import harness  # noqa: E402
 import protocol  # noqa: E402
-from bench_train import contender_env  # noqa: E402
+from bench_train import WORKER_CPUS_ENV, contender_env  # noqa: E402
 from host_load import HostLoad  # noqa: E402
 
 REPO = harness.REPO
@@ -308,14 +311,43 @@ def worker_command(table: Table, spec: str, args: argparse.Namespace) -> list[st
     return cmd + (["--layers", str(table.layers)] if table.layers else [])
 
 
-def run_point(table: Table, spec: str, args: argparse.Namespace, **fields) -> dict:
-    """One worker in its own process (beside the host load, if any): its record row."""
+@dataclass(frozen=True)
+class Slot:
+    """A share of the machine for one worker at a time (``--gpus N``): one GPU and a contiguous 1/N of the host's
+    cores."""
+
+    gpu: int
+    cpus: tuple[int, ...]
+
+    def env(self, env: dict) -> dict:
+        """``env`` with the worker held to this slot: CUDA_VISIBLE_DEVICES, its cores (the worker takes them as its
+        affinity before any library loads) and OpenMP's team sized to them."""
+        return {**env, "CUDA_VISIBLE_DEVICES": str(self.gpu), WORKER_CPUS_ENV: ",".join(map(str, self.cpus)),
+                "OMP_NUM_THREADS": str(len(self.cpus))}
+
+
+def slots(n: int) -> list[Slot]:
+    """``n`` slots: GPU i with the i-th contiguous part of this process's cores (the parts differ by at most one)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if n > len(cpus):
+        raise ValueError(f"--gpus {n}: this machine has {len(cpus)} cores for the workers; use at most {len(cpus)}")
+    size, extra = divmod(len(cpus), n)
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [Slot(i, tuple(cpus[bounds[i]:bounds[i + 1]])) for i in range(n)]
+
+
+def run_point(table: Table, spec: str, args: argparse.Namespace, slot: Optional[Slot] = None, **fields) -> dict:
+    """One worker in its own process (beside the host load, if any; held to ``slot`` if given): its record row."""
     cmd = worker_command(table, spec, args)
     if args.dry_run:
         print(" ".join(cmd), flush=True)
         return {"spec": spec, "family": family_of(spec), **fields, "status": "dry-run"}
+    env = contender_env(spec)
+    if slot is not None:
+        env = slot.env(env)
+        fields = {**fields, "gpu_slot": slot.gpu, "worker_cpus": len(slot.cpus)}
     with HostLoad(busy=args.host_busy, copy=args.host_copy) as load:
-        outcome = harness.launch_worker(cmd, contender_env(spec), timeout=args.timeout)
+        outcome = harness.launch_worker(cmd, env, timeout=args.timeout)
     row = outcome.row(spec=spec, family=family_of(spec), **fields)
     if args.host_busy or args.host_copy:
         row["host_load"] = load.summary()
@@ -330,32 +362,60 @@ MONOTONE = ("fsdp2-offload", "ceiling", "deepspeed-offload")
 
 
 def sweep(table: Table, families: Sequence[str], args: argparse.Namespace, record: dict, path: Path) -> None:
+    """Every family's ladders. With ``--gpus N`` the families' sweeps run side by side, each on a free slot
+    (:func:`slots`), a family's own points one after another as without it (its ladders' rules read its earlier
+    points); the record is written after every point either way."""
+    lock = threading.Lock()  # one family's rows at a time into the record, and one write of it
+    if args.gpus <= 1 or len(families) <= 1 or args.dry_run:
+        for family in families:
+            sweep_family(table, family, args, record, path, lock)
+        return
+    free: queue.Queue = queue.Queue()
+    for slot in slots(args.gpus):
+        free.put(slot)
+
+    def on_a_slot(family: str) -> None:
+        slot = free.get()
+        try:
+            sweep_family(table, family, args, record, path, lock, slot)
+        finally:
+            free.put(slot)
+
+    with ThreadPoolExecutor(max_workers=args.gpus) as pool:
+        for done in [pool.submit(on_a_slot, family) for family in families]:
+            done.result()  # a family's error (not a worker's: those are rows) stops the command
+
+
+def sweep_family(table: Table, family: str, args: argparse.Namespace, record: dict, path: Path,
+                 lock: threading.Lock, slot: Optional[Slot] = None) -> None:
     shape = Shape.of(table) if table.kind == "train" else None
-    for family in families:
-        ladders = train_ladders(table, family, shape) if table.kind == "train" else infer_ladders(table, family)
-        start = 0  # MONOTONE: the first tier still worth trying
-        for ladder_index, ladder in enumerate(ladders):
-            fitted = None  # the first tier where a point ran
-            for tier_index, tier in enumerate(ladder):
-                if fitted is not None and tier_index > fitted + 1:
-                    break
-                if tier_index < start:
-                    rows = [{"spec": spec, "family": family_of(spec), "ladder": ladder_index, "tier": tier_index,
-                             "status": "skipped", "reason": "out of memory at a smaller micro-batch"}
-                            for spec in tier]
-                else:  # a point an earlier part of this record already ran is not run again
+    ladders = train_ladders(table, family, shape) if table.kind == "train" else infer_ladders(table, family)
+    start = 0  # MONOTONE: the first tier still worth trying
+    for ladder_index, ladder in enumerate(ladders):
+        fitted = None  # the first tier where a point ran
+        for tier_index, tier in enumerate(ladder):
+            if fitted is not None and tier_index > fitted + 1:
+                break
+            if tier_index < start:
+                rows = [{"spec": spec, "family": family_of(spec), "ladder": ladder_index, "tier": tier_index,
+                         "status": "skipped", "reason": "out of memory at a smaller micro-batch"}
+                        for spec in tier]
+            else:  # a point an earlier part of this record already ran is not run again
+                with lock:
                     done = {r["spec"]: r for r in record["sweep"] if r["status"] in ("ok", "oom")}
-                    rows = [done.get(spec) or run_point(table, spec, args, ladder=ladder_index, tier=tier_index)
-                            for spec in tier]
+                on_slot = {"slot": slot} if slot is not None else {}
+                rows = [done.get(spec) or run_point(table, spec, args, ladder=ladder_index, tier=tier_index, **on_slot)
+                        for spec in tier]
+            with lock:
                 record["sweep"] = [r for r in record["sweep"] if r["spec"] not in tier] + rows
                 write(record, path, table, args)
-                ran = [r for r in rows if r["status"] == "ok"]
-                if ran and fitted is None:
-                    fitted = tier_index
-                    if not any(retried(r) for r in ran):
-                        break
-            if family in MONOTONE and table.kind == "train" and not args.dry_run:
-                start = len(ladder) if fitted is None else fitted
+            ran = [r for r in rows if r["status"] == "ok"]
+            if ran and fitted is None:
+                fitted = tier_index
+                if not any(retried(r) for r in ran):
+                    break
+        if family in MONOTONE and table.kind == "train" and not args.dry_run:
+            start = len(ladder) if fitted is None else fitted
 
 
 def retried(row: dict) -> bool:
@@ -547,6 +607,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--host-busy", type=int, default=0, help="busy-loop processes beside every worker")
     parser.add_argument("--host-copy", type=int, default=0, help="memory-copy processes beside every worker")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per worker")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="sweep: run up to this many families' sweeps at once, each on its own GPU and an equal "
+                             "share of the host's cores (the repeat always runs one worker at a time)")
     parser.add_argument("--also", action="append", default=[], metavar="SPEC",
                         help="repeat: another setting beside the best points (a lever's A/B), its own summary row")
     parser.add_argument("--points-from", action="append", default=[], metavar="RECORD",
@@ -566,6 +629,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.table not in TABLES:
         parser.error(f"unknown table {args.table!r}; --list shows the {len(TABLES)} tables")
     table = TABLES[args.table]
+    if args.gpus < 1:
+        parser.error(f"--gpus {args.gpus}: use 1 or more")
+    if args.gpus > 1 and (args.host_busy or args.host_copy):
+        parser.error("--gpus runs workers side by side, which is its own host load: drop --host-busy/--host-copy, or "
+                     "--gpus")
+    if args.gpus > 1 and args.device == "cuda" and not args.dry_run:
+        import torch  # only here: the parent launches workers and never touches the GPU otherwise
+
+        if torch.cuda.device_count() < args.gpus:
+            parser.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} GPUs")
     families = args.family or list(table.families)
     unknown = sorted(set(families) - set(table.families))
     if unknown:

@@ -68,6 +68,12 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
+# bench_fair --gpus: this worker's share of the host's cores (comma-separated), taken before any library loads:
+# OpenMP sizes its thread team from the affinity it finds then.
+WORKER_CPUS_ENV = "FSL_WORKER_CPUS"
+if os.environ.get(WORKER_CPUS_ENV):
+    os.sched_setaffinity(0, {int(c) for c in os.environ[WORKER_CPUS_ENV].split(",")})
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
 from fsdp_speedloader import openmp_wait  # noqa: E402 (before torch, as in the trainer: openmp_wait.py)
 import harness  # noqa: E402
