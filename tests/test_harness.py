@@ -263,6 +263,37 @@ def test_a_terminated_driver_stops_its_worker(tmp_path):
     assert not marker.exists()
 
 
+def test_a_terminated_driver_stops_the_workers_its_threads_run(tmp_path):
+    """bench_fair --gpus: workers run from threads (no SIGTERM handler there); the driver's main thread turns SIGTERM
+    into an exit, stops every running worker (stop_running), and none runs on."""
+    markers = [tmp_path / f"worker_{i}_alive" for i in range(2)]
+    driver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, threading
+        sys.path.insert(0, {str(TOOLS)!r})
+        import harness
+        def work(marker):
+            harness.run_process([sys.executable, "-c", "import time, pathlib; time.sleep(5); "
+                                 f"pathlib.Path({{marker!r}}).write_text('x')"], timeout=60)
+        threads = [threading.Thread(target=work, args=(m,), daemon=True) for m in {[str(m) for m in markers]!r}]
+        for t in threads:
+            t.start()
+        print("driver up", flush=True)
+        with harness.sigterm_as_exit():
+            try:
+                for t in threads:
+                    t.join()
+            except BaseException:
+                harness.stop_running()
+                raise
+    """)], stdout=subprocess.PIPE, text=True)
+    assert driver.stdout.readline().strip() == "driver up"
+    time.sleep(1.0)  # the workers have started
+    driver.terminate()
+    assert driver.wait(timeout=30) == 128 + 15
+    time.sleep(6)
+    assert not any(m.exists() for m in markers)
+
+
 def test_launch_worker_oom_before_a_hang_is_oom():
     """A rank out of memory can leave its peers waiting in a collective until stopped: still oom."""
     outcome = harness.launch_worker(_python(f"""

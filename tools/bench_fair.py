@@ -373,21 +373,30 @@ def sweep(table: Table, families: Sequence[str], args: argparse.Namespace, recor
     free: queue.Queue = queue.Queue()
     for slot in slots(args.gpus):
         free.put(slot)
+    stop = threading.Event()
 
     def on_a_slot(family: str) -> None:
+        if stop.is_set():
+            return
         slot = free.get()
         try:
-            sweep_family(table, family, args, record, path, lock, slot)
+            sweep_family(table, family, args, record, path, lock, slot, stop)
         finally:
             free.put(slot)
 
-    with ThreadPoolExecutor(max_workers=args.gpus) as pool:
-        for done in [pool.submit(on_a_slot, family) for family in families]:
-            done.result()  # a family's error (not a worker's: those are rows) stops the command
+    with harness.sigterm_as_exit(), ThreadPoolExecutor(max_workers=args.gpus) as pool:
+        futures = [pool.submit(on_a_slot, family) for family in families]
+        try:
+            for done in futures:
+                done.result()  # a family's error (not a worker's: those are rows) stops the command
+        except BaseException:  # that, Ctrl-C or a SIGTERM: no new point starts, the running ones stop
+            stop.set()
+            harness.stop_running()
+            raise
 
 
 def sweep_family(table: Table, family: str, args: argparse.Namespace, record: dict, path: Path,
-                 lock: threading.Lock, slot: Optional[Slot] = None) -> None:
+                 lock: threading.Lock, slot: Optional[Slot] = None, stop: Optional[threading.Event] = None) -> None:
     shape = Shape.of(table) if table.kind == "train" else None
     ladders = train_ladders(table, family, shape) if table.kind == "train" else infer_ladders(table, family)
     start = 0  # MONOTONE: the first tier still worth trying
@@ -406,6 +415,8 @@ def sweep_family(table: Table, family: str, args: argparse.Namespace, record: di
                 on_slot = {"slot": slot} if slot is not None else {}
                 rows = [done.get(spec) or run_point(table, spec, args, ladder=ladder_index, tier=tier_index, **on_slot)
                         for spec in tier]
+                if stop is not None and stop.is_set():  # the command was stopped: a stopped worker is no point
+                    return
             with lock:
                 record["sweep"] = [r for r in record["sweep"] if r["spec"] not in tier] + rows
                 write(record, path, table, args)

@@ -29,6 +29,7 @@ commit: ``FSL_COMMIT`` if set (the GPU machine's copy of the tree has no .git: p
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -283,23 +284,49 @@ class Finished:
         return status, f"{how}{' ' + reason if reason else ''}: {error_summary(output)}"
 
 
+_RUNNING: set = set()  # the children run_process waits on, in any thread (stop_running)
+_RUNNING_LOCK = threading.Lock()
+
+
 def run_process(cmd: Sequence[str], *, env: Optional[dict] = None, cwd: Optional[str | Path] = None,
                 timeout: Optional[float] = None, echo: Optional[Callable[[str], Any]] = None) -> Finished:
     """Runs ``cmd`` (a :class:`Process`) to its end, or stops it after ``timeout`` seconds."""
     start = time.perf_counter()
     proc = Process(cmd, env=env, cwd=cwd, echo=echo)
-    # A SIGTERM to this process (`timeout`, a scheduler) would end it at once and leave the child, in its own
-    # session, running on with the GPU and host memory it holds: turn it into an exit that runs the stop below.
+    with _RUNNING_LOCK:
+        _RUNNING.add(proc)
+    try:
+        with sigterm_as_exit():
+            code = proc.wait(timeout)
+    finally:
+        proc.stop()  # a timeout, or this process interrupted or terminated: the child's whole session goes
+        with _RUNNING_LOCK:
+            _RUNNING.discard(proc)
+    return Finished(code, *proc.output(), wall_s=time.perf_counter() - start, timeout=timeout)
+
+
+def stop_running() -> None:
+    """Stops every child that run_process waits on in any thread: a driver whose threads run workers side by side
+    stops them all when it is interrupted (each child, in its own session, would otherwise run on)."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for proc in running:
+        proc.stop()
+
+
+@contextlib.contextmanager
+def sigterm_as_exit():
+    """In the main thread: a SIGTERM to this process (`timeout`, a scheduler), which would end it at once and leave
+    its children running on with the GPU and host memory they hold, raises SystemExit instead, so that the
+    ``finally`` blocks that stop them run."""
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        code = proc.wait(timeout)
+        yield
     finally:
-        proc.stop()  # a timeout, or this process interrupted or terminated: the child's whole session goes
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    return Finished(code, *proc.output(), wall_s=time.perf_counter() - start, timeout=timeout)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
