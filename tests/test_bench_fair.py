@@ -393,7 +393,8 @@ def test_a_worker_takes_its_slots_cores_before_loading_anything():
 
 
 @pytest.mark.parametrize("extra, message", [(["--gpus", "0"], "use 1 or more"),
-                                            (["--gpus", "2", "--host-busy", "1"], "its own host load")])
+                                            (["--gpus", "2", "--host-busy", "1"], "its own host load"),
+                                            (["--gpus", "4096"], "cores for the workers")])
 def test_bad_gpus_settings_fail_before_any_worker(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit):
         bench_fair.main(["cpu_check", "--out-dir", str(tmp_path), "--device", "cpu", "--quick", *extra])

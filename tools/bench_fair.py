@@ -645,6 +645,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.gpus > 1 and (args.host_busy or args.host_copy):
         parser.error("--gpus runs workers side by side, which is its own host load: drop --host-busy/--host-copy, or "
                      "--gpus")
+    if args.gpus > 1:
+        try:
+            slots(args.gpus)
+        except ValueError as e:
+            parser.error(str(e))
     if args.gpus > 1 and args.device == "cuda" and not args.dry_run:
         import torch  # only here: the parent launches workers and never touches the GPU otherwise
 
