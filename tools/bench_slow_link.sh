@@ -19,7 +19,7 @@
 #   usage: FSL_COMMIT=<commit> bash tools/bench_slow_link.sh OUT_DIR [PART...]    (default: bw hsdp)
 # One device command may run 600 s: run the parts as separate commands, e.g.
 #   bash tools/bench_slow_link.sh "$OUT" bw     then     bash tools/bench_slow_link.sh "$OUT" hsdp     (then fsdp)
-# Records: OUT_DIR/slow_link_allreduce_<rate>.json, OUT_DIR/slow_link_<mesh>_<rate>_llama2_7b_L4_s4096_2x32.json
+# Records: OUT_DIR/slow_link_allreduce_<rate>.json, OUT_DIR/slow_link_<mesh>_<rate>_<model>_L<layers>_s4096_<shape>[_cap<G>].json
 # (+ .png), logs OUT_DIR/<part>.log, wall times OUT_DIR/bench_slow_link_times.txt.
 # Needs root with CAP_NET_ADMIN, iproute2 (ip, tc), veth and sch_tbf; the first thing printed is which link the
 # machine allows. FSL_LINK_MODES (default netns,lo,sockets) lists slow_link's modes to try, in order: lo (tc on
@@ -30,7 +30,9 @@
 # (bench_scale --max-gpu-memory-gib: the regime where the peers' best micro-batch is a small part of the batch;
 # the record's name gets _capG); FSL_SLOW_LINK_STEPS / _WARMUP (default 5 / 2) the timed
 # and warm-up steps; FSL_SLOW_LINK_INVOCATIONS (default 1) the invocations per command; FSL_SLOW_LINK_LAYERS (default
-# 4) the model's layers (the record's name says L<layers>); FSL_SLOW_LINK_TIMEOUT (default 240 s) each contender's
+# 4) the model's layers (the record's name says L<layers>); FSL_SLOW_LINK_MODEL (default llama2_7b; any of
+# tools/bench_scale.py's --model, e.g. llama2_13b: wider blocks, so the peers fit fewer sequences per micro-batch
+# under a cap) its shapes (the record's name says which); FSL_SLOW_LINK_TIMEOUT (default 240 s) each contender's
 # limit: under the cap a peer's step over 10 Gbit/s takes about 29 s at 4 layers (DeepSpeed 4 x 16 did not finish its
 # 7 steps in 240 s at d239093), so a capped run with DeepSpeed wants 2 layers or a longer limit. A part run again with the
 # same settings appends its invocations to the same record (the protocol's 3 over several device commands).
@@ -47,16 +49,19 @@ modes=${FSL_LINK_MODES:-netns,lo,sockets}
 shape=${FSL_SLOW_LINK_SHAPE:-2x32}
 steps=${FSL_SLOW_LINK_STEPS:-5}; warmup=${FSL_SLOW_LINK_WARMUP:-2}  # the protocol's minimums (docs/benchmarking.md)
 layers=${FSL_SLOW_LINK_LAYERS:-4}; limit=${FSL_SLOW_LINK_TIMEOUT:-240}
+model=${FSL_SLOW_LINK_MODEL:-llama2_7b}
 # Layer-major at its best (compiled, root on the GPU); the peers at their largest micro-batch first: over a slow link
 # each micro-batch gathers every layer again, so the fewest micro-batches that fit win (DeepSpeed 32 x 2 beat 16 x 4
 # over emulated Ethernet on 4 GPUs, bench/results/scale_llama2_7b_L4_s4096_64seq_micro_batches_eager.json), then
 # smaller ones (under a cap, only those fit).
-# Under FSL_SLOW_LINK_CAP_GIB=24 the peers' 32 x 2, 16 x 4 and 8 x 8 ran out of GPU memory (e98ed7a, 2 x H200,
-# bench/results/logs/slow_link_fsdp_10g_cap24_e98ed7a_h200x2.log; DeepSpeed's 8 x 8 untried), so a capped run starts
-# from FSDP2's 4 x 16 (its largest that fits: 11.8 GiB at d239093; 2 x 32 would gather twice as often) and DeepSpeed's
-# 8 x 8, then its 4 x 16.
+# Under FSL_SLOW_LINK_CAP_GIB=24 the largest micro-batch that fits depends on the layers: at 4 layers the peers' 32 x 2,
+# 16 x 4 and FSDP2's 8 x 8 ran out of GPU memory (e98ed7a, 2 x H200; FSDP2's best was 4 x 16, d239093); at 2 layers
+# FSDP2's 8 x 8 (16.6 GiB) and DeepSpeed's 8 x 8 (14.1 GiB) fit and DeepSpeed's 16 x 4 did not (8531464,
+# bench/results/slow_link_fsdp_10g_llama2_7b_L2_s4096_2x32_cap24_points_*_h200x2_8531464.json). So a capped run tries
+# each peer's 8 x 8 first (an out-of-memory point costs a start, about 40 s) and 4 x 16 after it; a 4 x 16 that its
+# 8 x 8 beat is only a longer run, so drop it with FSL_SLOW_LINK_CONTENDERS once the 8 x 8 is known to fit.
 uncapped=speedloader:compile:root=device,deepspeed-offload:32x2,fsdp2-offload:32x2:compile,fsdp2-offload:16x4:compile,deepspeed-offload:16x4,fsdp2-offload:8x8:compile
-capped=speedloader:compile:root=device,fsdp2-offload:4x16:compile,deepspeed-offload:8x8,deepspeed-offload:4x16
+capped=speedloader:compile:root=device,fsdp2-offload:8x8:compile,deepspeed-offload:8x8,fsdp2-offload:4x16:compile,deepspeed-offload:4x16
 contenders=${FSL_SLOW_LINK_CONTENDERS:-$([ -n "${FSL_SLOW_LINK_CAP_GIB:-}" ] && echo "$capped" || echo "$uncapped")}
 if [ "$dry" != 1 ]; then
   python3 tools/slow_link.py cleanup  # what a command killed on this machine before may have left
@@ -79,14 +84,14 @@ bw 1000 slow_link_allreduce_ceiling
 train() {  # train PART RATE DP_REPLICATE NAME: one bench_scale invocation in what is left of the budget
   local key=$1 rate=$2 replicate=$3 name=$4${FSL_SLOW_LINK_CAP_GIB:+_cap$FSL_SLOW_LINK_CAP_GIB}
   local left=$((budget - SECONDS - 20))
-  bench_run "$key" "$name" 60 0 python3 tools/bench_scale.py --model llama2_7b --layers "$layers" --seq-len 4096 \
+  bench_run "$key" "$name" 60 0 python3 tools/bench_scale.py --model "$model" --layers "$layers" --seq-len 4096 \
     --shape "$shape" --gpus '' --ethernet 2x1 --gpu-ids 0,1 --dp-replicate "$replicate" --link-gbit "$rate" \
     --link-modes "$modes" --contenders "$contenders" --steps "$steps" --warmup "$warmup" \
     --invocations "${FSL_SLOW_LINK_INVOCATIONS:-1}" --timeout "$limit" --budget-s "$left" \
     ${FSL_SLOW_LINK_CAP_GIB:+--max-gpu-memory-gib "$FSL_SLOW_LINK_CAP_GIB"} \
     --name "$name"
 }
-train hsdp 10 2 "slow_link_hsdp_10g_llama2_7b_L${layers}_s4096_$shape"
-train fsdp 10 1 "slow_link_fsdp_10g_llama2_7b_L${layers}_s4096_$shape"
-train hsdp25 25 2 "slow_link_hsdp_25g_llama2_7b_L${layers}_s4096_$shape"
+train hsdp 10 2 "slow_link_hsdp_10g_${model}_L${layers}_s4096_$shape"
+train fsdp 10 1 "slow_link_fsdp_10g_${model}_L${layers}_s4096_$shape"
+train hsdp25 25 2 "slow_link_hsdp_25g_${model}_L${layers}_s4096_$shape"
 [ "$dry" = 1 ] || python3 tools/slow_link.py cleanup | tee -a "$times"  # nothing left behind (the EXIT trap too)
