@@ -295,6 +295,35 @@ def test_bench_scale_medians_over_invocations():
     assert t["repeats"]["speedloader 2x1-ethernet"]["min"] == 300.0
 
 
+def test_bench_scale_link_per_step_and_the_bound():
+    """Over a shaped link each run says the busier direction's bytes per step and their seconds at the link's rate;
+    the targets bound each ratio by the peer's median step over layer-major's median forward+backward."""
+    got = bench_scale.link_per_step([72_586_246_077, 72_587_901_036], 7, 10.0)
+    assert got["link_bytes_per_step"] == pytest.approx(72_587_901_036 / 7)
+    assert got["link_s_per_step"] == pytest.approx(72_587_901_036 / 7 * 8 / 10e9)  # 8.30 s
+    assert bench_scale.link_per_step([17_623_420_719, None], 7, None) == {
+        "link_bytes_per_step": pytest.approx(17_623_420_719 / 7), "link_s_per_step": None}  # no rate: no seconds
+    assert bench_scale.link_per_step([None, None], 7, 10.0) == {}  # sockets mode counts nothing
+
+    def run(contender, tps, step_s, fwd_bwd_s, link_s):
+        return {"contender": contender, "case": "2x1-ethernet", "status": "ok", "tokens_per_s": tps,
+                "tokens_per_s_per_gpu": tps / 2, "step_s": step_s, "fwd_bwd_s": fwd_bwd_s, "link_s_per_step": link_s}
+
+    results = [run("speedloader:compile", 149_530.0, 3.51, 3.41, 2.0),
+               run("speedloader:compile", 147_921.0, 3.54, 3.47, 2.1),
+               run("fsdp2-offload:8x8", 55_575.0, 9.43, 9.32, 8.3), run("fsdp2-offload:8x8", 55_436.0, 9.46, 9.35, 8.3),
+               run("fsdp2-offload:4x16", 30_797.0, 17.02, 16.87, 15.5)]
+    t = bench_scale.targets(results)
+    assert t["ethernet_variants"]["fsdp2-offload"] == "fsdp2-offload:8x8"  # the bound is against its best point
+    bound = t["ethernet_bound"]["fsdp2-offload"]
+    assert bound["peer_step_s"] == pytest.approx(9.445) and bound["speedloader_fwd_bwd_s"] == pytest.approx(3.44)
+    assert bound["at_most"] == pytest.approx(9.445 / 3.44)
+    assert t["ethernet_speedloader_over"]["fsdp2-offload"] <= bound["at_most"]  # measured within its bound
+    assert bound["peer_link_share"] == pytest.approx(8.3 / 9.445)  # the peer bound by the link
+    assert bound["speedloader_link_share"] == pytest.approx(2.05 / 3.525)
+    assert "deepspeed-offload" not in t["ethernet_bound"]  # not run: no bound
+
+
 def test_bench_scale_invocations_alternate_and_append(tmp_path):
     """--invocations 2 runs every (contender, case) twice, the order reversed the second time; a later command with
     the same work appends a third invocation to the same record; other settings are refused, not merged."""

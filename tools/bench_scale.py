@@ -20,8 +20,10 @@ Over a link of known bandwidth (issue 43): ``--link-gbit G`` runs the two-node c
 network namespace, joined by a veth pair shaped to G Gbit/s each way (tools/slow_link.py; ``--link-delay-ms``,
 ``--link-modes`` as in tools/launch_two_nodes.py); NCCL uses its socket transport between the nodes and
 NVLink within one. The link is built once for the whole invocation; the record says which
-(``link``) and each run how many bytes crossed it (``link_bytes_sent``, per direction). ``--dp-replicate 2``
-gives the two-node case an HSDP mesh (one replica per node: only gradients cross the link; DeepSpeed's ZeRO-3
+(``link``) and each run how many bytes crossed it (``link_bytes_sent``, per direction; per step and in seconds at
+the link's rate: ``link_bytes_per_step``, ``link_s_per_step``). ``targets.ethernet_bound`` bounds each ratio from
+the measured runs: at most the peer's step over layer-major's forward+backward, with each side's link share.
+``--dp-replicate 2`` gives the two-node case an HSDP mesh (one replica per node: only gradients cross the link; DeepSpeed's ZeRO-3
 has no such mesh and shards over both nodes); the one-node cases stay 1-D.
 Every rank gets the same number of CPU threads (``--threads-per-rank``, default cores / largest
 case), also in the 1-GPU case, so that the offloaded optimizer step is not what scales.
@@ -233,6 +235,8 @@ def run_case(contender: str, case: Case, args: argparse.Namespace, work_dir: Pat
     if link:  # the whole run's traffic, setup included: that the bytes crossed the link, and how many
         record["link_bytes_sent"] = [None if a is None or b is None else b - a
                                      for a, b in zip(sent_before, link.bytes_sent())]
+        record.update(link_per_step(record["link_bytes_sent"], args.steps + args.warmup,
+                                    link.gbit if link.mode == "netns" else None))
     ranks = collect_rank_results(log_dir)
     record["returncodes"] = codes
     if len(ranks) == case.world_size:  # every rank measured: the figures stand, whatever the exit
@@ -251,20 +255,50 @@ def run_case(contender: str, case: Case, args: argparse.Namespace, work_dir: Pat
 # ---------------------------------------------------------------------------------------------
 
 
-RATES = ("tokens_per_s", "tokens_per_s_per_gpu")
+def link_per_step(sent: Sequence[Optional[int]], steps: int, gbit: Optional[float]) -> dict:
+    """The busier direction's bytes per step (warm-up steps counted; the start-up's few bytes too, so a little
+    high) and, over a link of ``gbit`` each way (netns mode; None: no rate, or one shared by both directions),
+    the seconds they take at that rate: the least time a step spends on the link."""
+    counted = [b for b in sent if b is not None]
+    if not counted or steps < 1:
+        return {}
+    per_step = max(counted) / steps
+    return {"link_bytes_per_step": per_step,
+            "link_s_per_step": per_step * 8 / (gbit * 1e9) if gbit else None}
+
+
+
+# Each taken as its median over a (contender, case)'s invocations: the rates, and the times the bound is made of.
+MEDIANS = ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "fwd_bwd_s", "link_bytes_per_step", "link_s_per_step")
 
 
 def medians(results: Sequence[dict]) -> dict:
-    """{(contender, case): its median invocation}: each ok run's rates replaced by their median over the
-    invocations of that (contender, case), with their spread (``protocol.spread`` of tokens/s) under ``spread``."""
+    """{(contender, case): its median invocation}: each ok run's rates and times (``MEDIANS``) replaced by their
+    median over the invocations of that (contender, case), with their spread (``protocol.spread`` of tokens/s)
+    under ``spread``."""
     runs: dict = {}
     for r in results:
         if r.get("status") == "ok":
             runs.setdefault((r["contender"], r["case"]), []).append(r)
     out = {}
     for key, rs in runs.items():
-        out[key] = {**rs[0], **{rate: statistics.median(r[rate] for r in rs) for rate in RATES if rate in rs[0]},
+        out[key] = {**rs[0], **{k: statistics.median(r[k] for r in rs) for k in MEDIANS
+                                if all(r.get(k) is not None for r in rs)},
                     "spread": protocol.spread(r["tokens_per_s"] for r in rs)}
+    return out
+
+
+def ethernet_bound(speedloader: dict, peer: dict) -> dict:
+    """How far the ratio over ``peer`` could go, from the measured runs: layer-major's step is no shorter than its
+    forward+backward, so against the peer as measured the ratio is at most the peer's step over that; and what
+    share of each step the link alone needs at its rate (about 1: bound by the link)."""
+    out = {"peer_step_s": peer.get("step_s"), "speedloader_fwd_bwd_s": speedloader.get("fwd_bwd_s"),
+           "at_most": None, "peer_link_share": None, "speedloader_link_share": None}
+    if out["peer_step_s"] and out["speedloader_fwd_bwd_s"]:
+        out["at_most"] = out["peer_step_s"] / out["speedloader_fwd_bwd_s"]
+    for key, run in (("peer_link_share", peer), ("speedloader_link_share", speedloader)):
+        if run.get("link_s_per_step") and run.get("step_s"):
+            out[key] = run["link_s_per_step"] / run["step_s"]
     return out
 
 
@@ -293,6 +327,8 @@ def targets(results: Sequence[dict]) -> dict:
         out["ethernet_speedloader_over_each"] = {
             contender: best / r["tokens_per_s"] for (contender, case), r in ok.items()
             if case.endswith("-ethernet") and family(contender) != "speedloader"}
+        out["ethernet_bound"] = {name: ethernet_bound(fastest["speedloader"], fastest[name])
+                                 for name in CONTENDERS[1:] if name in fastest}
     out["goals"] = {"weak_scaling_per_gpu_4_over_1 (speedloader)": ">= 0.95 (issue 43; 8 GPUs: >= 0.93)",
                     "ethernet_speedloader_over fsdp2-offload": ">= 4 over 10 Gbit/s, each at its best micro-batch",
                     "ethernet_speedloader_over deepspeed-offload": ">= 4 over 10 Gbit/s, each at its best micro-batch"}
