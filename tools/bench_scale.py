@@ -23,8 +23,8 @@ NVLink within one. The link is built once for the whole invocation; the record s
 (``link``) and each run how many bytes crossed it (``link_bytes_sent``, per direction; per step and in seconds at
 the link's rate: ``link_bytes_per_step``, ``link_s_per_step``). ``targets.ethernet_bound`` bounds each ratio from
 the measured runs: at most the peer's step over layer-major's forward+backward, with each side's link share.
-``--dp-replicate 2`` gives the two-node case an HSDP mesh (one replica per node: only gradients cross the link; DeepSpeed's ZeRO-3
-has no such mesh and shards over both nodes); the one-node cases stay 1-D.
+``--dp-replicate 2`` gives the two-node case an HSDP mesh (one replica per node: only gradients cross the link;
+DeepSpeed's ZeRO-3 has no such mesh and shards over both nodes); the one-node cases stay 1-D.
 Every rank gets the same number of CPU threads (``--threads-per-rank``, default cores / largest
 case), also in the 1-GPU case, so that the offloaded optimizer step is not what scales.
 
@@ -265,7 +265,6 @@ def link_per_step(sent: Sequence[Optional[int]], steps: int, gbit: Optional[floa
     per_step = max(counted) / steps
     return {"link_bytes_per_step": per_step,
             "link_s_per_step": per_step * 8 / (gbit * 1e9) if gbit else None}
-
 
 
 # Each taken as its median over a (contender, case)'s invocations: the rates, and the times the bound is made of.

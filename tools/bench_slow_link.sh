@@ -19,7 +19,8 @@
 #   usage: FSL_COMMIT=<commit> bash tools/bench_slow_link.sh OUT_DIR [PART...]    (default: bw hsdp)
 # One device command may run 600 s: run the parts as separate commands, e.g.
 #   bash tools/bench_slow_link.sh "$OUT" bw     then     bash tools/bench_slow_link.sh "$OUT" hsdp     (then fsdp)
-# Records: OUT_DIR/slow_link_allreduce_<rate>.json, OUT_DIR/slow_link_<mesh>_<rate>_<model>_L<layers>_s4096_<shape>[_cap<G>].json
+# Records: OUT_DIR/slow_link_allreduce_<rate>.json,
+#   OUT_DIR/slow_link_<mesh>_<rate>_<model>_L<layers>_s4096_<shape>[_cap<G>].json
 # (+ .png), logs OUT_DIR/<part>.log, wall times OUT_DIR/bench_slow_link_times.txt.
 # Needs root with CAP_NET_ADMIN, iproute2 (ip, tc), veth and sch_tbf; the first thing printed is which link the
 # machine allows. FSL_LINK_MODES (default netns,lo,sockets) lists slow_link's modes to try, in order: lo (tc on
