@@ -239,6 +239,16 @@ def _token_file(path: Path, num_tokens: int, vocab_size: int, *, sidecar: bool =
     return str(path)
 
 
+@pytest.mark.parametrize("source, trains_on", [("default", "the corpus bundled"), ("synthetic", "random tokens")])
+def test_a_path_the_source_would_ignore_is_refused(source, trains_on):
+    """``data.path=my.txt`` without ``data=text`` would train on other tokens than the user's: refused, naming the
+    groups that read a path (a held-out ``val_path`` beside the default corpus stays allowed: it is read as text)."""
+    with pytest.raises(ValueError, match=rf"data\.path: data\.source='{source}' reads no data\.path \(it trains on "
+                                         rf"{trains_on}.*add data=text .* or data=tokens"):
+        DataConfig(source=source, path="my_corpus.txt")
+    assert DataConfig(val_path="held_out.txt").val_path == "held_out.txt"
+
+
 def test_errors_name_the_field_to_change(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "short.txt").write_text("only a few bytes")

@@ -54,6 +54,12 @@ class DataConfig:
         elif self.source in ("text", "tokens"):
             check(bool(self.path), "data.path", f"data.source={self.source!r} needs data.path=<file or directory>"
                   + (" or data.mixture=[{path: ..., weight: ...}, ...]" if self.source == "tokens" else ""))
+        else:  # a path given to a source that reads none would be ignored: the run would train on other tokens
+            what = "the corpus bundled with the package" if self.source == "default" else "random tokens"
+            check(not self.path, "data.path",
+                  f"data.source={self.source!r} reads no data.path (it trains on {what}); to train on {self.path!r} "
+                  "add data=text (a .txt/.jsonl file or a directory of them) or data=tokens (a token directory from "
+                  "fsdp-speedloader-prepare, or a .bin file); or drop data.path")
         check(0.0 <= self.val_fraction < 1.0, "data.val_fraction", f"got {self.val_fraction}; use [0, 1) (0: none)")
         check(not (self.mixture and self.val_fraction), "data.val_fraction",
               "a mixture holds out no fraction of its datasets; give its held-out set as data.val_path=<a token "
