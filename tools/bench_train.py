@@ -470,9 +470,9 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     -> a ``Contender``.
     ``default_transfer`` / ``default_compile``: ``--param-transfer-dtype`` (speedloader contenders) and
     ``--compile`` (every contender but DeepSpeed) for a contender without the suffix. ``root=device``
-    (speedloader contenders): the embeddings, final norm and LM head keep their states on the GPU. ``cap``
-    (every contender): its own GPU-memory cap in GiB, or none, instead of ``--max-gpu-memory-gib``. ``keep``
-    (speedloader contenders): ``keep_activations``, pairs whose backward skips the recompute. The kernel levers
+    (speedloader and FSDP2-offload contenders): the embeddings, final norm and LM head keep their states on the
+    GPU. ``cap`` (every contender): its own GPU-memory cap in GiB, or none, instead of ``--max-gpu-memory-gib``.
+    ``keep`` (speedloader contenders): ``keep_activations``, pairs whose backward skips the recompute. The kernel levers
     (every contender but DeepSpeed; ``fsdp_speedloader.kernels``): ``sdpa`` the attention backend (auto, cudnn,
     flash, efficient, math), ``liger`` Liger's kernels, ``fp8`` torchao float8 linears (tensorwise unless a recipe
     is named). ``states`` and ``threads`` (speedloader-overlap): the host optimizer's moments (``optim.state_dtype``)
