@@ -106,6 +106,51 @@ def test_plan_keeps_unit_1_on_the_gpu_before_kept_pairs():
     assert unplanned.device_units == 0 and unplanned.keep_activations == 24
 
 
+def test_plan_puts_more_units_on_the_gpu_where_the_overlapped_cpu_step_would_show():
+    """With an overlapped optimizer the trials time the forward+backward and the CPU step: the plan takes the fewest
+    units on the GPU (at least 1, as the memory allows) whose predicted CPU step is at most HOST_STEP_SHARE of the
+    forward+backward without recompute, each unit taking its parameters' share off that step."""
+    from fsdp_speedloader.tuning.plan import HOST_STEP_SHARE
+
+    unit_params = 200_000_000
+    unit_bytes = 16 * unit_params
+
+    def timed(host_step_s):
+        recorded = _recorded(sizes=(2, 4))
+        for m, base in zip(recorded, (0.40, 0.70)):  # forward+backward without recompute: 4 and 8 sequences
+            m.kept_pair_bytes = int(0.3 * GIB * m.sub_batch_size)
+            m.recomputed_share = 15 / 16  # one of 8 units x 2 sub-batches kept
+            m.fwd_bwd_s = base * (1 + m.recomputed_share / 3)  # each recomputed pair runs its forward again
+            m.host_step_s, m.host_step_params = host_step_s, L * unit_params  # every unit offloaded in the trials
+        return recorded
+
+    kw = dict(num_layers=L, host_budget_bytes=120 * GIB, max_sub_batch_size=4, max_num_sub_batches=2,
+              device_unit_bytes_per_block=unit_bytes)
+    # n = 4 x N = 2: 0.70 s; the CPU step 0.448 s over 8 units: 7/8 of it is 0.56 of 0.70, 6/8 of it 0.48
+    busy = plan_from_measurements(timed(0.448), gpu_budget_bytes=40 * GIB, **kw)
+    assert HOST_STEP_SHARE == 0.5 and (busy.sub_batch_size, busy.num_sub_batches) == (4, 2)
+    assert busy.device_units == 2 and busy.host_step_share == pytest.approx(0.448 * 6 / 8 / 0.70)
+    # peak 8 GiB + two units; the kept pairs (1.2 GiB each) in what is left under 36 GiB: all 16 of them
+    assert busy.keep_activations == 16
+    assert busy.predicted_gpu_bytes == pytest.approx(8 * GIB + 2 * unit_bytes + 15 * 1.2 * GIB)
+    assert "offload.device_units=2" in busy.overrides() and busy.as_metrics()["tune/host_step_share"] == \
+        pytest.approx(0.48)
+    assert "the overlapped CPU step predicted at 0.48 of the forward+backward, at most 0.5 wanted" in busy.summary()
+    quiet = plan_from_measurements(timed(0.30), gpu_budget_bytes=40 * GIB, **kw)
+    assert quiet.device_units == 1 and quiet.host_step_share == pytest.approx(0.30 * 7 / 8 / 0.70)
+    # Memory for one unit only: the plan takes it and says how much of the step the CPU's would be.
+    tight = plan_from_measurements(timed(0.448), gpu_budget_bytes=int((8 * GIB + 1.5 * unit_bytes) / 0.9), **kw)
+    assert tight.device_units == 1 and tight.host_step_share == pytest.approx(0.56)
+    # A longer step hides more: 16 sequences on the trials' line (0.40 s + 0.075 s a sequence) take 1.30 s.
+    longer = plan_from_measurements(timed(0.448), gpu_budget_bytes=40 * GIB,
+                                    **{**kw, "max_num_sub_batches": 4})
+    assert longer.batch_size == 16 and longer.device_units == 1
+    assert longer.host_step_share == pytest.approx(0.448 * 7 / 8 / 1.30)
+    # No CPU step timed (no overlapped optimizer, or the CPU stand-in): unit 1, as before.
+    untimed = plan_from_measurements(_recorded(sizes=(2, 4)), gpu_budget_bytes=40 * GIB, **kw)
+    assert untimed.device_units == 1 and untimed.host_step_share == 0.0
+
+
 def test_device_unit_bytes_count_one_rank_s_shard_of_the_largest_block():
     from fsdp_speedloader.tuning.tuner import device_unit_bytes_per_block
 

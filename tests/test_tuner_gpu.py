@@ -15,6 +15,7 @@ there as JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -141,3 +142,26 @@ def test_predicted_peak_gpu_memory_within_5_percent(capped_gpu):
         assert row["reserved_error"] >= -plan.gpu_margin, row
         assert row["host_error"] >= -0.01, row
         assert row["host_over_bytes"] <= spread + 0.01 * row["measured_host_gib"] * GIB, row
+
+
+def test_trials_time_the_forward_backward_and_the_overlapped_cpu_step():
+    """With an overlapped optimizer a trial step times its forward+backward (the GPU synchronized after it) and the
+    worker's CPU step, counts the host parameters that step updates and the share of pairs recomputed: what the
+    planner's host-step rule (more units on the GPU where the CPU step would show) reads."""
+    if not os.environ.get(LIMIT_ENV):
+        os.environ[LIMIT_ENV] = "120"
+    maybe_init_process_group("cuda")
+    model = dataclasses.replace(MODEL, num_layers=2)
+    options = SpeedLoaderOptions(offload_params=True, activation_store="host", param_dtype=torch.bfloat16,
+                                 num_sub_batches=2, keep_activations=1)
+    optim = OptimConfig(overlap_with_backward=True, grad_clip=0.0)
+    with TrialModel(model, options, mesh=build_mesh("cuda"), seed=0,
+                    build_optimizer=lambda m: build_optimizer(m, optim)) as trial:
+        m = trial.measure(1, 1024)
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in trial.model.parameters()]
+        host = sum(t.numel() for t in local if t.device.type == "cpu")
+    print(f"\nfwd+bwd {m.fwd_bwd_s:.3f} s of a {m.step_s:.3f} s step; CPU step {m.host_step_s:.3f} s over {host:,} "
+          "parameters")
+    assert 0 < m.fwd_bwd_s <= m.step_s
+    assert m.host_step_s > 0 and m.host_step_params == host > 0
+    assert m.recomputed_share == 1 - 1 / (2 * 2)  # 2 units x 2 sub-batches, one pair kept

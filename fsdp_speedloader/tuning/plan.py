@@ -15,6 +15,13 @@ from fsdp_speedloader.tuning.fit import GIB, LinearFit, fit_host, fit_linear, gp
 from fsdp_speedloader.tuning.trial import Measurement, slot_host_bytes
 
 DEFAULT_GPU_MARGIN = 0.10  # of the GPU budget, left for what the fits miss (fragmentation is in the reserved fit)
+DEVICE_STATE_BYTES_PER_PARAM = 16
+"""GPU bytes of a parameter whose states stay there: the fp32 shard, its fp32 gradient and AdamW's two fp32 moments
+(with compressed host states or bf16 host masters too: the GPU's keep fp32, ``app.optim.build_adamw``)."""
+HOST_STEP_SHARE = 0.5
+"""With an overlapped optimizer: the most of the step's forward+backward (without recompute) that the CPU step may
+take on a quiet host. The backward hides it up to a little more than this; a host with a quarter of its cores busy
+makes it about a quarter longer, and then it shows in every step (issue 40's busy-host records, docs/results.md)."""
 HARD_CAP = 1 << 24  # a search bound: no sub-batch or number of sub-batches is larger
 
 
@@ -98,6 +105,9 @@ class TunePlan:
     """GPU memory of one kept pair at the planned n (from the trials' measurement; 0: not measured)."""
     device_units: int = 0
     """Units 1 .. K whose states stay on the GPU (``offload.device_units``): planned before the kept pairs."""
+    host_step_share: float = 0.0
+    """With an overlapped optimizer: the predicted CPU step at ``device_units`` over the predicted forward+backward
+    without recompute (``HOST_STEP_SHARE`` is the most the plan wants); 0: not timed."""
     device_unit_bytes: int = 0
     """GPU memory the states of one unit kept there take (from the parameter count; 0: not planned)."""
     trial_s: float = 0.0
@@ -260,7 +270,8 @@ class TunePlan:
                "tune/predicted_gpu_reserved_gib": gib(self.predicted_gpu_reserved_bytes),
                "tune/predicted_host_gib": gib(self.predicted_host_bytes), "tune/trial_s": self.trial_s,
                "tune/keep_activations": self.keep_activations, "tune/kept_pair_gib": gib(self.kept_pair_bytes),
-               "tune/device_units": self.device_units, "tune/device_unit_gib": gib(self.device_unit_bytes)}
+               "tune/device_units": self.device_units, "tune/device_unit_gib": gib(self.device_unit_bytes),
+               "tune/host_step_share": self.host_step_share}
         fits = {"gpu": self.gpu_fit, "gpu_reserved": self.gpu_reserved_fit, "host": self.host_fit}
         for name, fit in fits.items():
             if fit is None:
@@ -297,9 +308,11 @@ class TunePlan:
             "|---|---|---|---|---|---|---|---|---|---|---|"]
         if self.device_units or self.device_unit_bytes:
             each = format_bytes(self.device_unit_bytes) if self.device_unit_bytes else "as configured"
+            host = (f"; the overlapped CPU step predicted at {self.host_step_share:.2f} of the forward+backward, at "
+                    f"most {HOST_STEP_SHARE} wanted" if self.host_step_share else "")
             lines.insert(3, f"device_units={self.device_units}: the first {self.device_units} unit(s) keep their "
                             f"states on the GPU ({each} a unit; unit 1's CPU optimizer step then does not delay the "
-                            "next step)")
+                            f"next step{host})")
         if self.gpu_reserved_fit is not None:
             lines.insert(2, f"GPU reserved (allocator settings: {self.gpu_allocator_settings or 'defaults'}): "
                             f"{self.gpu_reserved_fit.describe()}")
@@ -396,7 +409,8 @@ def plan_from_measurements(
     plan.predicted_gpu_bytes = int(plan.predict_gpu_bytes(n, N, b))
     plan.predicted_gpu_reserved_bytes = int(plan.predict_gpu_reserved_bytes(n, N, b))
     plan.predicted_host_bytes = int(plan.predict_host_bytes(n, N, b))
-    _plan_device_units(plan, device_units, device_unit_bytes_per_block * b)
+    _plan_device_units(plan, device_units, device_unit_bytes_per_block * b,
+                       [m for m in measurements if m.blocks_per_unit == b])
     plan.keep_activations, plan.kept_pair_bytes = _kept_pairs(plan, [m for m in measurements if m.blocks_per_unit == b])
     if keep_activations is not None:
         plan.keep_activations = keep_activations
@@ -407,11 +421,12 @@ def plan_from_measurements(
     return plan
 
 
-def _plan_device_units(plan: TunePlan, given: Optional[int], unit_bytes: int) -> None:
-    """``device_units``: ``given`` as it is (the trials held those states), else 1 when one unit's states fit under the
-    target beside the predicted peak (their bytes added to it), else 0. One: it is unit 1's CPU step, which starts
-    only when the backward ends, that the next step waits for; more units pay only where the host step outlasts the
-    backward, which the trials do not measure."""
+def _plan_device_units(plan: TunePlan, given: Optional[int], unit_bytes: int,
+                       measurements: Sequence[Measurement]) -> None:
+    """``device_units``: ``given`` as it is (the trials held those states), else as many as the CPU step needs
+    (``_host_step_units``; at least 1) and the GPU memory left under the target holds (their bytes added to the
+    predicted peak), else 0. Unit 1 always: its CPU step starts only when the backward ends, and the next step waits
+    for it. More where an overlapped CPU step would outlast what the backward hides."""
     if given is not None:
         plan.device_units = given
         return
@@ -419,10 +434,47 @@ def _plan_device_units(plan: TunePlan, given: Optional[int], unit_bytes: int) ->
         return
     plan.device_unit_bytes = unit_bytes
     left = plan.gpu_target_bytes - max(plan.predicted_gpu_bytes, plan.predicted_gpu_reserved_bytes)
-    if left >= unit_bytes:
-        plan.device_units = 1
-        plan.predicted_gpu_bytes += unit_bytes
-        plan.predicted_gpu_reserved_bytes += unit_bytes
+    fit = min(int(left // unit_bytes), num_units(plan.num_layers, plan.blocks_per_unit))
+    if fit < 1:
+        return
+    plan.device_units = min(fit, _host_step_units(plan, measurements, unit_bytes))
+    plan.predicted_gpu_bytes += plan.device_units * unit_bytes
+    plan.predicted_gpu_reserved_bytes += plan.device_units * unit_bytes
+    share = _host_step_share(plan, measurements, unit_bytes)
+    plan.host_step_share = share(plan.device_units) if share else 0.0
+
+
+def _host_step_share(plan: TunePlan, measurements: Sequence[Measurement],
+                     unit_bytes: int) -> Optional[Callable[[int], float]]:
+    """K -> the overlapped CPU step with units 1 .. K on the GPU over the plan's forward+backward, both predicted
+    from the timed trials (which ran with every unit offloaded); None when they timed no CPU step. The CPU step does
+    not depend on the batch and shrinks with the parameters it updates; the forward+backward is taken without
+    recompute (a recomputed pair runs its forward, a third of its forward+backward, again), the least the run's
+    backward can hide behind, on a line through the trials' sequences per step."""
+    timed = [m for m in measurements if m.fwd_bwd_s > 0 and m.host_step_s > 0 and m.host_step_params > 0]
+    if not timed:
+        return None
+    points = sorted((m.sub_batch_size * m.num_sub_batches, m.fwd_bwd_s / (1.0 + m.recomputed_share / 3.0))
+                    for m in timed)
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    slope = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
+    if slope <= 0.0:  # one batch size, or noise: in proportion to the larger trial's
+        x0, y0, slope = x1, y1, y1 / x1
+    fwd_bwd = y0 + slope * (plan.batch_size - x0)
+    host_s = sum(m.host_step_s for m in timed) / len(timed)
+    params = max(m.host_step_params for m in timed)
+    unit_params = unit_bytes / DEVICE_STATE_BYTES_PER_PARAM
+    return lambda k: host_s * max(0.0, params - k * unit_params) / params / fwd_bwd
+
+
+def _host_step_units(plan: TunePlan, measurements: Sequence[Measurement], unit_bytes: int) -> int:
+    """The fewest units (at least 1) on the GPU whose predicted CPU step share is within ``HOST_STEP_SHARE``; every
+    unit when none is; 1 without a timed CPU step."""
+    share = _host_step_share(plan, measurements, unit_bytes)
+    units = num_units(plan.num_layers, plan.blocks_per_unit)
+    if share is None:
+        return 1
+    return next((k for k in range(1, units + 1) if share(k) <= HOST_STEP_SHARE), units)
 
 
 def _kept_pairs(plan: TunePlan, measurements: Sequence[Measurement]) -> tuple[int, int]:

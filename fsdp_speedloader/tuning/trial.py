@@ -106,6 +106,14 @@ class Measurement:
     step_s: float = 0.0
     kept_pair_bytes: int = 0
     """With ``keep_activations``: the GPU memory one kept (unit, sub-batch) pair held (0: none kept, or no CUDA)."""
+    fwd_bwd_s: float = 0.0
+    """The step's forward and backward, the GPU synchronized after it (0: not timed, the CPU stand-in)."""
+    recomputed_share: float = 0.0
+    """Of the step's (unit, sub-batch) pairs, the share whose blocks ran again in the backward (not kept)."""
+    host_step_s: float = 0.0
+    """An overlapped optimizer's busy seconds in the step: the CPU AdamW of the host states (0: none overlapped)."""
+    host_step_params: int = 0
+    """Parameters whose states live on the host (this rank's shards): what that CPU step updates."""
 
     @property
     def activations_on_device(self) -> bool:
@@ -314,9 +322,12 @@ class TrialModel:
         self._sync()
         self._last_sub_batch_size = n
 
-    def _step(self, ids: torch.Tensor) -> None:
+    def _step(self, ids: torch.Tensor, marks: Optional[list] = None) -> None:
         loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if marks is not None:  # the forward and backward's end, for the planner's host-step rule
+            self._sync()
+            marks.append(time.perf_counter())
         self.optimizer.step()  # and the transfer copies it made stale, as in the run
         self.optimizer.wait()  # an overlapped optimizer that clips applies its steps later: all of them, now
 
@@ -330,9 +341,13 @@ class TrialModel:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # else the reserved peak starts at what earlier (larger) steps left cached
             torch.cuda.reset_peak_memory_stats(self.device)
+        step_stats = getattr(self.optimizer, "step_stats", None)  # an overlapped optimizer's worker figures
+        if step_stats is not None:
+            step_stats()  # from here on: this step's
+        marks: list = []
         start = time.perf_counter()
         if self.device.type == "cuda":
-            step()
+            self._step(ids, marks)
             self._sync()
             gpu_peak = torch.cuda.max_memory_allocated(self.device)
             reserved = torch.cuda.max_memory_reserved(self.device)
@@ -341,9 +356,12 @@ class TrialModel:
                 [*_state_tensors(self.model, self.optimizer, grads=False), *self.model.buffers()], seen=set())
             gpu_peak, reserved = resident + profiled_peak_bytes(step), 0
         step_s = time.perf_counter() - start
+        fwd_bwd_s = marks[0] - start if marks else 0.0
+        host_step_s = step_stats()["optimizer_busy_s"] if step_stats is not None else 0.0
         host = measure_host_bytes(self.model, self.optimizer, offload_params=self.offload_params)
         self.optimizer.zero_grad(set_to_none=True)
-        gpu_peak, reserved, host_total = reduce_over_ranks([gpu_peak, reserved, host["total"]])
+        gpu_peak, reserved, host_total, fwd_bwd_s, host_step_s, host_params = reduce_over_ranks(
+            [gpu_peak, reserved, host["total"], fwd_bwd_s, host_step_s, self._host_params()])
         store = speedloader_engine(self.model).store
         if isinstance(store, DeviceActivationStore):
             storage = "device"
@@ -357,7 +375,19 @@ class TrialModel:
             host_breakdown=host, gpu_reserved_bytes=int(reserved),
             activation_bytes_per_token=store.shape[-1] * torch.empty((), dtype=store.dtype).element_size(),
             activation_storage=storage, step_s=step_s,
-            kept_pair_bytes=int(reduce_over_ranks([speedloader_engine(self.model).stats()["kept_pair_bytes"]])[0]))
+            kept_pair_bytes=int(reduce_over_ranks([speedloader_engine(self.model).stats()["kept_pair_bytes"]])[0]),
+            fwd_bwd_s=fwd_bwd_s, recomputed_share=self._recomputed_share(store.num_slots - 1), host_step_s=host_step_s,
+            host_step_params=int(host_params))
+
+    def _host_params(self) -> int:
+        """This rank's parameter elements whose states live on the host."""
+        local = (p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters())
+        return sum(t.numel() for t in local if t.device.type == "cpu") if self.offload_params else 0
+
+    def _recomputed_share(self, units: int) -> float:
+        """The share of (unit, sub-batch) pairs that do not keep their activations (``keep_activations``)."""
+        pairs = units * self.num_sub_batches
+        return 1.0 - min(self.options.keep_activations, pairs) / pairs if pairs else 0.0
 
     def close(self) -> None:
         """Frees the model, its optimizer state and its arena (host and GPU memory go back)."""

@@ -48,7 +48,8 @@ from fsdp_speedloader.memory.arena import HostMemoryBudget
 from fsdp_speedloader.memory.optimizer_overlap import OptimizersContainer
 from fsdp_speedloader.models.config import ModelConfig
 from fsdp_speedloader.options import SpeedLoaderOptions
-from fsdp_speedloader.tuning.plan import DEFAULT_GPU_MARGIN, TunePlan, gib, plan_from_measurements
+from fsdp_speedloader.tuning.plan import DEFAULT_GPU_MARGIN, DEVICE_STATE_BYTES_PER_PARAM, TunePlan, gib, \
+    plan_from_measurements
 from fsdp_speedloader.tuning.trial import Measurement, TrialModel, cuda_allocator_settings, default_optimizer, \
     reduce_over_ranks
 
@@ -279,11 +280,6 @@ def _device_fields(device: torch.device) -> dict:
         return {"device": "cuda", "gpu_measure": "torch.cuda.max_memory_allocated, max_memory_reserved",
                 "gpu_allocator_settings": cuda_allocator_settings()}
     return {"device": device.type, "gpu_measure": "CPU stand-in: resident model states + profiled peak allocation"}
-
-
-DEVICE_STATE_BYTES_PER_PARAM = 16
-"""GPU bytes of a parameter whose states stay there: the fp32 shard, its fp32 gradient and AdamW's two fp32 moments
-(with compressed host states or bf16 host masters too: the GPU's keep fp32, ``app.optim.build_adamw``)."""
 
 
 def device_unit_bytes_per_block(model: ModelConfig, mesh: DeviceMesh) -> int:
