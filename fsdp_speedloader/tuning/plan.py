@@ -18,10 +18,11 @@ DEFAULT_GPU_MARGIN = 0.10  # of the GPU budget, left for what the fits miss (fra
 DEVICE_STATE_BYTES_PER_PARAM = 16
 """GPU bytes of a parameter whose states stay there: the fp32 shard, its fp32 gradient and AdamW's two fp32 moments
 (with compressed host states or bf16 host masters too: the GPU's keep fp32, ``app.optim.build_adamw``)."""
-HOST_STEP_SHARE = 0.5
-"""With an overlapped optimizer: the most of the step's forward+backward (without recompute) that the CPU step may
-take on a quiet host. The backward hides it up to a little more than this; a host with a quarter of its cores busy
-makes it about a quarter longer, and then it shows in every step (issue 40's busy-host records, docs/results.md)."""
+HOST_STEP_SHARE = 0.45
+"""With an overlapped optimizer: the most of the step's forward+backward (without recompute) that the CPU step, as the
+trials time it on a quiet host, may take. Between what the trials predicted on issue 40's busy-host table for one
+unit on the GPU (its CPU step showed after the backward with a quarter of the host's cores busy) and for two (it
+stayed hidden): docs/tuner.md."""
 HARD_CAP = 1 << 24  # a search bound: no sub-batch or number of sub-batches is larger
 
 
