@@ -144,12 +144,12 @@ def test_predicted_peak_gpu_memory_within_5_percent(capped_gpu):
         assert row["host_over_bytes"] <= spread + 0.01 * row["measured_host_gib"] * GIB, row
 
 
-def test_trials_time_the_forward_backward_and_the_overlapped_cpu_step():
+def test_trials_time_the_forward_backward_and_the_overlapped_cpu_step(monkeypatch):
     """With an overlapped optimizer a trial step times its forward+backward (the GPU synchronized after it) and the
     worker's CPU step, counts the host parameters that step updates and the share of pairs recomputed: what the
     planner's host-step rule (more units on the GPU where the CPU step would show) reads."""
     if not os.environ.get(LIMIT_ENV):
-        os.environ[LIMIT_ENV] = "120"
+        monkeypatch.setenv(LIMIT_ENV, "120")
     maybe_init_process_group("cuda")
     model = dataclasses.replace(MODEL, num_layers=2)
     options = SpeedLoaderOptions(offload_params=True, activation_store="host", param_dtype=torch.bfloat16,

@@ -425,7 +425,7 @@ def plan_from_measurements(
 def _plan_device_units(plan: TunePlan, given: Optional[int], unit_bytes: int,
                        measurements: Sequence[Measurement]) -> None:
     """``device_units``: ``given`` as it is (the trials held those states), else as many as the CPU step needs
-    (``_host_step_units``; at least 1) and the GPU memory left under the target holds (their bytes added to the
+    (``HOST_STEP_SHARE``; at least 1) and the GPU memory left under the target holds (their bytes added to the
     predicted peak), else 0. Unit 1 always: its CPU step starts only when the backward ends, and the next step waits
     for it. More where an overlapped CPU step would outlast what the backward hides."""
     if given is not None:
@@ -438,11 +438,12 @@ def _plan_device_units(plan: TunePlan, given: Optional[int], unit_bytes: int,
     fit = min(int(left // unit_bytes), num_units(plan.num_layers, plan.blocks_per_unit))
     if fit < 1:
         return
-    plan.device_units = min(fit, _host_step_units(plan, measurements, unit_bytes))
+    share = _host_step_share(plan, measurements, unit_bytes)
+    # the fewest units whose CPU step is within the share wanted; all that fit when none is; 1 when nothing was timed
+    plan.device_units = 1 if share is None else next((k for k in range(1, fit + 1) if share(k) <= HOST_STEP_SHARE), fit)
+    plan.host_step_share = share(plan.device_units) if share else 0.0
     plan.predicted_gpu_bytes += plan.device_units * unit_bytes
     plan.predicted_gpu_reserved_bytes += plan.device_units * unit_bytes
-    share = _host_step_share(plan, measurements, unit_bytes)
-    plan.host_step_share = share(plan.device_units) if share else 0.0
 
 
 def _host_step_share(plan: TunePlan, measurements: Sequence[Measurement],
@@ -466,16 +467,6 @@ def _host_step_share(plan: TunePlan, measurements: Sequence[Measurement],
     params = max(m.host_step_params for m in timed)
     unit_params = unit_bytes / DEVICE_STATE_BYTES_PER_PARAM
     return lambda k: host_s * max(0.0, params - k * unit_params) / params / fwd_bwd
-
-
-def _host_step_units(plan: TunePlan, measurements: Sequence[Measurement], unit_bytes: int) -> int:
-    """The fewest units (at least 1) on the GPU whose predicted CPU step share is within ``HOST_STEP_SHARE``; every
-    unit when none is; 1 without a timed CPU step."""
-    share = _host_step_share(plan, measurements, unit_bytes)
-    units = num_units(plan.num_layers, plan.blocks_per_unit)
-    if share is None:
-        return 1
-    return next((k for k in range(1, units + 1) if share(k) <= HOST_STEP_SHARE), units)
 
 
 def _kept_pairs(plan: TunePlan, measurements: Sequence[Measurement]) -> tuple[int, int]:
