@@ -389,6 +389,26 @@ def test_cpu_run_prints_no_gpu_fields(tmp_path, caplog):
     assert "gpu 3.00/4.00 GiB | 3 allocator retries" in format_metrics({**gpu_record, "gpu_alloc_retries": 3}, 1)
 
 
+def test_an_overlapped_cpu_step_that_shows_in_3_steps_in_a_row_warns_once_with_the_next_device_unit(tmp_path, caplog):
+    """After the first steps, optimizer_wait_s above 5% of the step in 3 steps in a row: one warning naming
+    offload.device_units one higher (and schedule=auto); a step where it hid starts the count again."""
+    trainer = Trainer(tiny_config(tmp_path, offload={"params": True, "device_units": 1}))
+    caplog.set_level("WARNING")
+    waits = ((1, 0.5), (2, 0.5), (3, 0.10), (4, 0.04), (5, 0.10), (6, 0.06), (7, 0.20), (8, 0.30))
+    for step, wait in waits:  # steps of 1 s; 1-2 are the first steps, 4 hid it (4%), 5-7 showed it
+        trainer.step = step
+        trainer._check_host_step_shows({"optimizer_wait_s": wait, "optimizer_busy_s": 0.6, "step_time_s": 1.0})
+    warned = [r.getMessage() for r in caplog.records if "CPU optimizer step showed" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 7: the overlapped CPU optimizer step showed after the "
+                                                     "backward in 3 steps in a row (this step: 0.200 s of 1.000 s")
+    assert "offload.device_units=2 keeps one more unit" in warned[0] and "schedule=auto" in warned[0]
+    quiet = Trainer(tiny_config(tmp_path / "quiet"))
+    for step in range(1, 9):  # no overlapped optimizer: no key, nothing to say
+        quiet.step = step
+        quiet._check_host_step_shows({"step_time_s": 1.0})
+    assert len([r for r in caplog.records if "CPU optimizer step showed" in r.getMessage()]) == 1
+
+
 @pytest.mark.parametrize("schedule,fix", [({"name": "speedloader"}, "schedule.keep_activations"),
                                           ({"name": "canonical"}, "schedule.activation_checkpointing")])
 def test_allocator_retries_after_the_first_steps_warn_once_with_what_to_lower(tmp_path, caplog, schedule, fix):

@@ -300,6 +300,7 @@ class Trainer:
         reduce_dtype = DTYPES[cfg.reduce_dtype]
         self.tune_plan = None
         self._warned_alloc_retries = False
+        self._warned_host_step, self._host_step_shown = False, 0
         if sched.name == "auto":  # two trial steps on a throw-away model, then the plan's layer-major schedule
             self._info("schedule=auto: tuning n and N from trial steps")
             self.tune_plan = tune_train_config(cfg, mesh=self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -482,6 +483,7 @@ class Trainer:
         if hasattr(self.optimizer, "step_stats"):  # the overlapped CPU step: its busy seconds and what showed
             metrics.update(self.optimizer.step_stats())
         self._check_alloc_retries(metrics)
+        self._check_host_step_shows(metrics)
         return metrics
 
     # The first steps fill the caching allocator's cache (and compile): retries there say nothing of the steady state.
@@ -505,6 +507,35 @@ class Trainer:
                       "every retry synchronises the GPU and empties the cache. A step with a little less memory is "
                       "often faster: %s (this warning shows once; gpu_alloc_retries is in every step's metrics)",
                       self.step, retries, fix)
+
+    # The overlapped CPU step must show for this share of the step in this many steps in a row to warn: one slow step
+    # says little (a checkpoint, a burst of the host's other work).
+    HOST_STEP_SHOWS_SHARE = 0.05
+    HOST_STEP_SHOWS_STEPS = 3
+
+    def _check_host_step_shows(self, metrics: dict) -> None:
+        """Warns once when, after the first steps, the overlapped CPU optimizer step showed after the backward
+        (``optimizer_wait_s``: the main thread blocked on it) for more than 5% of the step in 3 steps in a row: the
+        backward no longer hides it (a busy host, or more host parameters than the backward's window), and the
+        setting that takes work off the CPU (docs/configuration.md)."""
+        wait, step_time = metrics.get("optimizer_wait_s"), metrics.get("step_time_s")
+        if wait is None or not step_time or self.step <= self.RETRY_WARMUP_STEPS or self._warned_host_step:
+            return
+        shown = wait > self.HOST_STEP_SHOWS_SHARE * step_time
+        self._host_step_shown = self._host_step_shown + 1 if shown else 0
+        if self._host_step_shown < self.HOST_STEP_SHOWS_STEPS:
+            return
+        self._warned_host_step = True
+        units = self.cfg.offload.device_units if self.tune_plan is None else self.tune_plan.device_units
+        auto = "" if self.tune_plan is not None else (", or schedule=auto with the same settings, which plans the "
+                                                      "units from timed trial steps")
+        self._warning("step %d: the overlapped CPU optimizer step showed after the backward in %d steps in a row "
+                      "(this step: %.3f s of %.3f s; the CPU step itself %.3f s): the backward no longer hides it, "
+                      "as on a host whose cores other processes keep busy. offload.device_units=%d keeps one more "
+                      "unit's states on the GPU (16 B per parameter with fp32 AdamW) and takes its share off the CPU "
+                      "step%s; or keep other work off this run's cores (this warning shows once; optimizer_wait_s is "
+                      "in every step's metrics)", self.step, self._host_step_shown, wait, step_time,
+                      metrics.get("optimizer_busy_s", 0.0), units + 1, auto)
 
     # --- validation ----------------------------------------------------------------------------
     def evaluate(self) -> dict:
