@@ -14,9 +14,6 @@ GIB = float(1 << 30)
 LEAST_SQUARES = "least squares"
 
 
-LEAST_SQUARES = "least squares"
-
-
 @dataclass(frozen=True)
 class LinearFit:
     """``y = sum(coef[k] * feature[k])``; feature '1' is the intercept. ``method``: how the coefficients

@@ -452,17 +452,18 @@ def _host_step_share(plan: TunePlan, measurements: Sequence[Measurement],
     from the timed trials (which ran with every unit offloaded); None when they timed no CPU step. The CPU step does
     not depend on the batch and shrinks with the parameters it updates; the forward+backward is taken without
     recompute (a recomputed pair runs its forward, a third of its forward+backward, again), the least the run's
-    backward can hide behind, on a line through the trials' sequences per step."""
+    backward can hide behind, on a line fitted to the trials' sequences per step."""
     timed = [m for m in measurements if m.fwd_bwd_s > 0 and m.host_step_s > 0 and m.host_step_params > 0]
     if not timed:
         return None
-    points = sorted((m.sub_batch_size * m.num_sub_batches, m.fwd_bwd_s / (1.0 + m.recomputed_share / 3.0))
-                    for m in timed)
-    (x0, y0), (x1, y1) = points[0], points[-1]
-    slope = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
-    if slope <= 0.0:  # one batch size, or noise: in proportion to the larger trial's
-        x0, y0, slope = x1, y1, y1 / x1
-    fwd_bwd = y0 + slope * (plan.batch_size - x0)
+    rows = [{"sequences": m.sub_batch_size * m.num_sub_batches} for m in timed]
+    seconds = [m.fwd_bwd_s / (1.0 + m.recomputed_share / 3.0) for m in timed]
+    line = fit_linear(rows, seconds, ("1", "sequences")) if len({r["sequences"] for r in rows}) > 1 else None
+    if line is not None and line.coef[1] > 0.0:
+        fwd_bwd = line.predict({"sequences": plan.batch_size})
+    else:  # one batch size, or noise: in proportion to the largest trial's
+        largest = max(range(len(rows)), key=lambda k: rows[k]["sequences"])
+        fwd_bwd = seconds[largest] * plan.batch_size / rows[largest]["sequences"]
     host_s = sum(m.host_step_s for m in timed) / len(timed)
     params = max(m.host_step_params for m in timed)
     unit_params = unit_bytes / DEVICE_STATE_BYTES_PER_PARAM
