@@ -88,6 +88,26 @@ def test_sweep_prunes_tiers_that_ran_out_of_memory_at_a_smaller_micro_batch(tmp_
     assert best == {"fsdp2-offload": "fsdp2-offload:2x4:root=device:dev=1:recompute=off"}  # the fastest that ran
 
 
+def test_a_point_that_timed_out_prunes_nothing_at_larger_micro_batches(tmp_path, monkeypatch):
+    # DeepSpeed's first worker on a fresh machine builds its CPU Adam extension and may outlast the worker's timeout:
+    # that says nothing about memory, so n = 2, 4, 8 still run (and a point out of memory still prunes what follows).
+    launched = []
+
+    def fake_run_point(table, spec, args, **fields):
+        launched.append(spec)
+        status = "timeout" if ":1x8" in spec else "oom" if ":4x2" in spec else "ok"
+        return {"spec": spec, "family": bench_fair.family_of(spec), **fields, "status": status,
+                "tokens_per_s": 1.0 if status == "ok" else None}
+
+    monkeypatch.setattr(bench_fair, "run_point", fake_run_point)
+    record = {"sweep": [], "invocations": [], "device": "cpu", "commit": "x"}
+    bench_fair.sweep(T40, ["deepspeed-offload"], _args(), record, tmp_path / "r.json")
+    by_spec = {r["spec"]: r["status"] for r in record["sweep"]}
+    assert by_spec == {"deepspeed-offload:1x8": "timeout", "deepspeed-offload:2x4": "ok",
+                       "deepspeed-offload:4x2": "oom", "deepspeed-offload:8x1": "skipped"}
+    assert launched == ["deepspeed-offload:1x8", "deepspeed-offload:2x4", "deepspeed-offload:4x2"]
+
+
 def test_a_ladder_tries_the_next_tier_where_the_allocator_retried(tmp_path, monkeypatch):
     # Layer-major's kept pairs at the 40 GiB cap: at n = 1 keep=53 fits but the allocator retried in the timed steps
     # (its reserved memory met the cap), so keep=45 runs too and is the faster; the ladder then stops (37, 29 not

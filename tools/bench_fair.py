@@ -402,6 +402,7 @@ def sweep_family(table: Table, family: str, args: argparse.Namespace, record: di
     start = 0  # MONOTONE: the first tier still worth trying
     for ladder_index, ladder in enumerate(ladders):
         fitted = None  # the first tier where a point ran
+        reached = start  # the first tier not out of memory here (a timeout or failure says nothing about memory)
         for tier_index, tier in enumerate(ladder):
             if fitted is not None and tier_index > fitted + 1:
                 break
@@ -420,13 +421,15 @@ def sweep_family(table: Table, family: str, args: argparse.Namespace, record: di
             with lock:
                 record["sweep"] = [r for r in record["sweep"] if r["spec"] not in tier] + rows
                 write(record, path, table, args)
+            if tier_index == reached and all(r["status"] == "oom" for r in rows):
+                reached += 1
             ran = [r for r in rows if r["status"] == "ok"]
             if ran and fitted is None:
                 fitted = tier_index
                 if not any(retried(r) for r in ran):
                     break
         if family in MONOTONE and table.kind == "train" and not args.dry_run:
-            start = len(ladder) if fitted is None else fitted
+            start = reached if fitted is None else fitted
 
 
 def retried(row: dict) -> bool:
