@@ -7,6 +7,7 @@ set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [pytest args]}; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 FSL_RECORD_DIR="$out"
+source "$(dirname "$0")/bench_lib.sh" && bench_bytecode_cache  # each test process imports torch
 # The GPU machine's MemTotal starts small and grows with use: give the arena the real budget.
 export FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB=${FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB:-120}
 python3 -c "import hydra" 2>/dev/null || python3 -m pip install -q --no-index --find-links .wheels hydra-core wandb
