@@ -41,8 +41,7 @@ bench_init() {
 }
 
 # The GPU machine's image sets PYTHONDONTWRITEBYTECODE=1 and ships no bytecode, so every worker process compiled
-# torch and transformers from source (13.9 s to import the engine there, 7.6-8.9 s from cached bytecode): keep their
-# bytecode under /tmp instead.
+# torch and transformers from source (docs/benchmarking.md): keep their bytecode under /tmp instead.
 bench_bytecode_cache() {
   unset PYTHONDONTWRITEBYTECODE
   export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/fsl_pycache}
