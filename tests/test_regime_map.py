@@ -1,0 +1,106 @@
+"""tools/regime_map.py: one point per table, layer-major over the faster canonical peer, from records written by
+hand: repeat medians where a repeat ran, else the best sweep point, the status, target and bound, the choice among
+records, and the refusals."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_fair  # noqa: E402  (tools/ is not a package)
+import regime_map  # noqa: E402
+
+LM24, FSDP24, DS24 = "speedloader-overlap:2x4:root=device:dev=1:keep=11", "fsdp2-offload:1x8:root=device:dev=1", \
+    "deepspeed-offload:8x1"
+
+
+def _row(spec: str, tokens_per_s: float, n: int, status: str = "ok", **fields) -> dict:
+    return {"spec": spec, "family": bench_fair.family_of(spec), "status": status, "tokens_per_s": tokens_per_s,
+            "sub_batch_size": n, "num_sub_batches": 8 // n, "mfu": 0.4, **fields}
+
+
+def _record(table: str, sweep: list, invocations: list, *, device: str = "NVIDIA H200", busy: int = 0) -> dict:
+    return {"table": dataclasses.asdict(bench_fair.TABLES[table]), "device": device, "commit": "x",
+            "host_load": {"busy": busy, "copy": 0}, "sweep": sweep,
+            "invocations": [{"index": i, "boot_id": "a", "rows": rows} for i, rows in enumerate(invocations)]}
+
+
+SWEEP24 = [_row(LM24, 37_000.0, 2), _row(LM24.replace("2x4", "1x8").replace("11", "23"), 34_000.0, 1),
+           _row(FSDP24, 28_000.0, 1), _row("fsdp2-offload:2x4:root=device:dev=1", None, 2, status="oom"),
+           _row(DS24, 18_000.0, 8)]
+
+
+def test_a_point_takes_repeat_medians_and_names_the_faster_peer():
+    rep = [[_row(LM24, v, 2), _row(FSDP24, w, 1), _row(DS24, 17_000.0, 8)]
+           for v, w in ((36_000.0, 26_000.0), (35_000.0, 27_000.0), (37_000.0, 26_500.0))]
+    point = regime_map.map_point(_record("map_7b_L8_b8_cap24", SWEEP24, rep))
+    assert point["best_peer"] == "fsdp2-offload"
+    assert point["families"]["layer-major"]["tokens_per_s"] == 36_000.0
+    assert point["families"]["fsdp2-offload"] == {"spec": FSDP24, "tokens_per_s": 26_500.0, "min": 26_000.0,
+                                                  "max": 27_000.0, "n": 3, "sub_batch_size": 1, "source": "repeat"}
+    assert point["ratio"] == pytest.approx(36_000.0 / 26_500.0)
+    assert point["status"] == "protocol" and point["overlap"] is False
+    assert point["target"] == 2.0  # the peer's micro-batch (1) is an eighth of the batch (8)
+    assert "bound" not in point and point["not_run"] == []
+
+
+def test_without_a_repeat_the_best_sweep_points_stand_and_the_status_says_so():
+    sweep = SWEEP24 + [_row("ondevice:1x8:sync=last", 40_000.0, 1)]
+    point = regime_map.map_point(_record("map_7b_L8_b8_cap24", sweep, []))
+    assert point["status"] == "sweep only"
+    assert point["families"]["layer-major"] == {"spec": LM24, "tokens_per_s": 37_000.0, "n": 0, "sub_batch_size": 2,
+                                                "source": "sweep"}
+    assert point["ratio"] == pytest.approx(37_000.0 / 28_000.0) and "overlap" not in point
+    # one repeat invocation with the ceiling in it: 'repeat 1/3', the bound from the ceiling's forward+backward rate
+    ceiling = _row("ondevice:1x8:sync=last", 40_000.0, 1, tokens_per_s_fwd_bwd=42_000.0)
+    one = [[_row(LM24, 36_000.0, 2), _row(FSDP24, 24_000.0, 1), _row(DS24, 20_000.0, 8), ceiling]]
+    point = regime_map.map_point(_record("map_7b_L8_b8_cap24", sweep, one))
+    assert point["status"] == "repeat 1/3" and point["best_peer"] == "fsdp2-offload"
+    assert point["ratio"] == pytest.approx(36_000.0 / 24_000.0)
+    assert point["bound"] == pytest.approx(42_000.0 / 24_000.0)
+    # a peer repeated and one only swept: the faster figure is the best peer, and the weaker evidence the status
+    point = regime_map.map_point(_record("map_7b_L8_b8_cap24", sweep, [[_row(LM24, 36_000.0, 2),
+                                                                        _row(DS24, 20_000.0, 8), ceiling]]))
+    assert point["best_peer"] == "fsdp2-offload" and point["families"]["fsdp2-offload"]["source"] == "sweep"
+    assert point["status"] == "sweep only" and point["ratio"] == pytest.approx(36_000.0 / 28_000.0)
+    # where the best peer's micro-batch is the whole batch the cap does not bind it: not slower is the target
+    point = regime_map.map_point(_record("map_7b_L8_b8_cap24", [r for r in sweep if r["family"] != "fsdp2-offload"],
+                                         []))
+    assert point["best_peer"] == "deepspeed-offload" and point["target"] == 1.0
+
+
+def test_a_point_without_a_peer_is_incomplete_and_says_who_did_not_run():
+    point = regime_map.map_point(_record("map_13b_L8_b32_cap24", [_row(LM24, 10_000.0, 2)], []))
+    assert point["status"] == "incomplete" and point["not_run"] == ["fsdp2-offload", "deepspeed-offload"]
+    assert "ratio" not in point
+    assert regime_map.markdown([point]).endswith("| not run | - | - | incomplete; not run: fsdp2-offload, "
+                                                 "deepspeed-offload |")
+
+
+def test_records_one_per_table_quiet_hosts_one_gpu_model(tmp_path):
+    few = ("a.json", _record("map_7b_L8_b8_cap24", SWEEP24, []))
+    more = ("b.json", _record("map_7b_L8_b8_cap24", SWEEP24, [[_row(LM24, 1.0, 2)]]))
+    other = ("c.json", _record("train_7b_L8_b8_cap40", SWEEP24, []))
+    chosen = regime_map.choose_records([few, more, other])
+    assert [path for path, _ in chosen] == ["b.json", "c.json"]  # 24 GiB before 40 GiB; the record with a repeat
+    with pytest.raises(SystemExit, match="host load"):
+        regime_map.choose_records([("d.json", _record("map_7b_L8_b8_cap24", SWEEP24, [], busy=4))])
+    with pytest.raises(SystemExit, match="one GPU model"):
+        regime_map.choose_records([few, ("e.json", _record("map_7b_L8_b8_cap24", [], [], device="NVIDIA H100"))])
+    with pytest.raises(SystemExit, match="not a training table"):
+        regime_map.choose_records([("f.json", _record("infer_opt30b_24g", [], []))])
+
+
+def test_the_command_prints_the_table_and_writes_the_points_and_the_map(tmp_path, capsys):
+    path = tmp_path / "fair_map_7b_L8_b8_cap24.json"
+    path.write_text(json.dumps(_record("map_7b_L8_b8_cap24", SWEEP24, [])))
+    assert regime_map.main([str(path), "--json", str(tmp_path / "map.json"), "--plot", str(tmp_path / "map.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| 7B width, 8 layers, 8 x 4k, 24 GiB | 37,000 (sweep) | fsdp2-offload 28,000 (sweep) | 1.32x | 2x | " \
+           "sweep only |" in out
+    points = json.loads((tmp_path / "map.json").read_text())["points"]
+    assert points[0]["record"] == str(path) and points[0]["best_peer"] == "fsdp2-offload"
+    assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,199 @@
+"""The regime map (issue 39): where layer-major beats the best canonical offloading peer, from tools/bench_fair.py
+records of the map's tables (and the 7B-width headline tables, which are map points too).
+
+    python tools/regime_map.py RECORD.json [RECORD.json ...] [--json OUT.json] [--plot OUT.png]
+
+One point per table: layer-major against the faster of FSDP2 CPU offload and DeepSpeed ZeRO-3 offload. A family's
+figure is the median of its best point over the record's repeat invocations; a family with no repeat yet takes its
+best sweep point, and the point says so (``status``):
+
+  protocol     every figure of the point is a median of at least 3 invocations
+  repeat k/3   a repeat part ran, fewer than 3 invocations so far (``--partial``)
+  sweep only   no repeat: one sweep invocation of each best point
+
+``target`` is the issue's ratio for the point (2x where the best peer's micro-batch is an eighth of the batch or
+less, 1.3x where the cap binds it, else 1x: not slower); ``bound`` the most any schedule of the same kernels could
+reach over that peer (the ceiling's forward+backward rate, where the record has the ceiling). Families that never
+ran at the point are listed under ``not_run``. Records under a host load (``--host-busy``) are refused, as are
+records of two GPU models in one map. With several records of one table the one with the most repeat invocations
+is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a package: its modules import by name
+import bench_fair  # noqa: E402
+import harness  # noqa: E402
+import protocol  # noqa: E402
+from bench_fair import LAYER_MAJOR, PEERS  # noqa: E402
+
+# The 7B-width grid's axes (the plot's heatmap); other points (13B width, 16k tokens) sit beside it.
+GRID_CAPS = (24, 40, 80)
+GRID_BATCHES = (8, 32, 128)
+
+
+def family_figure(record: dict, summary: dict, table: bench_fair.Table, family: str) -> Optional[dict]:
+    """A family's figure at the point: its repeat median (with min-max and invocations), else its best sweep point
+    (n = 0); None where no point of it ran."""
+    entry = summary["families"].get(family)
+    if entry and entry.get("median"):
+        return {"spec": entry["spec"], "tokens_per_s": entry["median"], "min": entry["min"], "max": entry["max"],
+                "n": entry["n"], "sub_batch_size": entry.get("sub_batch_size"), "source": "repeat"}
+    row = protocol.best_point([r for r in record.get("sweep", []) if r["family"] == family], key=table.figure)
+    if row is None:
+        return None
+    return {"spec": row["spec"], "tokens_per_s": row[table.figure], "n": 0, "sub_batch_size": row.get("sub_batch_size"),
+            "source": "sweep"}
+
+
+def map_point(record: dict) -> dict:
+    """The point of one record: layer-major, the best peer, their ratio, the target and bound, and the status."""
+    table = bench_fair.TABLES[record["table"]["name"]]
+    summary = bench_fair.summarize(record, table)
+    figures = {f: fig for f in (LAYER_MAJOR, *PEERS) if (fig := family_figure(record, summary, table, f))}
+    point = {"table": table.name, "model": table.model, "layers": table.layers, "seq_len": table.seq_len,
+             "batch": table.batch, "cap_gib": table.cap_gib, "device": record["device"], "families": figures,
+             "not_run": [f for f in (LAYER_MAJOR, *PEERS) if f not in figures]}
+    ours = figures.get(LAYER_MAJOR)
+    peers = [(figures[p]["tokens_per_s"], p) for p in PEERS if p in figures]
+    if ours is None or not peers:
+        point["status"] = "incomplete"
+        return point
+    best = max(peers)[1]
+    theirs = figures[best]
+    point["best_peer"] = best
+    point["ratio"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    if ours["source"] == theirs["source"] == "repeat":
+        point["overlap"] = protocol.ranges_overlap(ours, theirs)
+    n = min(ours["n"], theirs["n"])
+    point["status"] = ("protocol" if n >= protocol.MIN_INVOCATIONS else f"repeat {n}/{protocol.MIN_INVOCATIONS}"
+                       if n else "sweep only")
+    if theirs.get("sub_batch_size"):
+        binds = theirs["sub_batch_size"] < table.batch
+        point["target"] = bench_fair.peer_target(binds, theirs["sub_batch_size"] * 8 <= table.batch)
+    fastest = summary["families"].get("ceiling", {}).get("tokens_per_s_fwd_bwd_median")
+    if fastest:
+        point["bound"] = fastest / theirs["tokens_per_s"]
+    return point
+
+
+def choose_records(records: Sequence[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """One record per table (the one with the most repeat invocations); refuses loaded hosts and mixed GPU models."""
+    devices = {r["device"] for _, r in records}
+    if len(devices) > 1:
+        raise SystemExit(f"records of {sorted(devices)}: a map compares points on one GPU model")
+    chosen: dict[str, tuple[str, dict]] = {}
+    for path, record in records:
+        load = record.get("host_load") or {}
+        if load.get("busy") or load.get("copy"):
+            raise SystemExit(f"{path} was made under a host load ({load}): the map is of quiet hosts")
+        name = record["table"]["name"]
+        if name not in bench_fair.TABLES or record["table"].get("kind") != "train":
+            raise SystemExit(f"{path}: {name} is not a training table of tools/bench_fair.py")
+        if name not in chosen or len(record["invocations"]) > len(chosen[name][1]["invocations"]):
+            chosen[name] = (path, record)
+    return sorted(chosen.values(), key=lambda pr: _order(bench_fair.TABLES[pr[1]["table"]["name"]]))
+
+
+def _order(table: bench_fair.Table) -> tuple:
+    return (table.model, table.seq_len, table.cap_gib, table.batch)
+
+
+def _label(point: dict) -> str:
+    width = {"llama2_7b": "7B", "llama2_13b": "13B"}.get(point["model"], point["model"])
+    tokens = f"{point['seq_len'] // 1024}k" if point["seq_len"] % 1024 == 0 else str(point["seq_len"])
+    return f"{width} width, {point['layers']} layers, {point['batch']} x {tokens}, {point['cap_gib']:g} GiB"
+
+
+def _figure(fig: Optional[dict]) -> str:
+    if fig is None:
+        return "not run"
+    spread = f" ({fig['min']:,.0f}-{fig['max']:,.0f}, n={fig['n']})" if fig["source"] == "repeat" else " (sweep)"
+    return f"{fig['tokens_per_s']:,.0f}{spread}"
+
+
+def markdown(points: Sequence[dict]) -> str:
+    lines = ["| point | layer-major | best peer | ratio | target / bound | status |", "|---|---|---|---|---|---|"]
+    for p in points:
+        peer = p.get("best_peer")
+        peer_text = f"{peer} {_figure(p['families'][peer])}" if peer else "not run"
+        ratio = f"{p['ratio']:.2f}x" + (" (ranges overlap)" if p.get("overlap") else "") if "ratio" in p else "-"
+        target = (f"{p['target']:g}x" if "target" in p else "-") + (f" / {p['bound']:.2f}x" if "bound" in p else "")
+        missing = f"; not run: {', '.join(p['not_run'])}" if p["not_run"] else ""
+        lines.append(f"| {_label(p)} | {_figure(p['families'].get(LAYER_MAJOR))} | {peer_text} | {ratio} | {target} "
+                     f"| {p['status']}{missing} |")
+    return "\n".join(lines)
+
+
+def _cell(point: Optional[dict]) -> tuple[Optional[float], str]:
+    if point is None:
+        return None, "not measured"
+    if "ratio" not in point:
+        return None, "no " + " / ".join(point["not_run"])
+    return point["ratio"], f"{point['ratio']:.2f}x\n{point['status']}"
+
+
+def _on_grid(model: str, layers: Optional[int], seq_len: int) -> bool:
+    return model == "llama2_7b" and layers == 8 and seq_len == 4096
+
+
+def plot(points: Sequence[dict], path: str) -> Optional[Path]:
+    """The 7B-width grid (GPU-memory cap x effective batch) as a heatmap of layer-major over the best peer, and the
+    map's other points (13B width, 16k tokens) beside it; cells not measured yet left grey."""
+    plt = harness.pyplot("regime_map")
+    if plt is None:
+        return None
+    from matplotlib.colors import TwoSlopeNorm
+
+    grid = {(p["cap_gib"], p["batch"]): p for p in points if _on_grid(p["model"], p["layers"], p["seq_len"])}
+    measured = {p["table"]: p for p in points}
+    others = [t for t in bench_fair.TABLES.values() if t.name.startswith("map_") and t.kind == "train"
+              and not _on_grid(t.model, t.layers, t.seq_len)]
+    norm = TwoSlopeNorm(vmin=0.5, vcenter=1.0, vmax=2.5)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, len(others)]})
+
+    def draw(ax, cells, rows, cols, title):
+        ax.imshow([[_cell(cells.get((r, c)))[0] or float("nan") for c in cols] for r in rows], cmap="RdYlGn",
+                  norm=norm, aspect="auto")
+        ax.set_facecolor("0.85")
+        for i, r in enumerate(rows):
+            for j, c in enumerate(cols):
+                ax.text(j, i, _cell(cells.get((r, c)))[1], ha="center", va="center", fontsize=8)
+        ax.set_title(title, fontsize=10)
+
+    draw(axes[0], grid, GRID_CAPS, GRID_BATCHES, "7B width, 8 layers, 4096 tokens: layer-major / best peer")
+    axes[0].set_xticks(range(len(GRID_BATCHES)), [f"batch {b}" for b in GRID_BATCHES])
+    axes[0].set_yticks(range(len(GRID_CAPS)), [f"{c} GiB" for c in GRID_CAPS])
+    draw(axes[1], {(0, i): measured.get(t.name) for i, t in enumerate(others)}, (0,), range(len(others)),
+         "the map's other points")
+    labels = [_label({"model": t.model, "layers": t.layers, "batch": t.batch, "seq_len": t.seq_len,
+                      "cap_gib": t.cap_gib}).replace(", ", "\n") for t in others]
+    axes[1].set_xticks(range(len(others)), labels, fontsize=7)
+    axes[1].set_yticks([])
+    return harness.save_figure(fig, path)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("records", nargs="+", help="tools/bench_fair.py records of training tables, one GPU model")
+    parser.add_argument("--json", help="also write the points here")
+    parser.add_argument("--plot", help="also draw the map here (PNG; needs matplotlib: pip install -e '.[plots]')")
+    args = parser.parse_args(argv)
+    records = [(path, json.loads(Path(path).read_text())) for path in args.records]
+    points = [{"record": path, **map_point(record)} for path, record in choose_records(records)]
+    print(markdown(points))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"points": points}, indent=2) + "\n")
+    if args.plot:
+        plot(points, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
