@@ -90,6 +90,10 @@ def test_records_one_per_table_quiet_hosts_one_gpu_model(tmp_path):
         regime_map.choose_records([("d.json", _record("map_7b_L8_b8_cap24", SWEEP24, [], busy=4))])
     with pytest.raises(SystemExit, match="one GPU model"):
         regime_map.choose_records([few, ("e.json", _record("map_7b_L8_b8_cap24", [], [], device="NVIDIA H100"))])
+    changed = _record("map_7b_L8_b8_cap24", SWEEP24, [])
+    changed["table"]["cap_gib"] = 20
+    with pytest.raises(SystemExit, match="another definition"):
+        regime_map.choose_records([("g.json", changed)])
     with pytest.raises(SystemExit, match="not a training table"):
         regime_map.choose_records([("f.json", _record("infer_opt30b_24g", [], []))])
 

@@ -96,6 +96,8 @@ def choose_records(records: Sequence[tuple[str, dict]]) -> list[tuple[str, dict]
         name = record["table"]["name"]
         if name not in bench_fair.TABLES or record["table"].get("kind") != "train":
             raise SystemExit(f"{path}: {name} is not a training table of tools/bench_fair.py")
+        if not bench_fair.same_table(record["table"], bench_fair.TABLES[name]):
+            raise SystemExit(f"{path} holds another definition of {name} than tools/bench_fair.py's: not a map point")
         if name not in chosen or len(record["invocations"]) > len(chosen[name][1]["invocations"]):
             chosen[name] = (path, record)
     return sorted(chosen.values(), key=lambda pr: _order(bench_fair.TABLES[pr[1]["table"]["name"]]))
