@@ -100,11 +100,9 @@ def choose_records(records: Sequence[tuple[str, dict]]) -> list[tuple[str, dict]
             raise SystemExit(f"{path} holds another definition of {name} than tools/bench_fair.py's: not a map point")
         if name not in chosen or len(record["invocations"]) > len(chosen[name][1]["invocations"]):
             chosen[name] = (path, record)
-    return sorted(chosen.values(), key=lambda pr: _order(bench_fair.TABLES[pr[1]["table"]["name"]]))
-
-
-def _order(table: bench_fair.Table) -> tuple:
-    return (table.model, table.seq_len, table.cap_gib, table.batch)
+    tables = {name: bench_fair.TABLES[name] for name in chosen}
+    return [chosen[name] for name in sorted(chosen, key=lambda n: (tables[n].model, tables[n].seq_len,
+                                                                  tables[n].cap_gib, tables[n].batch))]
 
 
 def _label(point: dict) -> str:

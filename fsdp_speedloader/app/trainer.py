@@ -486,14 +486,15 @@ class Trainer:
         self._check_host_step_shows(metrics)
         return metrics
 
-    # The first steps fill the caching allocator's cache (and compile): retries there say nothing of the steady state.
-    RETRY_WARMUP_STEPS = 2
+    # The first steps fill the caching allocator's cache and compile: neither an allocator retry nor a CPU step that
+    # shows there says anything of the steady state.
+    WARMUP_STEPS = 2
 
     def _check_alloc_retries(self, metrics: dict) -> None:
         """Warns once when the caching allocator retried after the first steps: the step runs at the GPU memory
         cap, where each retry synchronises the GPU and frees the cache (docs/benchmarking.md, the ladder rule)."""
         retries = metrics.get("gpu_alloc_retries", 0)
-        if not retries or self.step <= self.RETRY_WARMUP_STEPS or self._warned_alloc_retries:
+        if not retries or self.step <= self.WARMUP_STEPS or self._warned_alloc_retries:
             return
         self._warned_alloc_retries = True
         sched = self.cfg.schedule
@@ -519,7 +520,7 @@ class Trainer:
         backward no longer hides it (a busy host, or more host parameters than the backward's window), and the
         setting that takes work off the CPU (docs/configuration.md)."""
         wait, step_time = metrics.get("optimizer_wait_s"), metrics.get("step_time_s")
-        if wait is None or not step_time or self.step <= self.RETRY_WARMUP_STEPS or self._warned_host_step:
+        if wait is None or not step_time or self.step <= self.WARMUP_STEPS or self._warned_host_step:
             return
         shown = wait > self.HOST_STEP_SHOWS_SHARE * step_time
         self._host_step_shown = self._host_step_shown + 1 if shown else 0
