@@ -135,6 +135,51 @@ def test_a_ladder_tries_the_next_tier_where_the_allocator_retried(tmp_path, monk
     assert bench_fair.retried({"alloc_retries_timed": 1}) and not bench_fair.retried({"alloc_retries": 9})
 
 
+def test_the_eager_row_beside_deepspeed_is_swept_to_its_own_best(tmp_path, monkeypatch):
+    # At the 24 GiB map point the compiled best (2x4, keep=11) ran out of memory eager: eager activations take more.
+    # So sweeping DeepSpeed sweeps layer-major's ladders eager too, and the repeat runs the best eager point that fit.
+    m24 = bench_fair.TABLES["map_7b_L8_b8_cap24"]
+    assert bench_fair.with_eager(m24, ["deepspeed-offload"]) == ["deepspeed-offload", "layer-major-eager"]
+    assert bench_fair.with_eager(m24, ["layer-major", "fsdp2-offload"]) == ["layer-major", "fsdp2-offload"]
+    shape = bench_fair.Shape.of(m24)
+    eager = bench_fair.train_ladders(m24, "layer-major-eager", shape)
+    compiled = bench_fair.train_ladders(m24, "layer-major", shape)
+    assert eager == [[[spec + ":eager" for spec in tier] for tier in ladder] for ladder in compiled]
+    assert all(bench_fair.family_of(spec) == "layer-major-eager" for ladder in eager for tier in ladder for spec in tier)
+
+    def fake_run_point(table, spec, args, **fields):  # eager fits from keep=7 down, DeepSpeed everywhere; 2x4 wins
+        keep = int(spec.split("keep=")[1].split(":")[0]) if "keep=" in spec else 0
+        oom = spec.endswith(":eager") and keep > 7
+        return {"spec": spec, "family": bench_fair.family_of(spec), **fields, "status": "oom" if oom else "ok",
+                "tokens_per_s": None if oom else 100.0 + keep + 50.0 * (":2x4" in spec)}
+
+    monkeypatch.setattr(bench_fair, "run_point", fake_run_point)
+    record = {"sweep": [], "invocations": [], "device": "cpu", "commit": "x"}
+    bench_fair.sweep(m24, bench_fair.with_eager(m24, ["layer-major", "deepspeed-offload"]), _args(), record,
+                     tmp_path / "r.json")
+    best = bench_fair.best_specs(record, m24, ["layer-major", "deepspeed-offload"])
+    at = "speedloader-overlap:2x4:root=device:dev=1:adamw=pool:"
+    assert best["layer-major"] == f"{at}keep=11"
+    assert best["layer-major-eager"] == f"{at}keep=7:eager"  # the compiled best's keep=11 was out of memory eager
+    # A record made before the eager sweep: the compiled best point, eager. An eager sweep where nothing fit: no row.
+    old = {"sweep": [r for r in record["sweep"] if r["family"] != "layer-major-eager"]}
+    assert bench_fair.best_specs(old, m24, ["layer-major", "deepspeed-offload"])["layer-major-eager"] == \
+        f"{at}keep=11:eager"
+    none_fit = {"sweep": old["sweep"] + [{"spec": f"{at}keep=11:eager", "family": "layer-major-eager",
+                                          "status": "oom"}]}
+    assert "layer-major-eager" not in bench_fair.best_specs(none_fit, m24, ["layer-major", "deepspeed-offload"])
+
+
+def test_the_eager_ratio_beside_deepspeed():
+    lm, eager, ds = ("speedloader-overlap:2x4:keep=11", "speedloader-overlap:2x4:keep=7:eager", "deepspeed-offload:8x1")
+    invocations = [{"index": i, "rows": [_row(lm, 360.0, 2), _row(eager, 300.0 + i, 2), _row(ds, 150.0, 8)]}
+                   for i in range(3)]
+    r = bench_fair.summarize({"invocations": invocations}, T40)["ratios"]
+    assert r["layer-major/deepspeed-offload"]["ratio"] == pytest.approx(2.4)  # compiled over eager
+    assert r["layer-major-eager/deepspeed-offload"]["ratio"] == pytest.approx(301.0 / 150.0)  # eager over eager
+    assert r["best_peer"] == "deepspeed-offload"
+
+
 def _row(spec, value, n=None, status="ok"):
     row = {"spec": spec, "status": status, "tokens_per_s": value, "mfu": (value or 0) / 1e5, "peak_hbm_gib": 30.0}
     if n:
@@ -373,7 +418,7 @@ def test_every_tables_points_are_well_formed_worker_specs():
 
     for table in bench_fair.TABLES.values():
         shape = bench_fair.Shape.of(table) if table.kind == "train" else None
-        for family in table.families:
+        for family in bench_fair.with_eager(table, table.families):
             ladders = (bench_fair.train_ladders(table, family, shape) if table.kind == "train"
                        else bench_fair.infer_ladders(table, family))
             specs = [spec for ladder in ladders for tier in ladder for spec in tier]
@@ -384,8 +429,10 @@ def test_every_tables_points_are_well_formed_worker_specs():
                     contender = bench_train.parse_contender(spec, None, table.compiled)
                     n, num = (int(v) for v in contender.shape.split("x"))
                     assert n * num == table.batch, spec
-                    if family in ("layer-major", "fsdp2-offload"):
+                    if family in ("layer-major", "layer-major-eager", "fsdp2-offload"):
                         assert contender.root_on_device and contender.dev >= 1, spec  # the same allowances
+                    assert contender.compiled == (table.compiled and family not in ("layer-major-eager",
+                                                                                   "deepspeed-offload")), spec
                 else:
                     assert spec.split(":")[0] in bench_infer.CONTENDERS, spec
 

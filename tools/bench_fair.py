@@ -16,7 +16,8 @@ family has its own knobs, swept under the same cap (:func:`train_ladders`, :func
            point that fits. Every tried point, out-of-memory ones included, stays in the record.
   repeat   each family's best sweep point (:func:`protocol.best_point`), in at least 3 invocations with the order
            of contenders alternated (:func:`protocol.run_order`); with DeepSpeed in the table (eager: its engine
-           does not run our compiled blocks), layer-major's best point eager beside it. Without a sweep, only the
+           does not run our compiled blocks), layer-major's best eager point beside it (its ladders are swept
+           with DeepSpeed's: family layer-major-eager). Without a sweep, only the
            settings named by --also (a setting known from elsewhere, e.g. the full model's kept pairs uncapped).
   all      sweep, then repeat.
 
@@ -57,6 +58,7 @@ from host_load import HostLoad  # noqa: E402
 REPO = harness.REPO
 GIB = 2**30
 LAYER_MAJOR = "layer-major"
+EAGER = LAYER_MAJOR + "-eager"  # layer-major without torch.compile: the row beside DeepSpeed, whose engine runs eager
 PEERS = ("fsdp2-offload", "deepspeed-offload")  # the canonical offloading peers the ratios are about
 # Bytes of activations one sequence of one block keeps for its backward in bf16 with fused attention, per token and
 # hidden unit (Korthikanti et al. 2022, 34 s h per layer without the s^2 term): the kept-pair estimate's basis.
@@ -213,7 +215,7 @@ def train_ladders(table: Table, family: str, shape: Shape) -> list[list[list[str
     for n in protocol.divisors(table.batch):
         num = table.batch // n
         shape_spec = f"{n}x{num}"
-        if family == LAYER_MAJOR:
+        if family in (LAYER_MAJOR, EAGER):
             if num < 2:  # one sub-batch is the canonical schedule, not layer-major
                 continue
             pairs = shape.num_layers * num
@@ -221,8 +223,9 @@ def train_ladders(table: Table, family: str, shape: Shape) -> list[list[list[str
             step = max(1, pairs // 8)
             keeps = sorted({max(0, first - i * step) for i in range(KEEP_TIERS)}, reverse=True)
             # The trainer's default host step (optim.fp32_host_step=pool), named: bench_train's default is openmp.
-            ladders.append([[f"speedloader-overlap:{shape_spec}{table.allowances}{table.levers}:adamw=pool:keep={k}"]
-                            for k in keeps])
+            eager = ":eager" if family == EAGER else ""
+            ladders.append([[f"speedloader-overlap:{shape_spec}{table.allowances}{table.levers}:adamw=pool:keep={k}"
+                             f"{eager}"] for k in keeps])
         elif family == "fsdp2-offload":
             ladders.append(fsdp2_tiers(f"fsdp2-offload:{shape_spec}{table.allowances}{table.levers}", shape))
         elif family == "ceiling":
@@ -282,7 +285,7 @@ def family_of(spec: str) -> str:
     """The family a worker spec belongs to (the inverse of the ladders)."""
     name = spec.split(":")[0]
     if name.startswith("speedloader-overlap") or name == "speedloader-overlap":
-        return LAYER_MAJOR + ("-eager" if spec.endswith(":eager") else "")
+        return EAGER if spec.endswith(":eager") else LAYER_MAJOR
     if name == "ondevice":
         return "ceiling"
     if name == "speedloader":
@@ -439,15 +442,33 @@ def retried(row: dict) -> bool:
     return (row.get("alloc_retries_timed") or 0) > 0
 
 
+def with_eager(table: Table, families: Sequence[str]) -> list[str]:
+    """The families to sweep: with DeepSpeed among them (eager: its engine does not run our compiled blocks),
+    layer-major's eager ladder too, so that the row beside DeepSpeed is eager at its own best setting (without
+    compiled blocks the activations take more memory: the compiled best point's kept pairs may not fit)."""
+    families = list(families)
+    if table.kind == "train" and "deepspeed-offload" in families and EAGER not in families:
+        families.append(EAGER)
+    return families
+
+
 def best_specs(record: dict, table: Table, families: Sequence[str]) -> dict[str, str]:
-    """{family: its best sweep point's spec}; with DeepSpeed among them, layer-major's best eager too."""
+    """{family: its best sweep point's spec}; with DeepSpeed and layer-major among them, layer-major's best eager
+    point too: from its own sweep (:func:`with_eager`), or, where a record has no eager sweep, the compiled best
+    point run eager."""
+    sweep_rows = record.get("sweep", [])
     best = {}
     for family in families:
-        row = protocol.best_point([r for r in record.get("sweep", []) if r["family"] == family], key=table.figure)
+        row = protocol.best_point([r for r in sweep_rows if r["family"] == family], key=table.figure)
         if row is not None:
             best[family] = row["spec"]
-    if "deepspeed-offload" in best and LAYER_MAJOR in best:
-        best[LAYER_MAJOR + "-eager"] = best[LAYER_MAJOR] + ":eager"
+    if "deepspeed-offload" in best and LAYER_MAJOR in best and EAGER not in best:
+        eager = [r for r in sweep_rows if r["family"] == EAGER and r["status"] in ("ok", "oom")]
+        row = protocol.best_point(eager, key=table.figure)
+        if row is not None:
+            best[EAGER] = row["spec"]
+        elif not eager:
+            best[EAGER] = best[LAYER_MAJOR] + ":eager"
     return best
 
 
@@ -545,6 +566,10 @@ def summarize(record: dict, table: Table) -> dict:
         peers = [(families[p]["median"], p) for p in PEERS if families.get(p, {}).get("median")]
         if peers:
             ratios["best_peer"] = max(peers)[1]
+    # DeepSpeed runs eager: beside it, layer-major eager too (the like-for-like ratio; the compiled one above).
+    eager, deepspeed = families.get(EAGER), families.get("deepspeed-offload")
+    if eager and eager["median"] and deepspeed and deepspeed["median"]:
+        ratios[f"{EAGER}/deepspeed-offload"] = protocol.ratio(eager, deepspeed)
     starts = {inv.get("boot_id") or f"unknown {inv['index']}" for inv in record["invocations"]}
     missing = max(0, protocol.MIN_INVOCATIONS - len(record["invocations"])) if record.get("protocol", True) else 0
     return {"families": families, "ratios": ratios, "machine_starts": len(starts), "invocations_missing": missing}
@@ -659,9 +684,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if torch.cuda.device_count() < args.gpus:
             parser.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} GPUs")
     families = args.family or list(table.families)
-    unknown = sorted(set(families) - set(table.families))
+    unknown = sorted(set(families) - set(with_eager(table, table.families)))
     if unknown:
-        parser.error(f"table {table.name} has no families {unknown}; it has {', '.join(table.families)}")
+        parser.error(f"table {table.name} has no families {unknown}; it has "
+                     f"{', '.join(with_eager(table, table.families))}")
     # As the trainer sets it; before the record is made, which says what every worker ran with.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     path = record_path(table, args)
@@ -682,7 +708,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for source in args.points_from:
         take_points(record, table, families, Path(source))
     if args.part in ("sweep", "all"):
-        sweep(table, families, args, record, path)
+        sweep(table, with_eager(table, families), args, record, path)
     if args.part in ("repeat", "all") and not args.dry_run:
         repeat(table, families, args, record, path)
     write(record, path, table, args)
