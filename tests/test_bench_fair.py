@@ -280,6 +280,21 @@ def test_points_from_another_record_are_marked_and_repeated(tmp_path, monkeypatc
                          "--points-from", str(tmp_path / "src.json")])
 
 
+def test_points_from_another_record_bring_the_eager_sweep_beside_deepspeed(tmp_path, monkeypatch):
+    lm, eager, ds = ("speedloader-overlap:2x4:keep=11", "speedloader-overlap:2x4:keep=7:eager", "deepspeed-offload:8x1")
+    source = {"table": bench_fair.dataclasses.asdict(T40), "device": "NVIDIA H200", "commit": "abc",
+              "sweep": [{**_row(lm, 3.0), "family": "layer-major"}, {**_row(eager, 2.5), "family": "layer-major-eager"},
+                        {**_row(eager.replace("keep=7", "keep=11"), None, status="oom"), "family": "layer-major-eager"},
+                        {**_row(ds, 1.0), "family": "deepspeed-offload"}]}
+    (tmp_path / "src.json").write_text(json.dumps(source))
+    ran = []
+    monkeypatch.setattr(bench_fair, "run_point", lambda t, spec, a, **f: ran.append(spec) or _row(spec, 1.0))
+    assert bench_fair.main([T40.name, "--out-dir", str(tmp_path / "out"), "--device", "cpu", "--part", "repeat",
+                            "--family", "layer-major", "--family", "deepspeed-offload",
+                            "--points-from", str(tmp_path / "src.json")]) == 0
+    assert sorted(set(ran)) == sorted([lm, eager, ds]) and len(ran) == 9
+
+
 def test_points_from_two_records_a_family_from_the_first_that_has_it(tmp_path, monkeypatch):
     """--points-from twice (a new sweep of one family beside an older record of the others): each family's points
     come from the first record that has any, so the older record's rows of a re-swept family are not mixed in."""

@@ -706,7 +706,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.quick:
         record["protocol"] = False
     for source in args.points_from:
-        take_points(record, table, families, Path(source))
+        take_points(record, table, with_eager(table, families), Path(source))
     if args.part in ("sweep", "all"):
         sweep(table, with_eager(table, families), args, record, path)
     if args.part in ("repeat", "all") and not args.dry_run:
