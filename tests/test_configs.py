@@ -217,6 +217,8 @@ BAD = [
     (["schedule.sub_batch_size=-1"], "schedule.sub_batch_size"),
     (["schedule.name=foo"], "schedule.name"),
     (["schedule.activation_store=disk"], "schedule.activation_store"),
+    (["schedule.target_batch_size=4"], "schedule.target_batch_size"),  # the tuner's cap, without schedule=auto
+    (["schedule=canonical", "schedule.tune_blocks_per_unit=[1,2]"], "schedule.tune_blocks_per_unit"),
     (["model.hidden_size=100", "model.num_heads=3"], "model.hidden_size"),
     (["model=llama2_70b", "model.num_kv_heads=7"], "model.num_kv_heads"),
     (["model.family=gpt2"], "model.family"),
@@ -236,6 +238,16 @@ def test_bad_value_names_the_field(overrides, field_name):
     cfg = compose_cfg(overrides)
     with pytest.raises(ValueError, match=re.escape(field_name)):
         to_train_config(cfg)
+
+
+def test_the_tuners_budgets_are_read_under_schedule_auto_only():
+    # Under a hand-set schedule they would be ignored silently: refused with what to change, before anything runs.
+    with pytest.raises(ValueError, match=r"target_batch_size=4, max_sub_batch_size=2 applies to schedule=auto only.*"
+                                         r"runs sub_batch_size x num_sub_batches as given \(4 x 2\): add schedule=auto"):
+        to_train_config(compose_cfg(["schedule.target_batch_size=4", "schedule.max_sub_batch_size=2"]))
+    tc = to_train_config(compose_cfg(["schedule=auto", "schedule.target_batch_size=4",
+                                      "schedule.gpu_memory_budget_gib=40"]))
+    assert (tc.schedule.target_batch_size, tc.schedule.gpu_memory_budget_gib) == (4, 40.0)
 
 
 @pytest.mark.parametrize("data, key", [("text", "path"), ("tokens", "path"), ("mixture", "mixture")])

@@ -198,7 +198,11 @@ def test_plan_fills_gpu_then_host():
     assert plan.predicted_gpu_bytes <= plan.gpu_target_bytes < plan.predict_gpu_bytes(23)
     assert plan.predicted_host_bytes <= 120 * GIB < plan.predict_host_bytes(22, 15)
     assert plan.batch_size == 22 * 14
-    assert planned_schedule(plan, TrainConfig().schedule).name == "speedloader"
+    auto = dataclasses.replace(TrainConfig().schedule, name="auto", gpu_memory_budget_gib=40.0, target_batch_size=400,
+                               tune_blocks_per_unit=[1, 2])
+    planned = planned_schedule(plan, auto)  # the budgets are spent on the plan: a hand-set schedule refuses them
+    assert (planned.name, planned.gpu_memory_budget_gib, planned.target_batch_size) == ("speedloader", None, None)
+    assert planned.tune_blocks_per_unit == [] and planned.batch_size == 22 * 14
     assert plan.overrides()[1:3] == ["schedule.sub_batch_size=22", "schedule.num_sub_batches=14"]
     text = plan.summary()
     assert "R^2 = 1 by construction" in text and "limited by gpu budget" in text

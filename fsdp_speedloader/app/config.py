@@ -280,11 +280,23 @@ class ScheduleConfig:
                 check_positive(getattr(self, name), f"schedule.{name}")
         for value in self.tune_blocks_per_unit:
             check_positive(value, "schedule.tune_blocks_per_unit")
+        # The tuner's budgets and caps: under a hand-set schedule they would be ignored without a word.
+        tuner_only = [f"{name}={getattr(self, name)}" for name in AUTO_ONLY if getattr(self, name) not in (None, [])]
+        check(not tuner_only or self.name == "auto", f"schedule.{tuner_only[0].split('=')[0]}" if tuner_only else "",
+              f"{', '.join(tuner_only)} applies to schedule=auto only (the tuner's budgets and caps); "
+              f"schedule.name={self.name!r} runs sub_batch_size x num_sub_batches as given "
+              f"({self.sub_batch_size} x {self.num_sub_batches}): add schedule=auto to plan them, or drop "
+              f"{'it' if len(tuner_only) == 1 else 'them'}")
 
     @property
     def batch_size(self) -> int:
         """Sequences per rank per optimizer step."""
         return self.sub_batch_size * self.num_sub_batches
+
+
+# ScheduleConfig's fields that only the tuner reads (schedule=auto, app.tune).
+AUTO_ONLY = ("gpu_memory_budget_gib", "host_memory_budget_gib", "target_batch_size", "max_sub_batch_size",
+             "tune_blocks_per_unit")
 
 
 @dataclass
