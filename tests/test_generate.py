@@ -489,7 +489,7 @@ def test_a_prompt_path_alone_means_a_prompt_file_and_show_generations_takes_all(
     assert GenerateConfig.from_dict({}).prompts.source == "synthetic"
     assert GenerateConfig.from_dict({"prompts": {"path": "p.txt"}}).prompts.source == "file"
     assert GenerateConfig.from_dict({"prompts": {"source": "file", "path": "p.txt"}}).prompts.source == "file"
-    with pytest.raises(ValueError, match=r"^prompts\.path: prompts\.source=synthetic draws random prompts .*drop "
+    with pytest.raises(ValueError, match=r"^prompts\.path: prompts\.source=synthetic reads no file; drop "
                                          r"prompts\.path=p\.txt or prompts\.source=synthetic$"):
         GenerateConfig.from_dict({"prompts": {"source": "synthetic", "path": "p.txt"}})
     with pytest.raises(ValueError, match="prompts.source=file needs prompts.path"):
@@ -499,6 +499,23 @@ def test_a_prompt_path_alone_means_a_prompt_file_and_show_generations_takes_all(
     assert GenerateConfig.from_dict({"show_generations": 0}).show_generations == 0
     with pytest.raises(ValueError, match="^show_generations: got -1; must be >= 0"):
         GenerateConfig.from_dict({"show_generations": -1})
+
+
+def test_prompts_given_as_text():
+    from fsdp_speedloader.app.data import ByteTokenizer
+    from fsdp_speedloader.app.generate import GenerateConfig, build_prompts
+
+    cfg = GenerateConfig.from_dict({"prompts": {"text": ["Once upon a time", "Hi"]}})  # the list alone: source text
+    assert cfg.prompts.source == "text"
+    texts, tokens = build_prompts(cfg, ByteTokenizer(), vocab_size=256)
+    assert texts == ["Once upon a time", "Hi"] and tokens[1] == list(ByteTokenizer().encode("Hi"))
+    assert GenerateConfig.from_dict({"prompts": {"text": "Hello"}}).prompts.text == ["Hello"]  # one prompt
+    with pytest.raises(ValueError, match=r"^prompts\.text: give the prompts as prompts\.text or in a file"):
+        GenerateConfig.from_dict({"prompts": {"text": ["a"], "path": "p.txt"}})
+    with pytest.raises(ValueError, match=r"^prompts\.text: got \['a', ''\]; give a list of non-empty prompts"):
+        GenerateConfig.from_dict({"prompts": {"text": ["a", ""]}})
+    with pytest.raises(ValueError, match=r"^prompts\.text: prompts\.source=synthetic reads no prompts\.text"):
+        GenerateConfig.from_dict({"prompts": {"source": "synthetic", "text": ["a"]}})
 
 
 def test_generation_lines_show_the_first_prompts_on_one_line_each():

@@ -4,6 +4,7 @@ One process (CPU, or one GPU)::
 
     python -m fsdp_speedloader.app.generate model=opt_tiny logger=none
     python -m fsdp_speedloader.app.generate model=llama_tiny prompts.path=prompts.txt   # a file: prompts.source=file
+    python -m fsdp_speedloader.app.generate model=llama_tiny prompts.text='[Once upon a time,Hello]'  # given here
     python -m fsdp_speedloader.app.generate model=opt_30b offload=params prompts.num_prompts=64 \\
         prompts.prompt_len=512 max_new_tokens=32 num_sub_batches=4 max_gpu_memory_gib=24
 
@@ -61,10 +62,13 @@ class PromptsConfig:
     """Where prompts come from."""
 
     source: Optional[str] = None
-    """'synthetic' (random token ids) or 'file' (.txt: one prompt per line; .jsonl: one object per line); null:
-    'file' when ``path`` is given, else 'synthetic'."""
+    """'synthetic' (random token ids), 'file' (.txt: one prompt per line; .jsonl: one object per line) or 'text'
+    (``text``); null: 'file' when ``path`` is given, 'text' when ``text`` is, else 'synthetic'."""
     path: Optional[str] = None
     """The prompt file (source 'file')."""
+    text: Optional[list] = None
+    """The prompts themselves (source 'text'): ``prompts.text='[Once upon a time,The capital of France is]'``, or
+    one: ``prompts.text=Hello``."""
     text_field: str = "text"
     """Field of each .jsonl object that holds the prompt."""
     num_prompts: int = 8
@@ -75,12 +79,20 @@ class PromptsConfig:
     """Synthetic: when set, prompt lengths are drawn from [min_prompt_len, prompt_len] and left-padded."""
 
     def __post_init__(self) -> None:
+        check(not (self.path and self.text), "prompts.text",
+              f"give the prompts as prompts.text or in a file (prompts.path={self.path}), not both")
         if self.source is None:  # prompts.path=FILE alone means the file, not random prompts beside it
-            self.source = "file" if self.path else "synthetic"
-        check_choice(self.source, "prompts.source", ("synthetic", "file"))
+            self.source = "file" if self.path else "text" if self.text else "synthetic"
+        check_choice(self.source, "prompts.source", ("synthetic", "file", "text"))
         check(self.source == "file" or not self.path, "prompts.path",
-              f"prompts.source=synthetic draws random prompts and reads no file; drop prompts.path={self.path} or "
-              "prompts.source=synthetic")
+              f"prompts.source={self.source} reads no file; drop prompts.path={self.path} or "
+              f"prompts.source={self.source}")
+        check(self.source == "text" or not self.text, "prompts.text",
+              f"prompts.source={self.source} reads no prompts.text; drop prompts.text or prompts.source={self.source}")
+        if self.source == "text":
+            check(bool(self.text) and all(isinstance(t, str) and t for t in self.text), "prompts.text",
+                  f"got {self.text!r}; give a list of non-empty prompts: prompts.text='[Once upon a time,Hello]' "
+                  "(quote a prompt holding a comma: prompts.text='[\"Hello, world\"]')")
         check_positive(self.num_prompts, "prompts.num_prompts")
         check_positive(self.prompt_len, "prompts.prompt_len")
         if self.min_prompt_len is not None:
@@ -229,6 +241,9 @@ class GenerateConfig:
         """Builds a validated config from a plain nested dict (e.g. ``OmegaConf.to_container``)."""
         if d.get("show_generations") == "all":  # show_generations=all on the command line: every prompt
             d = {**d, "show_generations": None}
+        prompts = d.get("prompts")
+        if isinstance(prompts, dict) and isinstance(prompts.get("text"), str):  # prompts.text=Hello: one prompt
+            d = {**d, "prompts": {**prompts, "text": [prompts["text"]]}}
         return dataclass_from_dict(cls, d)
 
     def speedloader_options(self) -> SpeedLoaderOptions:
@@ -284,12 +299,14 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 def build_prompts(cfg: GenerateConfig, tokenizer: Any, vocab_size: int) -> tuple[list[Optional[str]], list[list[int]]]:
     """All prompts (texts or None for synthetic ones) and their token ids, in order."""
-    if cfg.prompts.source == "file":
-        texts = read_prompt_file(cfg.prompts.path, cfg.prompts.text_field)
+    if cfg.prompts.source in ("file", "text"):
+        texts = (read_prompt_file(cfg.prompts.path, cfg.prompts.text_field) if cfg.prompts.source == "file"
+                 else list(cfg.prompts.text))
         tokens = [list(tokenizer.encode(t)) for t in texts]
         empty = [k for k, t in enumerate(tokens) if not t]
         if empty:
-            raise ValueError(f"prompts.path: prompt(s) {empty[:8]} tokenize to nothing")
+            key = "path" if cfg.prompts.source == "file" else "text"
+            raise ValueError(f"prompts.{key}: prompt(s) {empty[:8]} tokenize to nothing")
         return texts, tokens
     p = cfg.prompts
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -398,7 +415,7 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     eos_id = getattr(tokenizer, "eos_token_id", None)
     pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
     ids, mask = left_pad([tokens[k] for k in rows], pad_id)
-    eos = eos_id if cfg.stop_at_eos and cfg.prompts.source == "file" else None
+    eos = eos_id if cfg.stop_at_eos and cfg.prompts.source != "synthetic" else None
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, num_sub_batches=cfg.num_sub_batches, kv_cache=cfg.kv_cache,
                   kv_device_sub_batches=cfg.kv_device_sub_batches,
                   cpu_attention_sub_batches=cfg.cpu_attention_sub_batches, kv_cache_dtype=cfg.kv_cache_dtype,
