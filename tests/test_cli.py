@@ -65,6 +65,11 @@ TYPOS = [
     ("generate", ["experiment=tiny_cpu"], "experiment: conf/generate.yaml has no config group experiment (its "
                                           "groups: logger, model, offload)"),
     ("export", ["checkpoint=ckpt", "ot=hf"], "unknown key ot: did you mean out?"),
+    ("generate", ["prompts=hello"], "prompts is a section, not a value: set one of its keys (prompts.source, "
+                                    "prompts.path, prompts.text, prompts.text_field, prompts.num_prompts, "
+                                    "prompts.prompt_len, prompts.min_prompt_len), e.g. prompts.source=..."),
+    ("train", ["optim=0.1"], "optim=0.1: optim is a config group: name one of its options (adamw), or set a key "
+                             "under it (optim.KEY=VALUE)"),
     ("sweep", ["sweep=sub_batchs", "experiment=tiny_cpu"], "unknown sweep=sub_batchs: did you mean sub_batches? "
                                                            "(options: sub_batches, sub_batches_units)"),
     ("sweep", ["experiment=tiny_cpu", "schedule.num_sub_bachtes=1,2"], "unknown key schedule.num_sub_bachtes: did "

@@ -117,20 +117,25 @@ def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
             if _is_hydra_key(key) or override.is_delete() or override.package is not None:
                 continue
             if _is_group(loader, key):
+                raw = None if override.is_sweep_override() else override.value()
+                if raw is not None and not isinstance(raw, (str, list)):  # Hydra: a traceback ("Got float")
+                    raise ValueError(f"{key}={raw}: {key} is a config group: name one of its options "
+                                     f"({', '.join(_group_options(loader, key))}), or set a key under it "
+                                     f"({key}.KEY=VALUE)")
                 values = _group_values(override)
                 _check_group(loader, config_name, key, values, groups, adds=override.is_add())
                 if values:
                     composed_with.append(f"{'+' if override.is_add() else ''}{key}={values[0]}")
             elif not (override.is_add() or override.is_force_add()):
-                keys.append(key)
+                keys.append((key, None if override.is_sweep_override() else override.value()))
         if not keys:
             return
         try:
             cfg = compose(config_name, overrides=composed_with)
         except HydraException:
             return
-    for key in keys:
-        _check_key(cfg, key, groups)
+    for key, value in keys:
+        _check_key(cfg, key, groups, value)
 
 
 def _group_values(override: Any) -> list[str]:
@@ -154,9 +159,10 @@ def _check_group(loader: Any, config_name: str, group: str, values: Iterable[str
             raise ValueError(f"unknown {group}={value}{did_you_mean(value, options)} (options: {', '.join(options)})")
 
 
-def _check_key(cfg: DictConfig, key: str, groups: Sequence[str]) -> None:
+def _check_key(cfg: DictConfig, key: str, groups: Sequence[str], value: Any = None) -> None:
     """``ValueError`` when ``key`` is not in ``cfg``: the closest names under its deepest existing parent, else
-    keys anywhere whose last part is close to its last part (``num_sub_batches`` -> ``schedule.num_sub_batches``)."""
+    keys anywhere whose last part is close to its last part (``num_sub_batches`` -> ``schedule.num_sub_batches``);
+    or when ``key`` is a section of keys given a plain ``value`` (Hydra: "Cannot merge DictConfig with ...")."""
     parts = key.split(".")
     node: Any = cfg
     for depth, part in enumerate(parts):
@@ -179,6 +185,10 @@ def _check_key(cfg: DictConfig, key: str, groups: Sequence[str]) -> None:
             raise ValueError(f"unknown key {key}{suggestion(near)}")
         under = f" under {parent}" if parent else ""
         raise ValueError(f"unknown key {key} (the keys{under}: {', '.join(siblings)})")
+    if isinstance(node, DictConfig) and value is not None and not isinstance(value, dict):
+        names = [str(k) for k in node.keys()]
+        raise ValueError(f"{key} is a section, not a value: set one of its keys ({', '.join(f'{key}.{n}' for n in names)})"
+                         f", e.g. {key}.{names[0]}=...")
 
 
 def _paths(cfg: Any, prefix: str = "") -> list[str]:
