@@ -226,6 +226,7 @@ BAD = [
     (["optim.lr=0"], "optim.lr"),
     (["logger.backend=tensorboard"], "logger.backend"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last"),
+    (["checkpoint.resume=true"], "checkpoint.resume=auto"),  # Hugging Face's resume_from_checkpoint=True: say which
     (["steps=0"], "steps"),
     (["device=tpu"], "device"),
     (["+model.hiden_size=64"], "hiden_size"),  # unknown key in a group
@@ -238,6 +239,11 @@ def test_bad_value_names_the_field(overrides, field_name):
     cfg = compose_cfg(overrides)
     with pytest.raises(ValueError, match=re.escape(field_name)):
         to_train_config(cfg)
+
+
+def test_checkpoint_resume_false_is_a_fresh_start():
+    assert to_train_config(compose_cfg(["checkpoint.resume=false"])).checkpoint.resume is None
+    assert to_train_config(compose_cfg(["checkpoint.resume=auto"])).checkpoint.resume == "auto"
 
 
 def test_the_tuners_budgets_are_read_under_schedule_auto_only():

@@ -506,6 +506,12 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         """Builds a validated config from a plain nested dict (e.g. ``OmegaConf.to_container``)."""
+        resume = (d.get("checkpoint") or {}).get("resume")
+        if isinstance(resume, bool):  # Hugging Face's resume_from_checkpoint=True: which checkpoint is meant?
+            check(not resume, "checkpoint.resume", "got true; say which: checkpoint.resume=auto (the newest complete "
+                  "step in checkpoint.dir; a fresh start when there is none) or checkpoint.resume=PATH (one "
+                  "step_NNNNNNNN directory)")
+            d = {**d, "checkpoint": {**d["checkpoint"], "resume": None}}
         return dataclass_from_dict(cls, d)
 
 
