@@ -241,6 +241,23 @@ def test_bad_value_names_the_field(overrides, field_name):
         to_train_config(cfg)
 
 
+def test_a_pretrained_checkpoints_text_is_read_with_its_own_tokenizer(tmp_path):
+    # data.tokenizer's default (null) is model.path's tokenizer where the directory holds one: a Llama checkpoint
+    # trained on byte ids would learn nothing it knows. Without one, or without model.path: bytes; a named one wins.
+    with_tokenizer, without = tmp_path / "llama", tmp_path / "bare"
+    for d in (with_tokenizer, without):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    (with_tokenizer / "tokenizer_config.json").write_text("{}")
+    assert to_train_config(compose_cfg([f"model.path={with_tokenizer}"])).data.tokenizer == str(with_tokenizer)
+    assert to_train_config(compose_cfg([f"model.path={without}"])).data.tokenizer == "bytes"
+    assert to_train_config(compose_cfg([])).data.tokenizer == "bytes"
+    assert to_train_config(compose_cfg([f"model.path={with_tokenizer}", "data.tokenizer=bytes"])).data.tokenizer == \
+        "bytes"
+    assert to_train_config(compose_cfg([f"model.path={with_tokenizer}", "data=text", "data.path=x.txt"])
+                           ).data.tokenizer == str(with_tokenizer)
+
+
 def test_checkpoint_resume_false_is_a_fresh_start():
     assert to_train_config(compose_cfg(["checkpoint.resume=false"])).checkpoint.resume is None
     assert to_train_config(compose_cfg(["checkpoint.resume=auto"])).checkpoint.resume == "auto"

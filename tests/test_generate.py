@@ -562,6 +562,30 @@ def test_cli_generates_prompts_from_a_file(tmp_path):
     assert not any(line.rstrip().endswith(" - step 0") for line in out.splitlines()), out[-3000:]
 
 
+def test_cli_reads_prompts_with_the_pretrained_checkpoints_own_tokenizer(tmp_path):
+    """model.path=DIR holding a Hugging Face tokenizer: prompts.text is encoded with it (not with bytes), the
+    generations decoded with it."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<eos>", "hello", "world", "the", "cat"])}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    hf = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(hf)
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]").save_pretrained(hf)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.app.generate", "logger=none", "device=cpu",
+                           f"model.path={hf}", "prompts.text=[hello world,the cat]", "max_new_tokens=3",
+                           "warmup=false", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["prompt_tokens"]) for r in lines] == [("hello world", [2, 3]), ("the cat", [4, 5])]
+
+
 def test_wandb_online_without_a_key_fails_before_the_model_in_generate_and_tune(tmp_path, monkeypatch):
     """The training entry's check (one line at the entry point), before any model is built."""
     import fsdp_speedloader.app.generate as generate_mod

@@ -18,6 +18,17 @@ from fsdp_speedloader.validation import check, check_choice, check_positive, dat
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # a Hugging Face tokenizer's
+
+
+def default_tokenizer(model_path: Optional[str]) -> str:
+    """The tokenizer of ``data.tokenizer=null``: ``model_path`` where that checkpoint directory holds a Hugging Face
+    tokenizer (a pretrained model's text is its own tokenizer's ids), else 'bytes'."""
+    if model_path and any(os.path.isfile(os.path.join(model_path, name)) for name in TOKENIZER_FILES):
+        return model_path
+    return "bytes"
+
+
 @dataclass
 class DataConfig:
     """Where training tokens come from. Sequences are packed to ``seq_len``."""
@@ -27,8 +38,9 @@ class DataConfig:
     from fsdp-speedloader-prepare, or a .bin file)."""
     path: Optional[str] = None
     """File or directory for 'text'; a token directory or .bin file for 'tokens' (or data.mixture instead)."""
-    tokenizer: str = "bytes"
-    """'bytes' (built in, vocab 257) or a local Hugging Face tokenizer directory."""
+    tokenizer: Optional[str] = "bytes"
+    """'bytes' (built in, vocab 257), a local Hugging Face tokenizer directory, or null (the data groups' default):
+    ``model.path``'s own tokenizer where that checkpoint directory holds one, else 'bytes'."""
     text_field: str = "text"
     """Field holding the document text in .jsonl files."""
     seq_len: int = 256
@@ -463,6 +475,8 @@ class TrainConfig:
     """Run directory (the Hydra entry point sets it; all ranks agree on it)."""
 
     def __post_init__(self) -> None:
+        if self.data.tokenizer is None:  # a pretrained checkpoint's text is read with its own tokenizer
+            self.data.tokenizer = default_tokenizer(self.model.path)
         check_positive(self.steps, "steps")
         check_choice(self.device, "device", ("auto", "cuda", "cpu"))
         check_choice(self.param_dtype, "param_dtype", _DTYPES)

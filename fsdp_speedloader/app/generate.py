@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_speedloader import parallel
-from fsdp_speedloader.app.config import LoggerConfig, OffloadConfig
+from fsdp_speedloader.app.config import LoggerConfig, OffloadConfig, default_tokenizer
 from fsdp_speedloader.app.data import build_tokenizer
 from fsdp_speedloader.app.export import checkpoint_path_overrides, open_checkpoint
 from fsdp_speedloader.app.launch import config_path, fail, launch, rank, resolved_config
@@ -138,7 +138,7 @@ class GenerateConfig:
     is ignored; null: the model group."""
     tokenizer: Optional[str] = None
     """'bytes' or a local Hugging Face tokenizer directory (prompts from files; decoding the output); null: the
-    checkpoint's tokenizer, else 'bytes'."""
+    training checkpoint's tokenizer, else ``model.path``'s own where that directory holds one, else 'bytes'."""
     max_new_tokens: int = 32
     """New tokens per prompt."""
     num_sub_batches: int = 2
@@ -368,7 +368,8 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     checkpoint = open_checkpoint(cfg.checkpoint_path) if cfg.checkpoint_path is not None else None
     model_cfg = checkpoint.model if checkpoint is not None else cfg.model
     hf_config = build_hf_config(model_cfg)
-    tokenizer = build_tokenizer(cfg.tokenizer or (checkpoint.tokenizer if checkpoint is not None else "bytes"))
+    tokenizer = build_tokenizer(cfg.tokenizer or (checkpoint.tokenizer if checkpoint is not None else
+                                                  default_tokenizer(cfg.model.path)))
     texts, tokens = build_prompts(cfg, tokenizer, hf_config.vocab_size)
     longest = max(len(t) for t in tokens)
     if longest + cfg.max_new_tokens > hf_config.max_position_embeddings:

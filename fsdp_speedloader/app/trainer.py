@@ -246,8 +246,8 @@ class Trainer:
 
         # 1. User errors first: nothing is allocated yet.
         if launch_rank() == 0:  # the first line of a run, within seconds (the model build can take minutes)
-            log.info("setting up: model %s, schedule %s, %d steps, run directory %s", cfg.model.name, sched.name,
-                     cfg.steps, cfg.output_dir)
+            log.info("setting up: model %s, tokenizer %s, schedule %s, %d steps, run directory %s",
+                     cfg.model.path or cfg.model.name, cfg.data.tokenizer, sched.name, cfg.steps, cfg.output_dir)
         device_type = resolve_device_type(cfg.device)
         vocab_size = build_hf_config(cfg.model).vocab_size
         validate_data(cfg.data, vocab_size=vocab_size)
