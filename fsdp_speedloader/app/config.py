@@ -293,12 +293,13 @@ class ScheduleConfig:
         for value in self.tune_blocks_per_unit:
             check_positive(value, "schedule.tune_blocks_per_unit")
         # The tuner's budgets and caps: under a hand-set schedule they would be ignored without a word.
-        tuner_only = [f"{name}={getattr(self, name)}" for name in AUTO_ONLY if getattr(self, name) not in (None, [])]
-        check(not tuner_only or self.name == "auto", f"schedule.{tuner_only[0].split('=')[0]}" if tuner_only else "",
-              f"{', '.join(tuner_only)} applies to schedule=auto only (the tuner's budgets and caps); "
-              f"schedule.name={self.name!r} runs sub_batch_size x num_sub_batches as given "
-              f"({self.sub_batch_size} x {self.num_sub_batches}): add schedule=auto to plan them, or drop "
-              f"{'it' if len(tuner_only) == 1 else 'them'}")
+        tuner_only = [name for name in AUTO_ONLY if getattr(self, name) not in (None, [])]
+        if tuner_only and self.name != "auto":
+            given = ", ".join(f"{name}={getattr(self, name)}" for name in tuner_only)
+            check(False, f"schedule.{tuner_only[0]}",
+                  f"{given} applies to schedule=auto only (the tuner's budgets and caps); schedule.name={self.name!r} "
+                  f"runs sub_batch_size x num_sub_batches as given ({self.sub_batch_size} x {self.num_sub_batches}): "
+                  f"add schedule=auto to plan them, or drop {'it' if len(tuner_only) == 1 else 'them'}")
 
     @property
     def batch_size(self) -> int:
