@@ -459,7 +459,7 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
         # Throughput of all ranks together: they run concurrently, so rates add up.
         for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "generated_tokens_per_s"):
             figures[key] = sum(fig[key] for _, fig in gathered)
-        log.info("%d prompts -> %s | prefill %.1f tok/s (%.2f s) | decode %.1f tok/s (%.2f s) | kv_cache %s",
+        log.info("%d prompt(s) -> %s | prefill %.1f tok/s (%.2f s) | decode %.1f tok/s (%.2f s) | kv_cache %s",
                  len(all_records), out_path, figures["prefill_tokens_per_s"], figures["prefill_s"],
                  figures["decode_tokens_per_s"], figures["decode_s"], figures["kv_cache"])
     logger = build_logger(cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg),
