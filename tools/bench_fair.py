@@ -663,7 +663,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.list or not args.table:
         for t in TABLES.values():
             print(f"{t.name:28s} {t.kind:5s} {t.model} L{t.layers or 'all'} s{t.seq_len} batch {t.batch} "
-                  f"cap {t.cap_gib:g} GiB {'headline' if t.headline else 'map'}: {', '.join(t.families)}")
+                  f"cap {t.cap_gib:g} GiB {'headline' if t.headline else 'map'}: "
+                  f"{', '.join(with_eager(t, t.families))}")
         return 0
     if args.table not in TABLES:
         parser.error(f"unknown table {args.table!r}; --list shows the {len(TABLES)} tables")
