@@ -516,6 +516,13 @@ def peer_target(binds: bool, eighth_or_less: bool) -> float:
     return 2.0 if eighth_or_less else 1.3 if binds else 1.0
 
 
+def peer_case(table: Table, sub_batch_size: int) -> dict:
+    """Whether the cap binds a peer whose best micro-batch is ``sub_batch_size`` (smaller than the batch), whether
+    that micro-batch is an eighth of the batch or less, and the issue's target for that case."""
+    binds, eighth_or_less = sub_batch_size < table.batch, sub_batch_size * 8 <= table.batch
+    return {"binds": binds, "eighth_or_less": eighth_or_less, "target": peer_target(binds, eighth_or_less)}
+
+
 def summarize(record: dict, table: Table) -> dict:
     """Per family: the spread of its best point over the repeat invocations; ratios of layer-major (and of the
     int4 generation row) over every other family, median over median, with overlap and whether the cap binds
@@ -556,9 +563,7 @@ def summarize(record: dict, table: Table) -> dict:
                 continue
             r = protocol.ratio(ours, theirs)
             if table.kind == "train" and name in PEERS and theirs.get("sub_batch_size"):
-                r["binds"] = theirs["sub_batch_size"] < table.batch
-                r["eighth_or_less"] = theirs["sub_batch_size"] * 8 <= table.batch
-                r["target"] = peer_target(r["binds"], r["eighth_or_less"])
+                r.update(peer_case(table, theirs["sub_batch_size"]))
                 if fastest:
                     r["bound"] = fastest / theirs["median"]
                     r["target_within_bound"] = r["bound"] >= r["target"]

@@ -75,8 +75,7 @@ def map_point(record: dict) -> dict:
     point["status"] = ("protocol" if n >= protocol.MIN_INVOCATIONS else f"repeat {n}/{protocol.MIN_INVOCATIONS}"
                        if n else "sweep only")
     if theirs.get("sub_batch_size"):
-        binds = theirs["sub_batch_size"] < table.batch
-        point["target"] = bench_fair.peer_target(binds, theirs["sub_batch_size"] * 8 <= table.batch)
+        point["target"] = bench_fair.peer_case(table, theirs["sub_batch_size"])["target"]
     fastest = summary["families"].get("ceiling", {}).get("tokens_per_s_fwd_bwd_median")
     if fastest:
         point["bound"] = fastest / theirs["tokens_per_s"]
