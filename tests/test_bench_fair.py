@@ -106,6 +106,30 @@ def test_a_point_that_timed_out_prunes_nothing_at_larger_micro_batches(tmp_path,
     assert by_spec == {"deepspeed-offload:1x8": "timeout", "deepspeed-offload:2x4": "ok",
                        "deepspeed-offload:4x2": "oom", "deepspeed-offload:8x1": "skipped"}
     assert launched == ["deepspeed-offload:1x8", "deepspeed-offload:2x4", "deepspeed-offload:4x2"]
+    assert bench_fair.sweep_pending(record, T40) == {}  # every micro-batch has its row: run, out of memory, skipped
+
+
+def test_a_sweep_stopped_part_way_names_what_is_left_and_the_peer_not_repeated():
+    """A sweep part stopped by its time budget leaves micro-batches of a family unrun: the summary names them (the
+    family's best point may be among them), and a peer swept but not repeated with its best point so far. A ladder
+    whose points ran under an older spec of its tiers counts as swept."""
+    record = {"sweep": [_row("deepspeed-offload:1x8", 100.0, 1), _row("deepspeed-offload:2x4", 130.0, 2),
+                        _row("speedloader-overlap:1x8:root=device:dev=1:keep=23", 300.0, 1),  # before adamw=pool
+                        _row("speedloader-overlap:2x4:root=device:dev=1:adamw=pool:keep=11", 320.0, 2),
+                        _row("speedloader-overlap:4x2:root=device:dev=1:adamw=pool:keep=5", None, 4, status="oom")],
+              "invocations": [{"index": i, "rows": [_row("speedloader-overlap:2x4:root=device:dev=1:adamw=pool:keep=11",
+                                                         320.0, 2)]} for i in range(3)],
+              "device": "cpu", "commit": "x"}
+    for row in record["sweep"]:
+        row["family"] = bench_fair.family_of(row["spec"])
+    s = bench_fair.summarize(record, T40)
+    assert s["sweep_pending"] == {"deepspeed-offload": ["deepspeed-offload:4x2", "deepspeed-offload:8x1"]}
+    assert s["peers_not_repeated"] == {"deepspeed-offload": {"spec": "deepspeed-offload:2x4", "tokens_per_s": 130.0}}
+    record["summary"] = s
+    text = bench_fair.markdown(record, T40)
+    assert "- deepspeed-offload: swept, not repeated: its best point deepspeed-offload:2x4 ran at 130.0" in text
+    assert ("- deepspeed-offload's sweep is partial: 2 micro-batches not run yet (deepspeed-offload:4x2, "
+            "deepspeed-offload:8x1): run --part sweep again") in text
 
 
 def test_a_ladder_tries_the_next_tier_where_the_allocator_retried(tmp_path, monkeypatch):

@@ -77,7 +77,30 @@ def test_a_point_without_a_peer_is_incomplete_and_says_who_did_not_run():
     assert point["status"] == "incomplete" and point["not_run"] == ["fsdp2-offload", "deepspeed-offload"]
     assert "ratio" not in point
     assert regime_map.markdown([point]).endswith("| not run | - | - | incomplete; not run: fsdp2-offload, "
-                                                 "deepspeed-offload |")
+                                                 "deepspeed-offload; layer-major's sweep partial (5 micro-batches "
+                                                 "to run) |")  # 1, 2, 4, 8 and 16 of 32: its 2 x 4 is not this table's
+
+
+def test_a_peer_whose_sweep_stopped_part_way_is_named_with_the_micro_batches_left():
+    """A sweep part stopped by its time budget (DeepSpeed at 13B width ran 1 x 32 and 2 x 16): the point takes the
+    peer's best point so far and says its sweep is partial, in the table, the JSON and the plot's cell."""
+    lm, fs = "speedloader-overlap:4x8:root=device:dev=1:adamw=pool:keep=0", "fsdp2-offload:2x16:root=device:dev=1"
+    sweep = [_row(lm.replace("4x8", s), 25_000.0, int(s.split("x")[0])) for s in ("1x32", "2x16", "4x8", "8x4")]
+    sweep += [_row(lm.replace("4x8", "16x2"), None, 16, status="oom"), _row(fs, 12_000.0, 2),
+              _row(fs.replace("2x16", "1x32"), 8_000.0, 1), _row(fs.replace("2x16", "4x8"), None, 4, status="oom")]
+    sweep += [_row(f"fsdp2-offload:{s}:root=device:dev=1", None, 8, status="skipped") for s in ("8x4", "16x2", "32x1")]
+    sweep += [_row("deepspeed-offload:1x32", 8_500.0, 1), _row("deepspeed-offload:2x16", 13_000.0, 2)]
+    point = regime_map.map_point(_record("map_13b_L8_b32_cap24", sweep, []))
+    assert point["sweep_pending"] == {"deepspeed-offload": [f"deepspeed-offload:{s}" for s in
+                                                            ("4x8", "8x4", "16x2", "32x1")]}
+    assert point["best_peer"] == "deepspeed-offload" and point["ratio"] == pytest.approx(25_000.0 / 13_000.0)
+    assert regime_map.markdown([point]).endswith("| sweep only; deepspeed-offload's sweep partial (4 micro-batches "
+                                                 "to run) |")
+    assert regime_map._cell(point)[1].endswith("peer sweep partial")
+    # the rest of DeepSpeed's sweep: nothing left, and the cell says no more than the status
+    sweep += [_row(f"deepspeed-offload:{s}", 9_000.0, int(s.split("x")[0])) for s in ("4x8", "8x4", "16x2", "32x1")]
+    point = regime_map.map_point(_record("map_13b_L8_b32_cap24", sweep, []))
+    assert point["sweep_pending"] == {} and regime_map._cell(point)[1] == "1.92x\nsweep only"
 
 
 def test_records_one_per_table_quiet_hosts_one_gpu_model(tmp_path):
@@ -104,7 +127,8 @@ def test_the_command_prints_the_table_and_writes_the_points_and_the_map(tmp_path
     assert regime_map.main([str(path), "--json", str(tmp_path / "map.json"), "--plot", str(tmp_path / "map.png")]) == 0
     out = capsys.readouterr().out
     assert "| 7B width, 8 layers, 8 x 4k, 24 GiB | 37,000 (sweep) | fsdp2-offload 28,000 (sweep) | 1.32x | 2x | " \
-           "sweep only |" in out
+           "sweep only; layer-major's sweep partial (1 micro-batch to run); fsdp2-offload's sweep partial (2 " \
+           "micro-batches to run); deepspeed-offload's sweep partial (3 micro-batches to run) |" in out
     points = json.loads((tmp_path / "map.json").read_text())["points"]
     assert points[0]["record"] == str(path) and points[0]["best_peer"] == "fsdp2-offload"
     assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -523,6 +523,29 @@ def peer_case(table: Table, sub_batch_size: int) -> dict:
     return {"binds": binds, "eighth_or_less": eighth_or_less, "target": peer_target(binds, eighth_or_less)}
 
 
+def sweep_pending(record: dict, table: Table) -> dict[str, list[str]]:
+    """{family: the first point of each of its ladders (one micro-batch, or one generation point) of which the record
+    holds no point yet}, for every family whose sweep has begun: a sweep part stopped by its time budget leaves
+    them, and the family's best point may lie among them. A family not swept at all is not listed. A training
+    ladder counts as swept where any point of the family ran at its micro-batch (a record from before a tier's
+    spec changed keeps its points)."""
+    def key(spec: str) -> tuple[str, str]:  # training: (family, "NxM"); generation: the point itself
+        return (family_of(spec), spec.split(":")[1]) if table.kind == "train" else (family_of(spec), spec)
+
+    have = {key(r["spec"]) for r in record.get("sweep", [])}
+    swept = {family for family, _ in have}
+    shape = Shape.of(table) if table.kind == "train" and swept & set(table.families) else None
+    pending = {}
+    for family in table.families:
+        if family not in swept:
+            continue
+        ladders = train_ladders(table, family, shape) if table.kind == "train" else infer_ladders(table, family)
+        left = [ladder[0][0] for ladder in ladders if key(ladder[0][0]) not in have]
+        if left:
+            pending[family] = left
+    return pending
+
+
 def summarize(record: dict, table: Table) -> dict:
     """Per family: the spread of its best point over the repeat invocations; ratios of layer-major (and of the
     int4 generation row) over every other family, median over median, with overlap and whether the cap binds
@@ -577,7 +600,15 @@ def summarize(record: dict, table: Table) -> dict:
         ratios[f"{EAGER}/deepspeed-offload"] = protocol.ratio(eager, deepspeed)
     starts = {inv.get("boot_id") or f"unknown {inv['index']}" for inv in record["invocations"]}
     missing = max(0, protocol.MIN_INVOCATIONS - len(record["invocations"])) if record.get("protocol", True) else 0
-    return {"families": families, "ratios": ratios, "machine_starts": len(starts), "invocations_missing": missing}
+    # a peer swept but not repeated is no row above; its best sweep point says whether it may be the best peer
+    unrepeated = {}
+    for peer in PEERS if table.kind == "train" else ():
+        row = protocol.best_point([r for r in record.get("sweep", []) if family_of(r["spec"]) == peer],
+                                  key=table.figure)
+        if row is not None and peer not in families:
+            unrepeated[peer] = {"spec": row["spec"], table.figure: row[table.figure]}
+    return {"families": families, "ratios": ratios, "machine_starts": len(starts), "invocations_missing": missing,
+            "sweep_pending": sweep_pending(record, table), "peers_not_repeated": unrepeated}
 
 
 def write(record: dict, path: Path, table: Table, args: argparse.Namespace) -> None:
@@ -602,6 +633,12 @@ def markdown(record: dict, table: Table) -> str:
     missing = record["summary"]["invocations_missing"]
     lines.append(f"- {len(record['invocations'])} invocations on {record['summary']['machine_starts']} start(s) of the "
                  "machine" + (f"; {missing} more to come (--partial)" if missing else ""))
+    for peer, best in record["summary"].get("peers_not_repeated", {}).items():
+        lines.append(f"- {peer}: swept, not repeated: its best point {best['spec']} ran at {best[table.figure]:,.1f}")
+    for family, left in record["summary"].get("sweep_pending", {}).items():
+        plural = "es" if len(left) > 1 else ""
+        lines.append(f"- {family}'s sweep is partial: {len(left)} micro-batch{plural} not run yet "
+                     f"({', '.join(left)}): run --part sweep again")
     lines.append("")
     lines.append(f"sweep: {sum(r['status'] == 'ok' for r in record['sweep'])} points ran, "
                  f"{sum(r['status'] == 'oom' for r in record['sweep'])} out of memory, "

@@ -14,7 +14,8 @@ best sweep point, and the point says so (``status``):
 ``target`` is the issue's ratio for the point (2x where the best peer's micro-batch is an eighth of the batch or
 less, 1.3x where the cap binds it, else 1x: not slower); ``bound`` the most any schedule of the same kernels could
 reach over that peer (the ceiling's forward+backward rate, where the record has the ceiling). Families that never
-ran at the point are listed under ``not_run``. Records under a host load (``--host-busy``) are refused, as are
+ran at the point are listed under ``not_run``; a sweep stopped part-way (micro-batches of a family not run yet, where
+its best point may lie) under ``sweep_pending``. Records under a host load (``--host-busy``) are refused, as are
 records of two GPU models in one map. With several records of one table the one with the most repeat invocations
 is used.
 """
@@ -59,7 +60,8 @@ def map_point(record: dict) -> dict:
     figures = {f: fig for f in (LAYER_MAJOR, *PEERS) if (fig := family_figure(record, summary, table, f))}
     point = {"table": table.name, "model": table.model, "layers": table.layers, "seq_len": table.seq_len,
              "batch": table.batch, "cap_gib": table.cap_gib, "device": record["device"], "families": figures,
-             "not_run": [f for f in (LAYER_MAJOR, *PEERS) if f not in figures]}
+             "not_run": [f for f in (LAYER_MAJOR, *PEERS) if f not in figures],
+             "sweep_pending": {f: left for f, left in summary["sweep_pending"].items() if f in (LAYER_MAJOR, *PEERS)}}
     ours = figures.get(LAYER_MAJOR)
     peers = [(figures[p]["tokens_per_s"], p) for p in PEERS if p in figures]
     if ours is None or not peers:
@@ -125,6 +127,8 @@ def markdown(points: Sequence[dict]) -> str:
         ratio = f"{p['ratio']:.2f}x" + (" (ranges overlap)" if p.get("overlap") else "") if "ratio" in p else "-"
         target = (f"{p['target']:g}x" if "target" in p else "-") + (f" / {p['bound']:.2f}x" if "bound" in p else "")
         missing = f"; not run: {', '.join(p['not_run'])}" if p["not_run"] else ""
+        missing += "".join(f"; {f}'s sweep partial ({len(left)} micro-batch{'es' if len(left) > 1 else ''} to run)"
+                           for f, left in p.get("sweep_pending", {}).items())
         lines.append(f"| {_label(p)} | {_figure(p['families'].get(LAYER_MAJOR))} | {peer_text} | {ratio} | {target} "
                      f"| {p['status']}{missing} |")
     return "\n".join(lines)
@@ -135,7 +139,8 @@ def _cell(point: Optional[dict]) -> tuple[Optional[float], str]:
         return None, "not measured"
     if "ratio" not in point:
         return None, "no " + " / ".join(point["not_run"])
-    return point["ratio"], f"{point['ratio']:.2f}x\n{point['status']}"
+    partial = any(f in point.get("sweep_pending", {}) for f in PEERS)
+    return point["ratio"], f"{point['ratio']:.2f}x\n{point['status']}" + ("\npeer sweep partial" if partial else "")
 
 
 def _on_grid(model: str, layers: Optional[int], seq_len: int) -> bool:
