@@ -230,6 +230,19 @@ def test_bad_input_is_one_line_naming_file_and_line(tmp_path, capsys):
                                               str(tmp_path / "no_tokenizer")])
 
 
+def test_a_prepare_that_failed_before_its_first_shard_starts_over_with_the_corrected_settings(tmp_path, capsys):
+    # The first try names no --text-field and fails on line 1: nothing was written to resume, so the corrected
+    # command runs (it was refused as "started with other text_field"). One with a complete shard is still refused.
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"content": t}) + "\n" for t in _documents(5, "c")))
+    out = tmp_path / "out"
+    assert "no field 'text' (found ['content'])" in _fail(capsys, [str(tmp_path / "c.jsonl"), "-o", str(out)])
+    index = run([str(tmp_path / "c.jsonl")], out, tokenizer_name="bytes", text_field="content", workers=1,
+                progress_bar=False)
+    assert index["num_documents"] == 5 and (out / "index.json").is_file()
+    assert "other text_field; use a new --output" in _fail(capsys, [str(tmp_path / "c.jsonl"), "-o", str(out)])
+    assert (out / "index.json").is_file()
+
+
 @pytest.mark.slow
 def test_module_entry_point(tmp_path):
     """``python -m fsdp_speedloader.app.prepare`` as a user runs it: a progress bar, a summary, exit 0."""

@@ -224,14 +224,18 @@ def prepare_file(task: FileTask) -> dict:
 
 
 def check_output(output: Path, settings: dict) -> None:
-    """A new or empty directory, or one this prepare (same settings, same inputs) started; else InputError."""
+    """A new or empty directory, or one this prepare (same settings, same inputs) started, or one a prepare with
+    other settings started but completed no shard of; else InputError."""
     progress = output / PROGRESS_DIR / SETTINGS_FILE
     if output.exists() and not output.is_dir():
         raise InputError(f"--output {output}: is a file; name a new or empty directory")
     if progress.is_file():
         started = json.loads(progress.read_text())
         differ = sorted(k for k in set(started) | set(settings) if started.get(k) != settings.get(k))
-        if differ:
+        # A prepare that stopped before its first shard was complete (a wrong --text-field, say, fails on line 1)
+        # recorded nothing to resume: the corrected command starts it over.
+        recorded = [f for f in (output / PROGRESS_DIR).glob("*.json") if f.name != SETTINGS_FILE]
+        if differ and recorded:
             raise InputError(f"--output {output}: holds a prepare started with other {', '.join(differ)}; use a new "
                              "--output directory (or delete this one to start it over)")
     elif output.exists() and any(output.iterdir()):
