@@ -159,7 +159,9 @@ def test_config_mixture_of_a_directory_and_a_bin_file(tmp_path):
         (dict(mixture=[{"path": web, "weight": 1}, {"path": big_vocab, "weight": 1}]),
          r"data\.mixture: .*big' was tokenized with 'test' \(vocab_size=300\)"),
         (dict(mixture=[{"path": web, "weight": 1}, {"path": str(tmp_path / "nowhere"), "weight": 1}]),
-         r"data\.path: .*nowhere.* does not exist"),
+         r"^data\.mixture\[1\]\.path: .*nowhere.* does not exist"),  # the entry, not data.path
+        (dict(mixture=[{"path": str(tmp_path), "weight": 1}, {"path": web, "weight": 1}]),
+         r"^data\.mixture\[0\]\.path: .* has no index\.json; it is not a token directory"),
         (dict(mixture=[{"path": web, "weight": 1}, {"path": _bin(tmp_path / "tiny.bin", np.arange(5)), "weight": 1}]),
          r"data\.seq_len: .*tiny\.bin' has 5 tokens"),
     ]

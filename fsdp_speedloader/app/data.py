@@ -366,13 +366,25 @@ def apply_document_mask(batch: dict[str, torch.Tensor], eos_token_id: int) -> di
     return {**batch, "position_ids": position_ids, "labels": batch["labels"].masked_fill(position_ids == 0, -100)}
 
 
+def _named_meta(key: str, path: PathLike) -> dict:
+    """:func:`token_source_meta`, its errors naming ``key`` (a mixture's entry, ``data.mixture[i].path``) where the
+    path came from, not ``data.path``."""
+    try:
+        return token_source_meta(path)
+    except ValueError as e:
+        if key == "data.path" or not str(e).startswith("data.path:"):
+            raise
+        raise ValueError(key + str(e)[len("data.path"):]) from None
+
+
 def validate_data(cfg: DataConfig, *, vocab_size: int) -> None:
     """Checks that ``cfg`` yields at least one sequence of ids < vocab_size; ValueError says what to change."""
     if cfg.source == "synthetic":
         return
     if cfg.source == "tokens":
         paths = [entry["path"] for entry in cfg.mixture] if cfg.mixture else [cfg.path]
-        metas = [token_source_meta(path) for path in paths]
+        keys = [f"data.mixture[{i}].path" for i in range(len(paths))] if cfg.mixture else ["data.path"]
+        metas = [_named_meta(key, path) for key, path in zip(keys, paths)]
         for path, meta in zip(paths, metas):
             if meta["vocab_size"] > vocab_size:
                 raise ValueError(f"model.vocab_size: {path!r} was tokenized with {meta['tokenizer']!r} (vocab_size="
