@@ -126,16 +126,18 @@ def test_status_of_a_point():
 
 def test_summary_of_metrics_skips_the_warmup_step_and_repeated_steps():
     records = [{"step": 1, "tokens_per_s": 10.0, "loss": 5.0, "peak_gpu_mem_allocated_gib": 3.0,
-                "gpu_alloc_retries": 9},
+                "gpu_alloc_retries": 9, "mfu": 0.1},
                {"step": 2, "tokens_per_s": 100.0, "loss": 4.0, "peak_gpu_mem_allocated_gib": 2.0,
-                "gpu_alloc_retries": 2},
+                "gpu_alloc_retries": 2, "mfu": 0.4},
                {"step": 3, "tokens_per_s": 999.0, "loss": 3.5, "gpu_alloc_retries": 5},
                {"step": 3, "tokens_per_s": 120.0, "loss": 3.0, "gpu_alloc_retries": 1}]  # step 3 again: the last counts
     m = summarize_metrics(records)
     assert m["steps"] == 3 and m["final_loss"] == 3.0 and m["tokens_per_s"] == 110.0
     assert m["peak_gpu_mem_allocated_gib"] == 3.0
     assert m["gpu_alloc_retries"] == 3  # after the warm-up step
-    assert summarize_metrics([{"step": 1, "loss": 1.0}])["gpu_alloc_retries"] is None  # a CPU run: no figure
+    assert m["mfu"] == 0.4  # the steps after the warm-up that carry it
+    cpu = summarize_metrics([{"step": 1, "loss": 1.0, "mfu": 3.6e-5}])  # a CPU run: no figure, no MFU
+    assert cpu["gpu_alloc_retries"] is None and cpu["mfu"] is None
     assert summarize_metrics([]) == {}
 
 

@@ -90,9 +90,12 @@ def summarize_metrics(records: Sequence[dict]) -> dict:
     # The caching allocator's retries after the warm-up (a GPU run): a point at the memory cap, often slower than
     # the next smaller one (docs/benchmarking.md, the ladder rule).
     retries = [r["gpu_alloc_retries"] for r in steady if isinstance(r.get("gpu_alloc_retries"), int)]
+    # A CPU run (no GPU memory figure) has no MFU worth showing: its "mfu" is against a GPU's peak (the console
+    # line leaves it out too).
+    on_gpu = peak("peak_gpu_mem_allocated_gib") is not None
     return {"steps": ordered[-1]["step"], "final_loss": ordered[-1].get("loss"),
             "tokens_per_s": median("tokens_per_s"), "tokens_per_s_per_device": median("tokens_per_s_per_device"),
-            "mfu": median("mfu"), "step_time_s": median("step_time_s"),
+            "mfu": median("mfu") if on_gpu else None, "step_time_s": median("step_time_s"),
             "peak_gpu_mem_allocated_gib": peak("peak_gpu_mem_allocated_gib"), "host_rss_gib": peak("host_rss_gib"),
             "gpu_alloc_retries": sum(retries) if retries else None}
 
