@@ -131,9 +131,10 @@ def test_checkpoint_without_its_model_is_refused_naming_it(trained, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "opt", "qwen3_moe"])
-def test_export_loads_in_hugging_face_with_the_trained_weights(trained, tmp_path, family):
+def test_export_loads_in_hugging_face_with_the_trained_weights(trained, tmp_path, family, caplog):
     run = trained[family]
-    out = export_checkpoint(run["ckpt"], tmp_path / "hf")
+    with caplog.at_level("INFO", logger="fsdp_speedloader.app.export"):
+        out = export_checkpoint(run["ckpt"], tmp_path / "hf")
     names = sorted(p.name for p in out.iterdir())
     tokenizer_files = ["tokenizer.json", "tokenizer_config.json"]
     assert "model.safetensors" in names and "model.safetensors.index.json" not in names
@@ -142,6 +143,7 @@ def test_export_loads_in_hugging_face_with_the_trained_weights(trained, tmp_path
     assert config["architectures"] == [{"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM",
                                         "qwen3_moe": "Qwen3MoeForCausalLM"}[family]]
     assert config["dtype"] == "float32"
+    assert f"({config['architectures'][0]}) to {out}" in caplog.text  # the log names what was exported
 
     model = _assert_weights(out, run["state"])
     with torch.no_grad():

@@ -313,8 +313,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_size
     hf_config.architectures = [type(skeleton).__name__]
     hf_config.dtype = next(iter(target.values()))
     hf_config.save_pretrained(out)  # last: an interrupted export has no config.json
-    log.info("exported %s (%s) to %s: %d file(s), %.1f MB%s", ckpt.step_dir, ckpt.model.name, out, len(shards),
-             total / 1e6, ", tokenizer" if ckpt.tokenizer != "bytes" else ", no tokenizer (the run used bytes)")
+    # the architecture, not the model group's name: a run from model.path keeps the group's default name
+    log.info("exported %s (%s) to %s: %d file(s), %.1f MB%s", ckpt.step_dir, hf_config.architectures[0], out,
+             len(shards), total / 1e6,
+             ", tokenizer" if ckpt.tokenizer != "bytes" else ", no tokenizer (the run used bytes)")
     return out
 
 
