@@ -304,6 +304,7 @@ def test_generate_cli_from_a_checkpoint_gives_hugging_face_greedy_tokens(trained
                 "max_new_tokens=6", "num_sub_batches=2", "warmup=false", "prompts.num_prompts=4",
                 "prompts.prompt_len=8", f"hydra.run.dir={tmp_path / 'gen'}", cwd=tmp_path)  # no model group
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"loaded LlamaForCausalLM from {run['ckpt']}" in proc.stdout + proc.stderr  # the architecture
     records = [json.loads(line) for line in (tmp_path / "gen" / "generations.jsonl").read_text().splitlines()]
     assert len(records) == 4
 

@@ -384,10 +384,12 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     mesh = parallel.build_mesh(device_type, cfg.dp_replicate)
     dtype = resolve_param_dtype(cfg.param_dtype, device_type)
 
-    if rank == 0:
-        log.info("building the model: %s, %d rank(s) on %s, %s", model_cfg.name, world, device, dtype)
     # Inference keeps no fp32 master weights: parameters are stored (and offloaded) in the compute dtype.
     model = build_model(model_cfg, device="meta").to(dtype)
+    # the architecture, not model_cfg.name: a model.path run keeps the model group's default name
+    architecture = type(model).__name__
+    if rank == 0:
+        log.info("building the model: %s, %d rank(s) on %s, %s", architecture, world, device, dtype)
     if cfg.weight_quant is not None:  # the block linears, before sharding; their bytes come with the weights below
         quantize_linears_(model, weight_format(cfg.weight_quant, cfg.weight_quant_group_size))
     apply_speedloader(model, cfg.speedloader_options(), mesh=mesh)
@@ -397,7 +399,7 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
             log.info("loading the checkpoint %s", checkpoint.step_dir)
         checkpoint.materialize(model, device=device, param_device=param_device)
         if rank == 0:
-            log.info("loaded %s from %s", model_cfg.name, checkpoint.step_dir)
+            log.info("loaded %s from %s", architecture, checkpoint.step_dir)
     else:
         materialize_model(model, cfg.model, device=device, seed=cfg.seed, param_device=param_device)
     host_limit = None if cfg.host_memory_limit_gib is None else int(cfg.host_memory_limit_gib * 2**30)
