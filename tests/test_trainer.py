@@ -389,6 +389,20 @@ def test_cpu_run_prints_no_gpu_fields(tmp_path, caplog):
     assert "gpu 3.00/4.00 GiB | 3 allocator retries" in format_metrics({**gpu_record, "gpu_alloc_retries": 3}, 1)
 
 
+def test_a_record_without_console_figures_prints_no_bare_step_line(tmp_path, caplog):
+    """The tuner logs its plan as one record (metrics.jsonl, W&B); its console line would be a bare 'step 0'."""
+    from fsdp_speedloader.app.logger import Rank0Logger
+
+    caplog.set_level("INFO", logger="fsdp_speedloader.app.logger")
+    logger = Rank0Logger(tmp_path)
+    logger.log({"tune/sub_batch_size": 2, "tune/num_sub_batches": 4}, step=0)
+    logger.log({"loss": 2.5}, step=1)
+    logger.finish()
+    assert [r.getMessage() for r in caplog.records] == ["step 1 | loss 2.5000"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records == [{"step": 0, "tune/sub_batch_size": 2, "tune/num_sub_batches": 4}, {"step": 1, "loss": 2.5}]
+
+
 def test_an_overlapped_cpu_step_that_shows_in_3_steps_in_a_row_warns_once_with_the_next_device_unit(tmp_path, caplog):
     """After the first steps, optimizer_wait_s above 5% of the step in 3 steps in a row: one warning naming
     offload.device_units one higher (and schedule=auto); a step where it hid starts the count again."""

@@ -88,7 +88,9 @@ class Rank0Logger(MetricLogger):
         self.show_mfu = show_mfu
 
     def log(self, metrics: dict, step: int) -> None:
-        log.info(format_metrics(metrics, step, show_mfu=self.show_mfu))
+        line = format_metrics(metrics, step, show_mfu=self.show_mfu)
+        if line != f"step {step}":  # a record with no console figure (the tuner's plan) is not a bare "step 0" line
+            log.info(line)
         record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
