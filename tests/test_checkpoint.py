@@ -122,6 +122,19 @@ def test_crashed_save_leaves_only_tmp_and_resume_starts_fresh(tmp_path, monkeypa
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000001", "step_00000002"]
 
 
+def test_resume_with_other_data_is_refused_before_the_weights_are_read(tmp_path, monkeypatch):
+    # A corpus run resumed with data=synthetic was a KeyError traceback (after the whole checkpoint was read).
+    ckpt = {"every": 1, "dir": str(tmp_path / "ckpt")}
+    Trainer(tiny_config(tmp_path, steps=1, checkpoint=ckpt)).train()
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the checkpoint's weights were read before the data check")
+
+    monkeypatch.setattr(checkpoint_mod.dcp, "load", no_weights)
+    with pytest.raises(ValueError, match=r"^data: the checkpoint was saved by a run that read a corpus"):
+        Trainer(tiny_config(tmp_path, steps=2, data={"source": "synthetic"}, checkpoint={**ckpt, "resume": "auto"}))
+
+
 def test_keep_last_prunes_only_old_step_dirs(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

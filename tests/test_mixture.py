@@ -222,6 +222,22 @@ def test_a_mixture_checkpoint_and_a_single_dataset_one_do_not_cross():
         _mixture(batch_size=2).load_state_dict(single.state_dict())
 
 
+def test_a_synthetic_checkpoint_and_a_corpus_one_do_not_cross():
+    # Resuming a corpus run with data=synthetic (or the reverse) was a KeyError traceback; now one line each way.
+    from fsdp_speedloader.app.data import SyntheticLoader, TokenLoader
+
+    single = TokenLoader(np.arange(50 * SEQ_LEN), seq_len=SEQ_LEN, batch_size=2)
+    synthetic = SyntheticLoader(vocab_size=257, seq_len=SEQ_LEN, batch_size=2)
+    for corpus in (single, _mixture(batch_size=2)):
+        with pytest.raises(ValueError, match=r"^data: the checkpoint was saved by a run that read a corpus .* this "
+                                             r"one has data=synthetic"):
+            synthetic.load_state_dict(corpus.state_dict())
+    with pytest.raises(ValueError, match=r"^data: the checkpoint was saved by a run with data=synthetic"):
+        single.load_state_dict(synthetic.state_dict())
+    with pytest.raises(ValueError, match=r"data\.mixture: the checkpoint was saved by a run without data\.mixture"):
+        _mixture(batch_size=2).load_state_dict(synthetic.state_dict())
+
+
 def test_token_directories_give_a_held_out_set_and_progress(tmp_path):
     """data.val_fraction on a token directory: the training stream ends where the held-out set begins, both read
     from the shards; data.val_path holds a token directory too (read whole); a mixture reports its progress and

@@ -458,6 +458,13 @@ class Checkpointer:
              loader: Stateful) -> int:
         """Restores everything saved by :meth:`save` (all ranks call this); returns the step."""
         path = Path(path)
+        extra_file = path / EXTRA_FILE.format(rank=self.rank)
+        same_world = extra_file.is_file()
+        if not same_world:  # saved on fewer ranks: step, scheduler and loader are the same on every rank
+            extra_file = path / EXTRA_FILE.format(rank=0)
+        extra = read_extra(extra_file)
+        # The loader first: a run with other data settings is refused in one line before the model's bytes are read.
+        loader.load_state_dict(extra["loader"])
         state = {"model": get_model_state_dict(model), "optim": optimizer.state_dict()}
         try:
             dcp.load(state, checkpoint_id=str(path))  # in place, into this run's shards
@@ -467,13 +474,7 @@ class Checkpointer:
                              "another step directory, or start fresh: checkpoint.resume=null") from e
         set_model_state_dict(model, state["model"])
         optimizer.load_state_dict(state["optim"])
-        extra_file = path / EXTRA_FILE.format(rank=self.rank)
-        same_world = extra_file.is_file()
-        if not same_world:  # saved on fewer ranks: step, scheduler and loader are the same on every rank
-            extra_file = path / EXTRA_FILE.format(rank=0)
-        extra = read_extra(extra_file)
         scheduler.load_state_dict(extra["scheduler"])
-        loader.load_state_dict(extra["loader"])
         if same_world:
             set_rng_state(extra["rng"], self.device)
         elif self.rank == 0:

@@ -496,6 +496,9 @@ class TokenLoader:
         if "mixture" in state:
             raise ValueError("data.mixture: the checkpoint was saved by a run with data.mixture; resume with that "
                              "mixture (data=mixture)")
+        if "num_sequences" not in state:  # SyntheticLoader's state: a step count
+            raise ValueError(f"data: the checkpoint was saved by a run with {SYNTHETIC_RUN}; resume with "
+                             "data=synthetic, or start fresh: checkpoint.resume=null or another checkpoint.dir")
         if int(state["num_sequences"]) != self.num_sequences:
             raise ValueError(f"data: the checkpoint's loader ran over {state['num_sequences']} sequences but this "
                              f"corpus gives {self.num_sequences}; resume with the same data.path, data.tokenizer "
@@ -505,6 +508,9 @@ class TokenLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.order = state.get("order", "permutation")
         self._order = self._epoch_order(self.epoch)
+
+
+SYNTHETIC_RUN = "data=synthetic (random tokens)"
 
 
 class SyntheticLoader:
@@ -535,6 +541,10 @@ class SyntheticLoader:
         return {"step": int(self.step)}
 
     def load_state_dict(self, state: dict) -> None:
+        if "step" not in state:  # a corpus's or a mixture's position
+            raise ValueError(f"data: the checkpoint was saved by a run that read a corpus (data.mixture, "
+                             f"data.path or the embedded one), this one has {SYNTHETIC_RUN}; resume with that run's "
+                             "data settings, or start fresh: checkpoint.resume=null or another checkpoint.dir")
         self.step = int(state["step"])
 
 

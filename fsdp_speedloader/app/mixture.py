@@ -104,7 +104,8 @@ class MixtureLoader:
         saved = state.get("mixture")
         if saved is None:
             raise ValueError("data.mixture: the checkpoint was saved by a run without data.mixture; resume with "
-                             "that run's data settings")
+                             "that run's data settings, or start fresh: checkpoint.resume=null or another "
+                             "checkpoint.dir")
         if len(saved) != len(self.names):
             raise ValueError(f"data.mixture: the checkpoint mixes {len(saved)} datasets, this run {len(self.names)}; "
                              "resume with the same data.mixture")
