@@ -186,9 +186,9 @@ def _check_key(cfg: DictConfig, key: str, groups: Sequence[str], value: Any = No
         under = f" under {parent}" if parent else ""
         raise ValueError(f"unknown key {key} (the keys{under}: {', '.join(siblings)})")
     if isinstance(node, DictConfig) and value is not None and not isinstance(value, dict):
-        names = [str(k) for k in node.keys()]
-        raise ValueError(f"{key} is a section, not a value: set one of its keys ({', '.join(f'{key}.{n}' for n in names)})"
-                         f", e.g. {key}.{names[0]}=...")
+        names = [f"{key}.{k}" for k in node.keys()]
+        raise ValueError(f"{key} is a section, not a value: set one of its keys ({', '.join(names)}), "
+                         f"e.g. {names[0]}=...")
 
 
 def _paths(cfg: Any, prefix: str = "") -> list[str]:
