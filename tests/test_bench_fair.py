@@ -116,14 +116,18 @@ def test_a_sweep_stopped_part_way_names_what_is_left_and_the_peer_not_repeated()
     record = {"sweep": [_row("deepspeed-offload:1x8", 100.0, 1), _row("deepspeed-offload:2x4", 130.0, 2),
                         _row("speedloader-overlap:1x8:root=device:dev=1:keep=23", 300.0, 1),  # before adamw=pool
                         _row("speedloader-overlap:2x4:root=device:dev=1:adamw=pool:keep=11", 320.0, 2),
-                        _row("speedloader-overlap:4x2:root=device:dev=1:adamw=pool:keep=5", None, 4, status="oom")],
+                        _row("speedloader-overlap:4x2:root=device:dev=1:adamw=pool:keep=5", None, 4, status="oom"),
+                        _row("speedloader-overlap:1x8:root=device:dev=1:adamw=pool:keep=23:eager", 250.0, 1)],
               "invocations": [{"index": i, "rows": [_row("speedloader-overlap:2x4:root=device:dev=1:adamw=pool:keep=11",
                                                          320.0, 2)]} for i in range(3)],
               "device": "cpu", "commit": "x"}
     for row in record["sweep"]:
         row["family"] = bench_fair.family_of(row["spec"])
     s = bench_fair.summarize(record, T40)
-    assert s["sweep_pending"] == {"deepspeed-offload": ["deepspeed-offload:4x2", "deepspeed-offload:8x1"]}
+    eager_left = [ladder[0][0] for ladder in bench_fair.train_ladders(T40, bench_fair.EAGER, bench_fair.Shape.of(T40))][1:]
+    assert [spec.split(":")[1] for spec in eager_left] == ["2x4", "4x2"]  # layer-major eager, swept beside DeepSpeed
+    assert s["sweep_pending"] == {"deepspeed-offload": ["deepspeed-offload:4x2", "deepspeed-offload:8x1"],
+                                  bench_fair.EAGER: eager_left}
     assert s["peers_not_repeated"] == {"deepspeed-offload": {"spec": "deepspeed-offload:2x4", "tokens_per_s": 130.0}}
     record["summary"] = s
     text = bench_fair.markdown(record, T40)

@@ -536,7 +536,8 @@ def sweep_pending(record: dict, table: Table) -> dict[str, list[str]]:
     swept = {family for family, _ in have}
     shape = Shape.of(table) if table.kind == "train" and swept & set(table.families) else None
     pending = {}
-    for family in table.families:
+    # layer-major's eager ladder is swept beside DeepSpeed (with_eager) though no table names it
+    for family in with_eager(table, table.families) if EAGER in swept else table.families:
         if family not in swept:
             continue
         ladders = train_ladders(table, family, shape) if table.kind == "train" else infer_ladders(table, family)
