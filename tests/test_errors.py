@@ -34,6 +34,7 @@ def _cases(root: Path) -> dict[str, tuple[list[str], dict]]:
                                      f"checkpoint.dir={ckpt}"], {}),
         "host_memory_too_low": (ARENA, {"FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB": "0.001"}),
         "host_memory_not_a_number": (ARENA, {"FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB": "abc"}),
+        "cpu_host_memory_too_low": ([], {"FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB": "0.001"}),
         "unwritable_run_dir": ([f"hydra.run.dir={root / 'a_file' / 'run'}"], {}),
         "unwritable_checkpoint_dir": ([f"checkpoint.dir={root / 'a_file' / 'ckpt'}"], {}),
         "wandb_online_without_key": (["logger=wandb", "logger.mode=online"],
@@ -112,6 +113,15 @@ def test_host_memory_limit_too_low(runs):
     line = _one_error_line(run)
     assert line.startswith("error: the pinned host arena needs ") and "lower schedule.num_sub_batches" in line, line
     assert "FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB" in line and "step 1" not in run.stdout
+
+
+def test_model_states_over_the_host_memory_on_the_cpu(runs):
+    """On the CPU every model state is in host memory: checked before the shards are materialised."""
+    run = runs["cpu_host_memory_too_low"]
+    line = _one_error_line(run)
+    assert line.startswith("error: training on the CPU keeps every model state in host memory: "), line
+    assert "optim.state_dtype=int8 frees" in line and "FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB" in line, line
+    assert "step 1" not in run.stdout
 
 
 def test_host_memory_limit_not_a_number(runs):

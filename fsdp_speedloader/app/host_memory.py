@@ -3,7 +3,8 @@ what the trainer checks before the model takes host memory, and what ``tools/are
 
 ``host_memory_plan(model, cfg, shards=...)`` gives the plan of rank 0 (the largest shards) and, for each setting
 that would shrink it, the plan with that setting changed; ``check_host_memory(model, cfg, shards=...)`` refuses a
-plan over the host budget in one line naming those settings and the GiB each frees.
+plan over the host budget in one line naming those settings and the GiB each frees. ``check_cpu_memory`` does the
+same for a run on the CPU, where every model state is in host memory.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from fsdp_speedloader.app.config import TrainConfig
-from fsdp_speedloader.memory.arena import GIB, HostMemoryBudget
+from fsdp_speedloader.memory.arena import GIB, LIMIT_ENV, HostMemoryBudget
 from fsdp_speedloader.memory.bf16_master import MASTER_BYTES_PER_PARAM
 from fsdp_speedloader.memory.host_plan import HostPlan, Shard, check_host_plan, checkpoint_staging_bytes, \
     plan_host_memory, savings_of, shard_numels
@@ -151,6 +152,36 @@ def check_host_memory(model: nn.Module, cfg: TrainConfig, *, shards: int, activa
             "the parameter shards shrink only with more ranks")
     check_host_plan(plan, budget or HostMemoryBudget.detect(), savings=savings_of(plan, alternatives), hint=hint)
     return plan
+
+
+def check_cpu_memory(model: nn.Module, cfg: TrainConfig, *, shards: int,
+                     budget: Optional[HostMemoryBudget] = None) -> HostPlan:
+    """Training on the CPU (no CUDA device) keeps every model state in host memory: rank 0's parameter shards,
+    gradients and AdamW moments (and ``checkpoint.async_save``'s staging copy). ``ValueError`` in one line, before
+    the shards are materialised, when they exceed the host budget: a 7B model would otherwise fill the machine's
+    memory until the kernel kills the process. Returns the plan."""
+    units, root = unit_and_root_shards(model, blocks_per_unit=cfg.schedule.blocks_per_unit, shards=shards)
+
+    def plan(c: TrainConfig) -> HostPlan:
+        return plan_host_memory(units=units, root=root, state_dtype=c.optim.state_dtype,
+                                checkpoint_staging_bytes=async_staging_bytes(c, units, root))
+
+    need, budget = plan(cfg), budget or HostMemoryBudget.detect()
+    if need.total <= budget.available_bytes:
+        return need
+    over = need.total - budget.available_bytes
+    changed = [(f"optim.state_dtype={dtype}", _with(cfg, optim={"state_dtype": dtype}))
+               for dtype in _SMALLER_STATES[cfg.optim.state_dtype]]
+    if cfg.checkpoint.async_save:
+        changed.append(("checkpoint.async_save=false", _with(cfg, checkpoint={"async_save": False})))
+    alternatives = [(setting, plan(c)) for setting, c in changed if c is not None]
+    frees = "".join(f"; {setting} frees {freed / GIB:.2f} GiB" for setting, freed in savings_of(need, alternatives))
+    raise ValueError(
+        f"training on the CPU keeps every model state in host memory: {need.total / GIB:.2f} GiB for "
+        f"{need.num_params:,} parameters on this rank ({need.describe()} GiB), before the step's "
+        f"activations, {over / GIB:.2f} GiB over: {budget.describe()}. Train a smaller model (model=llama_tiny, or "
+        f"fewer model.num_layers){frees}; or train on a CUDA GPU (offload=params computes there and keeps the states "
+        f"in host memory). If this machine has more host memory than it reports, set {LIMIT_ENV}")
 
 
 def check_async_staging(model: nn.Module, cfg: TrainConfig, *, shards: int,

@@ -53,7 +53,7 @@ from fsdp_speedloader.app.config import TrainConfig
 from fsdp_speedloader.app.data import apply_document_mask, build_loader, check_held_out, eos_token_id, \
     load_val_tokens, val_batches, validate_data
 from fsdp_speedloader.app.faults import fault_from_env
-from fsdp_speedloader.app.host_memory import check_async_staging, check_host_memory
+from fsdp_speedloader.app.host_memory import check_async_staging, check_cpu_memory, check_host_memory
 from fsdp_speedloader.app.launch import TrainingInterrupted, UserError, check_writable_dir
 from fsdp_speedloader.app.launch import rank as launch_rank
 from fsdp_speedloader.app.logger import MetricLogger, StepProgress, build_logger, check_wandb_credentials, \
@@ -140,13 +140,17 @@ def check_host_kernel() -> None:
 
 
 def check_host_memory_plan(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, *,
-                           param_dtype: torch.dtype) -> None:
-    """The host budget check for a layer-major model that is sharded but not yet materialised: with offloaded
-    parameters every tier of ``app.host_memory`` (parameter shards, gradients, optimizer states, activations,
-    transfer copies; ValueError in one line naming what each setting frees), else the activation slots of one step
-    (U + 1 slots of N x n x s x h) in the pinned arena. The arena checks its own slots again at the first step, to
-    the byte. ``checkpoint.async_save``'s staging copy is a tier of the offloaded plan, else checked alone."""
+                           param_dtype: torch.dtype, device: torch.device) -> None:
+    """The host budget check for a model that is sharded but not yet materialised: on the CPU every model state
+    (``check_cpu_memory``); with offloaded parameters every tier of ``app.host_memory`` (parameter shards,
+    gradients, optimizer states, activations, transfer copies; ValueError in one line naming what each setting
+    frees), else the activation slots of one layer-major step (U + 1 slots of N x n x s x h) in the pinned arena.
+    The arena checks its own slots again at the first step, to the byte. ``checkpoint.async_save``'s staging copy
+    is a tier of the CPU and offloaded plans, else checked alone."""
     engine = speedloader_engine(model, missing_ok=True)
+    if device.type == "cpu" and not cfg.offload.params:
+        check_cpu_memory(model, cfg, shards=parallel.shard_size(mesh))
+        return
     if cfg.checkpoint.async_save and not (engine is not None and engine.options.offload_params):
         check_async_staging(model, cfg, shards=parallel.shard_size(mesh))  # offloaded: a tier of the plan below
     if engine is not None and engine.options.offload_params:
@@ -335,7 +339,8 @@ class Trainer:
             on_device = list(self.adapter.blocks)[:cfg.offload.device_units * sched.blocks_per_unit]  # units 1 .. K
             cast_host_masters_(model, self.adapter.blocks, include_root=cfg.offload.root, keep=on_device)
         self.kernel_scope = apply_schedule(model, cfg, self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        check_host_memory_plan(model, cfg, self.mesh, param_dtype=param_dtype)  # before the shards take host memory
+        # before the shards take host memory
+        check_host_memory_plan(model, cfg, self.mesh, param_dtype=param_dtype, device=self.device)
         param_device = torch.device("cpu") if cfg.offload.params else self.device
         materialize_model(model, cfg.model, device=self.device, seed=cfg.seed, param_device=param_device)
         self.model = model
