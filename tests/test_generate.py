@@ -562,6 +562,24 @@ def test_cli_generates_prompts_from_a_file(tmp_path):
     assert not any(line.rstrip().endswith(" - step 0") for line in out.splitlines()), out[-3000:]
 
 
+def test_weights_over_the_host_memory_are_one_line_before_they_are_built(tmp_path):
+    """On the CPU (or with offload=params) unquantized weights live in host memory: over the budget, the entry
+    point ends with one line naming the GiB and what shrinks them, before the weights are materialised."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.app.generate", *CLI_TINY, "param_dtype=float32",
+                           "host_memory_limit_gib=0.001", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("error: generation keeps the weights in host memory (on the CPU): "), errors[0]
+    assert "parameters in float32 on this rank" in errors[0] and "weight_quant=int8 or int4" in errors[0]
+    assert "param_dtype=bfloat16 halves them" in errors[0] and "host_memory_limit_gib" in errors[0]
+    assert not (tmp_path / "run" / "generations.jsonl").exists()
+
+
 def test_cli_reads_prompts_with_the_pretrained_checkpoints_own_tokenizer(tmp_path):
     """model.path=DIR holding a Hugging Face tokenizer: prompts.text is encoded with it (not with bytes), the
     generations decoded with it."""

@@ -35,6 +35,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from fsdp_speedloader import parallel
 from fsdp_speedloader.app.config import LoggerConfig, OffloadConfig, default_tokenizer
@@ -48,6 +49,7 @@ from fsdp_speedloader.engine.speedloader import apply_speedloader
 from fsdp_speedloader.generation.generate import generate
 from fsdp_speedloader.generation.kv_cache import KV_CACHE_MODES
 from fsdp_speedloader.generation.weight_stream import DEQUANTIZE_MODES
+from fsdp_speedloader.memory.arena import GIB, LIMIT_ENV, HostMemoryBudget
 from fsdp_speedloader.models import ModelConfig, build_hf_config, build_model, materialize_model
 from fsdp_speedloader.models.config import MOE_FAMILIES
 from fsdp_speedloader.options import SpeedLoaderOptions
@@ -352,6 +354,27 @@ def _without_info(logger: logging.Logger) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------
 
 
+def check_host_weights(model: torch.nn.Module, cfg: GenerateConfig, dtype: torch.dtype, on: str) -> None:
+    """Unquantized weights kept in host memory (``on``: the CPU, or offload=params) must fit the host budget:
+    ``ValueError`` in one line before they are materialised (a 7B model in fp32 would otherwise fill the machine's
+    memory until the kernel killed the process). Quantized weights are loaded under their own host limit."""
+    if cfg.weight_quant is not None:
+        return
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    need = local * dtype.itemsize
+    limit = None if cfg.host_memory_limit_gib is None else int(cfg.host_memory_limit_gib * GIB)
+    budget = HostMemoryBudget.detect(limit)
+    if need <= budget.available_bytes:
+        return
+    smaller = "; param_dtype=bfloat16 halves them" if dtype.itemsize > 2 else ""
+    over = need - budget.available_bytes
+    raise ValueError(f"generation keeps the weights in host memory ({on}): {need / GIB:.2f} GiB for {local:,} "
+                     f"parameters in {str(dtype).removeprefix('torch.')} on this rank, {over / GIB:.2f} GiB over: "
+                     f"{budget.describe()}. Quantize them while loading (weight_quant=int8 or int4){smaller}; or "
+                     "generate on more ranks, or a smaller model. If this machine has more host memory than it "
+                     f"reports, set host_memory_limit_gib (or {LIMIT_ENV})")
+
+
 def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     """Builds the model, generates every prompt (each rank its share), writes the jsonl; returns the figures.
 
@@ -394,6 +417,8 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
         quantize_linears_(model, weight_format(cfg.weight_quant, cfg.weight_quant_group_size))
     apply_speedloader(model, cfg.speedloader_options(), mesh=mesh)
     param_device = torch.device("cpu") if cfg.offload.params else device
+    if param_device.type == "cpu":
+        check_host_weights(model, cfg, dtype, "offload=params" if device.type != "cpu" else "on the CPU")
     if checkpoint is not None:  # the trained weights (the model's entries only, never the optimizer state)
         if rank == 0:
             log.info("loading the checkpoint %s", checkpoint.step_dir)
