@@ -5,6 +5,7 @@ setting that frees memory and by how much."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import fsdp_speedloader.app.host_memory as host_memory_mod
 from dist_utils import tiny_config
@@ -138,3 +139,23 @@ def test_training_on_the_cpu_is_refused_before_the_states_fill_host_memory(tmp_p
     # two layers of that width fit the budget: no refusal, on to the materialisation
     Trainer(tiny_config(tmp_path / "small", model={**llama2_7b, "num_layers": 2, "vocab_size": 320}))
     assert materialized == [1]
+
+
+def test_schedule_auto_on_the_cpu_is_refused_before_its_trial_model(tmp_path, monkeypatch):
+    """The tuner's trial model, like the run's, holds every state in host memory on the CPU: the same refusal comes
+    before the trial steps build it (``app.tune`` and ``schedule=auto``)."""
+    import fsdp_speedloader.app.planning as planning_mod
+
+    cfg = tiny_config(tmp_path, schedule={"name": "auto"},
+                      model={"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "intermediate_size": 11008,
+                             "vocab_size": 32000, "max_position_embeddings": 4096})
+    budget = HostMemoryBudget(limit_bytes=24 * GIB, used_bytes=0, margin=0.0)
+    monkeypatch.setattr(host_memory_mod.HostMemoryBudget, "detect", classmethod(lambda cls, *a, **k: budget))
+    monkeypatch.setattr(planning_mod.torch.cuda, "is_available", lambda: False)
+
+    def trial(*args, **kwargs):
+        raise AssertionError("the trial model was built")
+
+    monkeypatch.setattr(planning_mod, "tune", trial)
+    with pytest.raises(ValueError, match=r"^training on the CPU keeps every model state in host memory: 100\.4"):
+        planning_mod.tune_train_config(cfg, mesh=None, param_dtype=torch.float32, reduce_dtype=torch.float32)

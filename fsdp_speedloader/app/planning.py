@@ -9,9 +9,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fsdp_speedloader import parallel
 from fsdp_speedloader.app.config import AUTO_ONLY, ScheduleConfig, TrainConfig
+from fsdp_speedloader.app.host_memory import check_cpu_memory
 from fsdp_speedloader.app.optim import build_optimizer
 from fsdp_speedloader.app.runtime import speedloader_options
+from fsdp_speedloader.models import build_model
 from fsdp_speedloader.tuning.fit import GIB
 from fsdp_speedloader.tuning.plan import TunePlan
 from fsdp_speedloader.tuning.tuner import tune
@@ -31,6 +34,9 @@ def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduc
     caps = {"max_sub_batch_size": sched.max_sub_batch_size, "target_batch_size": sched.target_batch_size}
     cap_names = None
     device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")  # tune's
+    if device_type == "cpu" and not cfg.offload.params:  # the trial model holds every state in host memory too
+        check_cpu_memory(build_model(cfg.model, device="meta"), cfg,
+                         shards=parallel.shard_size(mesh) if mesh is not None else 1)
     if device_type != "cuda" and gpu_budget is None:
         caps, cap_names = configured_caps(sched)
     options = speedloader_options(cfg, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
