@@ -16,6 +16,8 @@ from fsdp_speedloader.memory.host_plan import check_host_plan, plan_host_memory,
 from fsdp_speedloader.models import build_model
 
 UNIT = [(1000, 1000), (24, 24)]  # two parameters per unit, one rank: (padded, local) elements
+LLAMA2_7B = {"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
+             "max_position_embeddings": 4096}  # conf/model/llama2_7b.yaml's shapes
 
 
 def test_tiers_per_mode():
@@ -98,12 +100,8 @@ def test_units_kept_on_the_device_leave_the_host_plan():
     assert plan.optimizer_states < everything.optimizer_states and plan.activations == everything.activations
 
 
-def test_the_trainer_refuses_before_the_model_takes_host_memory(tmp_path, monkeypatch):
-    cfg = tiny_config(tmp_path, offload={"params": True}, schedule={"name": "speedloader"})
-    model = build_model(cfg.model, device="meta")
-    plan, alternatives = host_memory_plan(model, cfg, shards=1, activation_itemsize=4)
-    int8 = dict(alternatives)["optim.state_dtype=int8"]
-    budget = HostMemoryBudget(limit_bytes=(plan.total + int8.total) // 2, used_bytes=0, margin=0.0)
+def _refused(cfg, budget: HostMemoryBudget, monkeypatch) -> tuple[str, list]:
+    """The trainer's refusal of ``cfg`` under ``budget``: (its one line, the materialisations so far: none)."""
     monkeypatch.setattr(host_memory_mod.HostMemoryBudget, "detect", classmethod(lambda cls, *a, **k: budget))
     materialized = []
     monkeypatch.setattr("fsdp_speedloader.app.trainer.materialize_model", lambda *a, **k: materialized.append(1))
@@ -111,6 +109,16 @@ def test_the_trainer_refuses_before_the_model_takes_host_memory(tmp_path, monkey
         Trainer(cfg)
     text = str(info.value)
     assert "\n" not in text and not materialized
+    return text, materialized
+
+
+def test_the_trainer_refuses_before_the_model_takes_host_memory(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, offload={"params": True}, schedule={"name": "speedloader"})
+    model = build_model(cfg.model, device="meta")
+    plan, alternatives = host_memory_plan(model, cfg, shards=1, activation_itemsize=4)
+    int8 = dict(alternatives)["optim.state_dtype=int8"]
+    text, _ = _refused(cfg, HostMemoryBudget(limit_bytes=(plan.total + int8.total) // 2, used_bytes=0, margin=0.0),
+                       monkeypatch)
     assert f"optim.state_dtype=int8 frees {(plan.total - int8.total) / GIB:.2f} GiB (enough)" in text
     assert "lower schedule.num_sub_batches" in text
 
@@ -119,25 +127,16 @@ def test_training_on_the_cpu_is_refused_before_the_states_fill_host_memory(tmp_p
     """On the CPU every model state is in host memory (16 B a parameter with fp32 AdamW): a 7B shape on a 24 GiB
     machine is one line naming the GiB and what frees them, before any shard is materialised (it used to fill the
     host's memory until the kernel killed the process)."""
-    llama2_7b = {"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "intermediate_size": 11008,
-                 "vocab_size": 32000, "max_position_embeddings": 4096}
-    cfg = tiny_config(tmp_path, model=llama2_7b)
+    cfg = tiny_config(tmp_path, model=LLAMA2_7B)
     num_params = sum(p.numel() for p in build_model(cfg.model, device="meta").parameters())
-    budget = HostMemoryBudget(limit_bytes=24 * GIB, used_bytes=0, margin=0.0)
-    monkeypatch.setattr(host_memory_mod.HostMemoryBudget, "detect", classmethod(lambda cls, *a, **k: budget))
-    materialized = []
-    monkeypatch.setattr("fsdp_speedloader.app.trainer.materialize_model", lambda *a, **k: materialized.append(1))
-    with pytest.raises(ValueError) as info:
-        Trainer(cfg)
-    text = str(info.value)
-    assert "\n" not in text and not materialized
+    text, materialized = _refused(cfg, HostMemoryBudget(limit_bytes=24 * GIB, used_bytes=0, margin=0.0), monkeypatch)
     need = num_params * 16  # fp32 parameters, gradients and AdamW's two moments (each tensor 512-B aligned)
     assert text.startswith(f"training on the CPU keeps every model state in host memory: {need / GIB:.2f} GiB for "
                            f"{num_params:,} parameters on this rank"), text
     assert f"optim.state_dtype=bf16 frees {num_params * 4 / GIB:.2f} GiB" in text
     assert "24.00 GiB available" in text and "FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB" in text
     # two layers of that width fit the budget: no refusal, on to the materialisation
-    Trainer(tiny_config(tmp_path / "small", model={**llama2_7b, "num_layers": 2, "vocab_size": 320}))
+    Trainer(tiny_config(tmp_path / "small", model={**LLAMA2_7B, "num_layers": 2, "vocab_size": 320}))
     assert materialized == [1]
 
 
@@ -146,9 +145,7 @@ def test_schedule_auto_on_the_cpu_is_refused_before_its_trial_model(tmp_path, mo
     before the trial steps build it (``app.tune`` and ``schedule=auto``)."""
     import fsdp_speedloader.app.planning as planning_mod
 
-    cfg = tiny_config(tmp_path, schedule={"name": "auto"},
-                      model={"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "intermediate_size": 11008,
-                             "vocab_size": 32000, "max_position_embeddings": 4096})
+    cfg = tiny_config(tmp_path, schedule={"name": "auto"}, model=LLAMA2_7B)
     budget = HostMemoryBudget(limit_bytes=24 * GIB, used_bytes=0, margin=0.0)
     monkeypatch.setattr(host_memory_mod.HostMemoryBudget, "detect", classmethod(lambda cls, *a, **k: budget))
     monkeypatch.setattr(planning_mod.torch.cuda, "is_available", lambda: False)
