@@ -156,3 +156,24 @@ def test_schedule_auto_on_the_cpu_is_refused_before_its_trial_model(tmp_path, mo
     monkeypatch.setattr(planning_mod, "tune", trial)
     with pytest.raises(ValueError, match=r"^training on the CPU keeps every model state in host memory: 100\.4"):
         planning_mod.tune_train_config(cfg, mesh=None, param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+def test_offloaded_on_the_cpu_counts_what_stays_on_the_device_and_offers_no_gpu_setting():
+    """With offload=params on a machine without a GPU, "the device" is host memory as well: the root, units 1 .. K
+    and the activations count, whatever the store, and no setting that would move memory to the GPU is offered
+    (following one would only pass the check)."""
+    cfg = tiny_config("unused", offload={"params": True, "device_units": 1},
+                      schedule={"name": "speedloader", "activation_store": "device"}, model={"num_layers": 4})
+    model = build_model(cfg.model, device="meta")
+    units, root = unit_and_root_shards(model, blocks_per_unit=1, shards=1)
+    gpu, gpu_alternatives = host_memory_plan(model, cfg, shards=1)
+    cpu, cpu_alternatives = host_memory_plan(model, cfg, shards=1, on_cpu=True)
+    assert gpu.activations == 0 < cpu.activations == (4 + 1) * 2 * 2 * 32 * 64 * 2  # U + 1 slots of N x n x s x h
+    assert cpu.num_params == sum(p.numel() for p in model.parameters())  # the root and unit 1 on the host too
+    assert cpu.num_params - gpu.num_params == sum(local for _, local in units[0])
+    host_root = tiny_config("unused", offload={"params": True}, schedule={"name": "speedloader"},
+                            model={"num_layers": 4})
+    assert "offload.root=false (the root's states on the GPU)" in dict(host_memory_plan(model, host_root, shards=1)[1])
+    offered = " ".join(setting for setting, _ in cpu_alternatives)
+    assert "GPU" not in offered and "activation_store=device" not in offered and "offload.root" not in offered
+    assert "optim.state_dtype=int8" in offered

@@ -47,21 +47,25 @@ def _uses_ring(cfg: TrainConfig) -> bool:
             and cfg.offload.params and cfg.offload.pin_memory)
 
 
-def _activations_on_host(cfg: TrainConfig) -> bool:
+def _activations_on_host(cfg: TrainConfig, on_cpu: bool = False) -> bool:
+    """Whether a layer-major step's block-boundary activations take host memory: in the host store, or anywhere
+    when the device is the CPU."""
     store = cfg.schedule.activation_store
-    return cfg.schedule.name in ("speedloader", "auto") and (store in ("host", "host_sync") or
+    return cfg.schedule.name in ("speedloader", "auto") and (on_cpu or store in ("host", "host_sync") or
                                                               store == "auto" and cfg.offload.params)
 
 
 def plan_for(cfg: TrainConfig, units: list[list[Shard]], root: list[Shard], *, hidden_size: int,
-             activation_itemsize: int = 2) -> HostPlan:
+             activation_itemsize: int = 2, on_cpu: bool = False) -> HostPlan:
     """The host plan of ``cfg`` for these shards (activation slots: U + 1 of N x n x s x h; units 1 ..
     ``offload.device_units`` keep their states on the GPU; ``checkpoint.async_save``: the staging copy of all of
-    them)."""
+    them). ``on_cpu``: the device is the CPU, so what stays "on the device" (the root, units 1 .. K, the
+    activations) is in host memory too."""
     sched = cfg.schedule
     activations = ((len(units) + 1) * sched.num_sub_batches * sched.sub_batch_size * cfg.data.seq_len * hidden_size
-                   * activation_itemsize) if _activations_on_host(cfg) else 0
-    return plan_host_memory(units=units[cfg.offload.device_units:], root=root, root_on_host=cfg.offload.root,
+                   * activation_itemsize) if _activations_on_host(cfg, on_cpu) else 0
+    return plan_host_memory(units=units if on_cpu else units[cfg.offload.device_units:], root=root,
+                            root_on_host=on_cpu or cfg.offload.root,
                             grad_slots_in_flight=cfg.optim.grad_slots_in_flight if _uses_ring(cfg) else 0,
                             state_dtype=cfg.optim.state_dtype, activation_bytes=activations,
                             transfer_itemsize=2 if cfg.offload.param_transfer_dtype else 0,
@@ -87,15 +91,16 @@ def _with(cfg: TrainConfig, **sections) -> Optional[TrainConfig]:
         return None
 
 
-def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activation_itemsize: int = 2
-                     ) -> tuple[HostPlan, list[tuple[str, HostPlan]]]:
-    """(rank 0's plan, [(setting, the plan with that setting changed)]) for a run with offloaded parameters."""
+def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activation_itemsize: int = 2,
+                     on_cpu: bool = False) -> tuple[HostPlan, list[tuple[str, HostPlan]]]:
+    """(rank 0's plan, [(setting, the plan with that setting changed)]) for a run with offloaded parameters;
+    ``on_cpu``: on a machine without a GPU (no setting that moves memory to the GPU is offered)."""
     units, root = unit_and_root_shards(model, blocks_per_unit=cfg.schedule.blocks_per_unit, shards=shards)
     hidden = model.config.hidden_size
 
     def plan(c: Optional[TrainConfig]) -> Optional[HostPlan]:
         return None if c is None else plan_for(c, units, root, hidden_size=hidden,
-                                               activation_itemsize=activation_itemsize)
+                                               activation_itemsize=activation_itemsize, on_cpu=on_cpu)
 
     alternatives = [(f"optim.state_dtype={dtype}", plan(_with(cfg, optim={"state_dtype": dtype})))
                     for dtype in _SMALLER_STATES[cfg.optim.state_dtype]]
@@ -112,10 +117,10 @@ def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activat
                                  "grad_slots_in_flight": cfg.optim.grad_slots_in_flight or 2})
         alternatives.append(("optim.overlap_with_backward=true optim.grad_clip=0 (in-flight gradient slots)",
                              plan(ring)))
-    if _activations_on_host(cfg):
+    if _activations_on_host(cfg) and not on_cpu:
         alternatives.append(("schedule.activation_store=device (activations on the GPU)",
                              plan(_with(cfg, schedule={"activation_store": "device"}))))
-    if cfg.offload.root:
+    if cfg.offload.root and not on_cpu:
         alternatives.append(("offload.root=false (the root's states on the GPU)",
                              plan(_with(cfg, offload={"root": False}))))
     if cfg.checkpoint.async_save:
@@ -132,7 +137,7 @@ def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activat
         combined = _with(combined, optim={"overlap_with_backward": True, "grad_clip": 0.0,
                                           "grad_slots_in_flight": cfg.optim.grad_slots_in_flight or 2})
         names.append("in-flight gradient slots")
-    if combined is not None and _activations_on_host(combined):
+    if combined is not None and _activations_on_host(combined) and not on_cpu:
         combined = _with(combined, schedule={"activation_store": "device"})
         names.append("schedule.activation_store=device")
     if len(names) > 1:
@@ -141,15 +146,18 @@ def host_memory_plan(model: nn.Module, cfg: TrainConfig, *, shards: int, activat
 
 
 def check_host_memory(model: nn.Module, cfg: TrainConfig, *, shards: int, activation_dtype: torch.dtype,
-                      budget: Optional[HostMemoryBudget] = None) -> HostPlan:
+                      budget: Optional[HostMemoryBudget] = None, on_cpu: bool = False) -> HostPlan:
     """Rank 0's plan (``host_memory_plan``); ``ValueError`` in one line, naming what each setting frees, when it
     exceeds the host budget (detected when None: the arena's own budget)."""
     itemsize = torch.empty((), dtype=activation_dtype).element_size()
-    plan, alternatives = host_memory_plan(model, cfg, shards=shards, activation_itemsize=itemsize)
+    plan, alternatives = host_memory_plan(model, cfg, shards=shards, activation_itemsize=itemsize, on_cpu=on_cpu)
     sched = cfg.schedule
     hint = (f"Or lower schedule.num_sub_batches (N={sched.num_sub_batches}), schedule.sub_batch_size "
             f"(n={sched.sub_batch_size}) or data.seq_len (s={cfg.data.seq_len}), or raise schedule.blocks_per_unit; "
             "the parameter shards shrink only with more ranks")
+    if on_cpu:
+        hint += ("; on the CPU (no GPU) every model state and the activations are in host memory, offloaded or not: "
+                 "train a smaller model, or on a CUDA GPU")
     check_host_plan(plan, budget or HostMemoryBudget.detect(), savings=savings_of(plan, alternatives), hint=hint)
     return plan
 

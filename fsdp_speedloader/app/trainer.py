@@ -155,7 +155,8 @@ def check_host_memory_plan(model: torch.nn.Module, cfg: TrainConfig, mesh: Devic
         check_async_staging(model, cfg, shards=parallel.shard_size(mesh))  # offloaded: a tier of the plan below
     if engine is not None and engine.options.offload_params:
         # Every tier (parameter shards, gradients, optimizer states, activations, transfer copies): memory/host_plan.py
-        check_host_memory(model, cfg, shards=parallel.shard_size(mesh), activation_dtype=param_dtype)
+        check_host_memory(model, cfg, shards=parallel.shard_size(mesh), activation_dtype=param_dtype,
+                          on_cpu=device.type == "cpu")
         return
     if engine is None or not engine.options.uses_arena_store:
         return
