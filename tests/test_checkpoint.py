@@ -251,6 +251,21 @@ def test_resume_auto_skips_an_incomplete_newest_checkpoint(tmp_path, caplog):
     assert verify_checkpoint(ckpt / "step_00000004") is None  # saved again, complete
 
 
+def test_resume_auto_without_a_checkpoint_dir_warns_that_it_looks_only_in_this_run(tmp_path, caplog):
+    """checkpoint.dir unset: auto looks under this run's own directory (a new dated one per run), where nothing
+    is to be found; the fresh start is a warning naming checkpoint.dir. With checkpoint.dir set, an empty one is an
+    ordinary first run (no warning)."""
+    caplog.set_level("INFO")
+    Trainer(tiny_config(tmp_path / "a", steps=1, checkpoint={"resume": "auto"}))
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "resume=auto" in r.getMessage()]
+    assert len(warned) == 1 and "checkpoint.dir is unset" in warned[0].getMessage(), caplog.text
+    assert str(tmp_path / "a" / "checkpoints") in warned[0].getMessage()
+    caplog.clear()
+    Trainer(tiny_config(tmp_path / "b", steps=1, checkpoint={"resume": "auto", "dir": str(tmp_path / "ckpt")}))
+    fresh = [r for r in caplog.records if "resume=auto" in r.getMessage()]
+    assert [r.levelname for r in fresh] == ["INFO"] and "starting fresh" in fresh[0].getMessage()
+
+
 def test_keep_last_never_deletes_newer_numbered_steps(tmp_path):
     """A save prunes only the steps up to its own: a newer-numbered directory (an incomplete one that resume
     skipped, or another run's) never pushes the new checkpoint out."""

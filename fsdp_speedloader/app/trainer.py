@@ -374,6 +374,12 @@ class Trainer:
             self._info("resumed from %s at step %d", resume_path, self.step)
             if (engine := speedloader_engine(model, missing_ok=True)) is not None:
                 engine.refresh_param_transfer(force=True)  # loaded in place: recast whatever the checks missed
+        elif cfg.checkpoint.resume == "auto" and cfg.checkpoint.dir is None:
+            # the default directory is under this run's own (a new dated one, unless hydra.run.dir is fixed)
+            self._warning("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh. checkpoint.dir is "
+                          "unset, so auto looks only in this run's directory: to continue an earlier run set "
+                          "checkpoint.dir to its checkpoint directory (one directory for every run of a job), or "
+                          "checkpoint.resume=PATH", checkpoint_dir)
         elif cfg.checkpoint.resume == "auto":
             self._info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", checkpoint_dir)
         self.logger = logger if logger is not None else build_logger(
