@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -112,6 +113,27 @@ def test_text_txt_jsonl_and_directory(tmp_path):
 
     (tmp_path / "c.jsonl").write_text(json.dumps({"content": "other field"}) + "\n")
     assert tokens(tmp_path / "c.jsonl", text_field="content") == _encode("other field")
+
+
+def test_text_reads_gzipped_jsonl_and_refuses_a_directory_with_files_it_would_leave_out(tmp_path):
+    """data=text reads .jsonl.gz as the prepare tool does; a directory that also holds a .parquet corpus (which
+    only the prepare tool reads) is refused, naming the files, instead of training on the rest without a word."""
+    (tmp_path / "a.txt").write_text("plain text")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "zipped one"}) + "\n" + json.dumps({"text": "zipped two"}) + "\n")
+
+    def tokens(path) -> list[int]:
+        return load_tokens(DataConfig(source="text", path=str(path), seq_len=4)).tolist()
+
+    assert tokens(tmp_path / "b.jsonl.gz") == _encode("zipped one") + [EOS] + _encode("zipped two")
+    assert tokens(tmp_path) == _encode("plain text") + [EOS] + _encode("zipped one") + [EOS] + _encode("zipped two")
+    (tmp_path / "c.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match=r"data\.path: directory .* holds c\.parquet, which data=text does not read "
+                                         r".*fsdp-speedloader-prepare .*data=tokens"):
+        validate_data(DataConfig(source="text", path=str(tmp_path)), vocab_size=320)
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n' * 100)[:30])
+    with pytest.raises(ValueError, match=r"data\.path: .*cut\.jsonl\.gz' is not a complete gzip file"):
+        load_tokens(DataConfig(source="text", path=str(tmp_path / "cut.jsonl.gz"), seq_len=4))
 
 
 # ----- packing, sharding, resume
@@ -258,7 +280,8 @@ def test_errors_name_the_field_to_change(tmp_path):
     cases = [
         (DataConfig(source="text", path=str(tmp_path / "nope.txt")), r"data\.path: .*does not exist"),
         (DataConfig(source="text", path=str(tmp_path / "empty.txt")), r"data\.path: .*is empty"),
-        (DataConfig(source="text", path=str(tmp_path / "no_text")), r"data\.path: .*no \.txt or \.jsonl"),
+        (DataConfig(source="text", path=str(tmp_path / "no_text")),
+         r"data\.path: .*no \.txt, \.jsonl or \.jsonl\.gz"),
         (DataConfig(source="text", path=str(tmp_path / "missing_field.jsonl")), r"data\.text_field: .*line 2 .*'text'"),
         (DataConfig(source="text", path=str(tmp_path / "bad.jsonl")), r"data\.path: .*line 1 is not valid JSON"),
         (DataConfig(source="text", path=str(tmp_path / "short.txt"), seq_len=64), r"data\.seq_len: .*16 tokens"),

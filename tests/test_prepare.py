@@ -201,7 +201,7 @@ def test_bad_input_is_one_line_naming_file_and_line(tmp_path, capsys):
         ("latin1.txt", r"latin1\.txt: line 3: not UTF-8"),
         ("empty.txt", r"empty\.txt: line 1: the file is empty"),
         ("bad.jsonl", r"bad\.jsonl: line 2: not valid JSON"),
-        ("number.jsonl", r"number\.jsonl: line 1: field 'text' holds a int"),
+        ("number.jsonl", r"number\.jsonl: line 1: field 'text' holds a number, not a string"),
         ("blank.jsonl", r"blank\.jsonl: line 2: no line holds any text"),
         ("bad.jsonl.gz", r"bad\.jsonl\.gz: line 1: not a readable gzip file"),
         ("nocol.parquet", r"nocol\.parquet: row 1: no column 'text' \(found \['body'\]\)"),

@@ -29,6 +29,7 @@ import gzip
 import json
 import math
 import os
+import zlib
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Union
@@ -39,10 +40,12 @@ import torch
 from fsdp_speedloader.app.config import DataConfig
 from fsdp_speedloader.app.mixture import MixtureLoader
 from fsdp_speedloader.app.permutation import KeyedPermutation
+from fsdp_speedloader.app.prepare_inputs import json_kind
 from fsdp_speedloader.app.token_shards import PREPARE_HINT, TOKEN_DTYPES, TokenDirectory, TokenStream, read_index, \
     token_dtype
 
-TEXT_SUFFIXES = (".txt", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
+PREPARE_ONLY_SUFFIXES = (".parquet",)  # corpora that fsdp-speedloader-prepare reads into token shards
 
 PathLike = Union[str, os.PathLike]
 
@@ -111,30 +114,44 @@ def read_default_corpus() -> str:
     return gzip.decompress(data).decode("utf-8")
 
 
+def _is_text(path: Path) -> bool:
+    return path.name.endswith(TEXT_SUFFIXES)
+
+
 def text_files(path: PathLike) -> list[Path]:
-    """The files of a 'text' source: the .txt/.jsonl file itself, or a directory's, sorted by name."""
+    """The files of a 'text' source: the .txt/.jsonl(.gz) file itself, or a directory's, sorted by name. A
+    directory that also holds corpora only the prepare tool reads (.parquet) is refused: training on the rest
+    would silently leave them out."""
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"data.path: {str(p)!r} does not exist; point data.path at a .txt or .jsonl file "
+        raise ValueError(f"data.path: {str(p)!r} does not exist; point data.path at a .txt, .jsonl or .jsonl.gz file "
                          "or a directory of them")
     if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        files = sorted(f for f in p.iterdir() if f.is_file() and _is_text(f))
+        unread = sorted(f.name for f in p.iterdir() if f.is_file() and f.name.endswith(PREPARE_ONLY_SUFFIXES))
+        if unread:
+            shown = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
+            raise ValueError(f"data.path: directory {str(p)!r} holds {shown}, which data=text does not read (it reads "
+                             f".txt, .jsonl and .jsonl.gz); prepare the directory into token shards "
+                             f"(fsdp-speedloader-prepare {str(p)!r} -o DIR, then data=tokens data.path=DIR), or move "
+                             "those files out")
         if not files:
-            raise ValueError(f"data.path: directory {str(p)!r} holds no .txt or .jsonl files")
-    elif p.suffix in TEXT_SUFFIXES:
+            raise ValueError(f"data.path: directory {str(p)!r} holds no .txt, .jsonl or .jsonl.gz files")
+    elif _is_text(p):
         files = [p]
     else:
-        raise ValueError(f"data.path: {str(p)!r} is not a .txt or .jsonl file "
-                         "(a pre-tokenized .bin file needs data.source=tokens)")
+        raise ValueError(f"data.path: {str(p)!r} is not a .txt, .jsonl or .jsonl.gz file "
+                         "(a pre-tokenized .bin file needs data.source=tokens; a .parquet corpus, "
+                         "fsdp-speedloader-prepare)")
     if all(f.stat().st_size == 0 for f in files):
         raise ValueError(f"data.path: {str(p)!r} is empty; it holds no text to train on")
     return files
 
 
 def iter_documents(files: Iterable[Path], text_field: str = "text") -> Iterator[str]:
-    """Yields one document at a time: a whole .txt file, or each line's ``text_field`` of a .jsonl."""
+    """Yields one document at a time: a whole .txt file, or each line's ``text_field`` of a .jsonl(.gz)."""
     for f in files:
-        if f.suffix == ".jsonl":
+        if f.name.endswith((".jsonl", ".jsonl.gz")):
             yield from _iter_jsonl(f, text_field)
         else:
             try:
@@ -143,24 +160,37 @@ def iter_documents(files: Iterable[Path], text_field: str = "text") -> Iterator[
                 raise ValueError(f"data.path: {str(f)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def _lines(path: Path) -> Iterator[bytes]:
+    """The lines of a .jsonl file, or of a gzipped one (.jsonl.gz); a damaged gzip stream is one line."""
+    if not path.name.endswith(".gz"):
+        with open(path, "rb") as fh:
+            yield from fh
+        return
+    try:
+        with gzip.open(path, "rb") as fh:
+            yield from fh
+    except (OSError, EOFError, zlib.error) as e:  # not gzip, cut short, or corrupt
+        raise ValueError(f"data.path: {str(path)!r} is not a complete gzip file ({e}); re-compress it, or "
+                         "decompress it to .jsonl") from None
+
+
 def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    with open(path, "rb") as fh:
-        for line_number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:  # bad JSON or bad UTF-8
-                raise ValueError(f"data.path: {str(path)!r} line {line_number} is not valid JSON ({e})") from None
-            if not isinstance(record, dict) or text_field not in record:
-                found = sorted(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-                raise ValueError(f"data.text_field: {str(path)!r} line {line_number} has no field {text_field!r} "
-                                 f"(found {found}); set data.text_field to the field that holds the text")
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise ValueError(f"data.text_field: {str(path)!r} line {line_number}: field {text_field!r} "
-                                 f"holds a {type(text).__name__}, not a string")
-            yield text
+    for line_number, line in enumerate(_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:  # bad JSON or bad UTF-8
+            raise ValueError(f"data.path: {str(path)!r} line {line_number} is not valid JSON ({e})") from None
+        if not isinstance(record, dict) or text_field not in record:
+            found = sorted(record) if isinstance(record, dict) else json_kind(record)
+            raise ValueError(f"data.text_field: {str(path)!r} line {line_number} has no field {text_field!r} "
+                             f"(found {found}); set data.text_field to the field that holds the text")
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise ValueError(f"data.text_field: {str(path)!r} line {line_number}: field {text_field!r} "
+                             f"holds {json_kind(text)}, not a string")
+        yield text
 
 
 def iter_token_chunks(documents: Iterable[str], tokenizer: Any) -> Iterator[np.ndarray]:

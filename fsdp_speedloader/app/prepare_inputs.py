@@ -19,6 +19,12 @@ SUFFIXES = (".jsonl.gz", ".jsonl", ".parquet", ".txt")
 _TXT_PIECE_BYTES = 1 << 20  # a .txt file is read and tokenized in pieces of about this size, cut at line ends
 
 
+def json_kind(value: object) -> str:
+    """What a parsed JSON value is, as an error names it: 'a number', 'an array', 'null' ..."""
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
 class InputError(ValueError):
     """Bad input: one line naming the file and the line (or row), and what is wrong."""
 
@@ -136,12 +142,12 @@ class Reader:
         except ValueError as e:
             raise self._error(f"line {number}", f"not valid JSON ({e})") from None
         if not isinstance(record, dict) or self.text_field not in record:
-            found = sorted(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+            found = sorted(record) if isinstance(record, dict) else json_kind(record)
             raise self._error(f"line {number}", f"no field {self.text_field!r} (found {found}); "
                                                 "pass --text-field with the field that holds the text")
         text = record[self.text_field]
         if not isinstance(text, str):
-            raise self._error(f"line {number}", f"field {self.text_field!r} holds a {type(text).__name__}, "
+            raise self._error(f"line {number}", f"field {self.text_field!r} holds {json_kind(text)}, "
                                                 "not a string")
         return text
 
