@@ -640,8 +640,12 @@ def test_prompt_files_and_left_padding(tmp_path):
     with pytest.raises(ValueError, match="line 2 of .*gap.txt is empty"):  # skipping it would shift every output
         read_prompt_file(str(tmp_path / "gap.txt"))
     (tmp_path / "p.jsonl").write_text('{"q": "a"}\n{"text": "b"}\n')
-    with pytest.raises(ValueError, match="line 1 .* field 'text'"):
+    with pytest.raises(ValueError, match=r"^prompts\.text_field: line 1 of .*p\.jsonl has no field 'text' \(found "
+                                         r"\['q'\]\); set prompts\.text_field to the field that holds the prompt$"):
         read_prompt_file(str(tmp_path / "p.jsonl"))
+    (tmp_path / "list.jsonl").write_text('["a"]\n')
+    with pytest.raises(ValueError, match=r"line 1 .* has no field 'text' \(found an array\)"):
+        read_prompt_file(str(tmp_path / "list.jsonl"))
     with pytest.raises(ValueError, match=f"^prompts.path: prompt file '{tmp_path / 'missing.txt'}' does not exist$"):
         read_prompt_file(str(tmp_path / "missing.txt"))
     (tmp_path / "p.csv").write_text("a\n")

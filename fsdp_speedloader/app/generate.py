@@ -44,6 +44,7 @@ from fsdp_speedloader.app.export import checkpoint_path_overrides, open_checkpoi
 from fsdp_speedloader.app.launch import config_path, fail, launch, rank, resolved_config
 from fsdp_speedloader.app.launch import rank as launch_rank
 from fsdp_speedloader.app.logger import StepProgress, build_logger, check_wandb_credentials, progress_bar_enabled
+from fsdp_speedloader.app.prepare_inputs import json_kind
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype
 from fsdp_speedloader.engine.speedloader import apply_speedloader
 from fsdp_speedloader.generation.generate import generate
@@ -278,10 +279,14 @@ def read_prompt_file(path: str, text_field: str = "text") -> list[str]:
             prompts.append(line)
             continue
         try:
-            prompts.append(str(json.loads(line)[text_field]))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"prompts.path: line {number} of {path} is not a JSON object with "
-                             f"field {text_field!r} ({e})") from e
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"prompts.path: line {number} of {path} is not valid JSON ({e})") from None
+        if not isinstance(record, dict) or text_field not in record:
+            found = sorted(record) if isinstance(record, dict) else json_kind(record)
+            raise ValueError(f"prompts.text_field: line {number} of {path} has no field {text_field!r} (found "
+                             f"{found}); set prompts.text_field to the field that holds the prompt")
+        prompts.append(str(record[text_field]))
     if not prompts:
         raise ValueError(f"prompts.path: {path} holds no prompts")
     return prompts
