@@ -36,9 +36,16 @@ def test_run_names_say_what_ran():
     assert "?" not in default_run_name({"model": {"name": "m"}})
 
 
-def test_auto_mode_without_a_key_is_offline(wandb_env):
-    assert resolve_wandb_mode("auto") == "offline"
-    assert resolve_wandb_mode("disabled") == "disabled"
+def test_auto_mode_without_a_key_is_offline_and_says_why(wandb_env, tmp_path):
+    wandb_env.setenv("NETRC", str(tmp_path / "no_netrc"))
+    assert resolve_wandb_mode("auto") == ("offline", "no WANDB_API_KEY")
+    assert resolve_wandb_mode("disabled") == ("disabled", "logger.mode=disabled")
+    # W&B's own switch is honoured by auto; online without a key cannot be, and says so
+    wandb_env.setenv("WANDB_MODE", "disabled")
+    assert resolve_wandb_mode("auto") == ("disabled", "WANDB_MODE=disabled")
+    wandb_env.setenv("WANDB_MODE", "online")
+    assert resolve_wandb_mode("auto") == ("offline", "WANDB_MODE=online without an API key")
+    assert resolve_wandb_mode("offline") == ("offline", "logger.mode=offline")  # an explicit mode wins
 
 
 def test_auto_mode_with_an_unreachable_server_logs_offline_within_seconds(wandb_env, tmp_path):
@@ -85,7 +92,8 @@ def test_a_resumed_job_logs_on_into_its_wandb_run_quietly(tmp_path):
     second_out = train("second", "steps=4", "checkpoint.resume=auto")
     (second_name, second_log), = _wandb_runs(tmp_path / "second").items()
     assert second_name.endswith(f"-{run_id}") and second_name != first_name  # W&B's directory per process, one id
-    assert f"(id {run_id}, resumed, mode offline)" in second_out
+    sync = f"`wandb sync {tmp_path / 'second' / 'wandb' / second_name}` uploads it"
+    assert f"(id {run_id}, resumed, mode offline: logger.mode=offline; {sync})" in second_out, tail(second_out)
     assert torch.load(ckpt / "step_00000004" / "extra_rank0.pt", weights_only=True)["wandb_run_id"] == run_id
     for out in (first_out, second_out):
         assert "Run summary" not in out and "Run history" not in out, tail(out)

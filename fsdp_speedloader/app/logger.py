@@ -170,18 +170,26 @@ def check_wandb_credentials(cfg: LoggerConfig) -> None:
                          "or logger.mode=auto")
 
 
-def resolve_wandb_mode(mode: str) -> str:
-    """``auto``: online when ``WANDB_API_KEY`` is set and the server answers within a few seconds, else offline
-    (sync later with ``wandb sync``): a run never waits on an unreachable server."""
+def resolve_wandb_mode(mode: str) -> tuple[str, str]:
+    """(the W&B mode of a run, why). ``auto``: ``WANDB_MODE`` where it is set (W&B's own switch; ``online`` without
+    an API key logs offline), else online when ``WANDB_API_KEY`` is set and the server answers within a few
+    seconds, else offline (sync later with ``wandb sync``): a run never waits on an unreachable server."""
     if mode != "auto":
-        return mode
+        return mode, f"logger.mode={mode}"
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if env in ("offline", "disabled") or env == "online" and wandb_credentials_found():
+        return env, f"WANDB_MODE={env}"
+    if env == "online":
+        log.warning("W&B: WANDB_MODE=online but no W&B API key (WANDB_API_KEY is not set and no netrc login for "
+                    "%s); logging offline", _wandb_host())
+        return "offline", "WANDB_MODE=online without an API key"
     if not os.environ.get("WANDB_API_KEY"):
-        return "offline"
+        return "offline", "no WANDB_API_KEY"
     if not wandb_server_reachable():
         log.warning("W&B: the server does not answer within %.0f s; logging offline (sync later with `wandb sync`)",
                     WANDB_PROBE_TIMEOUT_S)
-        return "offline"
-    return "online"
+        return "offline", "the W&B server did not answer"
+    return "online", "WANDB_API_KEY"
 
 
 def build_logger(cfg: LoggerConfig, run_config: dict, output_dir: str | os.PathLike,
@@ -200,7 +208,7 @@ def build_logger(cfg: LoggerConfig, run_config: dict, output_dir: str | os.PathL
     if cfg.backend == "wandb":
         import wandb  # only runs that log to W&B pay for the import
 
-        mode = resolve_wandb_mode(cfg.mode)
+        mode, why = resolve_wandb_mode(cfg.mode)
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         init = functools.partial(wandb.init, project=cfg.project, entity=cfg.entity, group=cfg.group,
                                  name=cfg.name or default_run_name(run_config), tags=list(cfg.tags) or None,
@@ -213,10 +221,12 @@ def build_logger(cfg: LoggerConfig, run_config: dict, output_dir: str | os.PathL
                 raise ValueError(f"logger.mode={cfg.mode}: W&B could not start a run ({str(e).splitlines()[0]}); "
                                  "check WANDB_API_KEY / WANDB_BASE_URL, or set logger.mode=offline") from None
             log.warning("W&B: online init failed (%s); logging offline", str(e).splitlines()[0])
-            mode = "offline"
+            mode, why = "offline", "online init failed"
             wandb_run = init(mode=mode, settings=wandb.Settings(quiet=True))
-        log.info("W&B run %s (id %s%s, mode %s) in %s", wandb_run.name, wandb_run.id,
-                 ", resumed" if wandb_run_id else "", mode, output_dir)
+        # offline: the run's directory (wandb/offline-run-...) is what `wandb sync` uploads later
+        sync = f"; `wandb sync {Path(wandb_run.dir).parent}` uploads it" if mode == "offline" else ""
+        log.info("W&B run %s (id %s%s, mode %s: %s%s) in %s", wandb_run.name, wandb_run.id,
+                 ", resumed" if wandb_run_id else "", mode, why, sync, output_dir)
     return Rank0Logger(output_dir, wandb_run, show_mfu=show_mfu)
 
 

@@ -177,7 +177,7 @@ def log_summary_to_wandb(summary: dict, sweep_dir: Path, logger_cfg: LoggerConfi
         table.add_data(*(p["params"][a] for a in axes), p["status"], *(m.get(c) for c in columns[len(axes) + 1:]))
     run = wandb.init(project=logger_cfg.project, entity=logger_cfg.entity, group=summary["group"],
                      name=f"{summary['group']}-summary", job_type="sweep-summary",
-                     mode=resolve_wandb_mode(logger_cfg.mode), dir=str(sweep_dir), config={"axes": axes})
+                     mode=resolve_wandb_mode(logger_cfg.mode)[0], dir=str(sweep_dir), config={"axes": axes})
     payload = {"sweep_summary": table}
     if heatmap is not None:
         payload["throughput_heatmap"] = wandb.Image(str(heatmap))
