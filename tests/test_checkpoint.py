@@ -251,6 +251,22 @@ def test_resume_auto_skips_an_incomplete_newest_checkpoint(tmp_path, caplog):
     assert verify_checkpoint(ckpt / "step_00000004") is None  # saved again, complete
 
 
+def test_a_checkpoint_of_another_depth_names_its_number_of_layers(tmp_path):
+    """Resuming with more (or fewer) layers of the same family says how many the checkpoint holds, not that it is
+    'of another family or layout'; the check reads the checkpoint's metadata only, the model on the meta device."""
+    from fsdp_speedloader.models import build_model
+
+    ckpt = tmp_path / "ckpt"
+    Trainer(tiny_config(tmp_path / "a", steps=1, checkpoint={"save_final": True, "dir": str(ckpt)})).train()
+    step = ckpt / "step_00000001"
+    for layers in (3, 1):
+        deeper = build_model(tiny_config(tmp_path / "b", model={"num_layers": layers}).model, device="meta")
+        with pytest.raises(ValueError, match=rf"does not fit this model: it holds 2 layers, the model has {layers}; "
+                                             r"resume with model\.num_layers=2"):
+            checkpoint_mod.check_checkpoint_fits(step, deeper)
+    checkpoint_mod.check_checkpoint_fits(step, build_model(tiny_config(tmp_path / "c").model, device="meta"))
+
+
 def test_resume_auto_without_a_checkpoint_dir_warns_that_it_looks_only_in_this_run(tmp_path, caplog):
     """checkpoint.dir unset: auto looks under this run's own directory (a new dated one per run), where nothing
     is to be found; the fresh start is a warning naming checkpoint.dir. With checkpoint.dir set, an empty one is an

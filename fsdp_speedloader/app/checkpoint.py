@@ -249,6 +249,14 @@ def _shape(size) -> str:
     return "(" + ", ".join(str(d) for d in size) + ")"
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # model.layers.N. (LLaMA, Qwen, Gemma), model.decoder.layers.N. (OPT)
+
+
+def _num_layers(names) -> int:
+    """Decoder layers among parameter names (0 where none is numbered as one)."""
+    return len({m.group(1) for name in names if (m := _LAYER.search(name))})
+
+
 def check_checkpoint_fits(path: str | os.PathLike, model: nn.Module) -> None:
     """ValueError naming ``path`` and the first parameter whose name or shape differs between the checkpoint
     (its DCP ``.metadata`` alone: nothing else is read) and ``model``. Call it with the model on the meta device,
@@ -260,6 +268,11 @@ def check_checkpoint_fits(path: str | os.PathLike, model: nn.Module) -> None:
     fix = ("resume with the model settings that wrote it, or start fresh: checkpoint.resume=null or another "
            "checkpoint.dir")
     state = model.state_dict()
+    depth_saved, depth_model = _num_layers(saved), _num_layers(state)
+    if depth_saved and depth_model and depth_saved != depth_model:  # the same family, another depth
+        raise ValueError(f"checkpoint {str(path)!r} does not fit this model: it holds {depth_saved} layers, the model "
+                         f"has {depth_model}; resume with model.num_layers={depth_saved}, or start fresh: "
+                         "checkpoint.resume=null or another checkpoint.dir")
     aliases: dict[int, list[str]] = {}  # tied weights: one tensor, several names (the checkpoint may keep one)
     for name, tensor in state.items():
         aliases.setdefault(id(tensor), []).append(name)
