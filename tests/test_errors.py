@@ -100,6 +100,13 @@ def test_wrong_shape_checkpoint(runs):
     _model_not_built(runs["wrong_shape_checkpoint"])
 
 
+def test_the_error_line_is_in_the_run_log_too(runs):
+    """A run that fails at setup leaves its run directory: its train.log says why, as stderr did."""
+    run_dir, = (runs["root"] / "wrong_shape_checkpoint").glob("outputs/*/*")
+    log = (run_dir / "train.log").read_text()
+    assert _one_error_line(runs["wrong_shape_checkpoint"]) in log and "[ERROR]" in log, log
+
+
 def test_checkpoint_of_another_family(runs):
     line = _one_error_line(runs["other_family_checkpoint"])
     path = runs["root"] / "ckpt" / CHECKPOINT

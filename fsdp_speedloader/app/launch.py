@@ -16,6 +16,7 @@ traceback too. A run stopped by SIGTERM/SIGINT saves a checkpoint and exits with
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -158,6 +159,11 @@ def fail(error: ValueError) -> NoReturn:
     if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
         traceback.print_exception(error, file=sys.stderr)
     print(f"error: {error}", file=sys.stderr, flush=True)
+    # the run's log file (Hydra's <entry point>.log in the run directory) says why the run ended too
+    record = logging.LogRecord(__name__, logging.ERROR, __file__, 0, "error: %s", (error,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
     if dist.is_initialized():
         dist.destroy_process_group()  # no barrier: other ranks may have failed differently
     sys.exit(2)
