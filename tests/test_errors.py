@@ -41,6 +41,7 @@ def _cases(root: Path) -> dict[str, tuple[list[str], dict]]:
                                      {"HOME": str(root / "home"), "NETRC": str(root / "home" / ".netrc")}),
         "traceback_flag": ([f"checkpoint.dir={root / 'a_file' / 'ckpt'}"], {"FSDP_SPEEDLOADER_TRACEBACK": "1"}),
         "device_units_without_offload": (["offload.device_units=1"], {}),
+        "blocks_per_unit_over_the_layers": (["schedule.blocks_per_unit=3"], {}),
     }
 
 
@@ -191,6 +192,12 @@ def test_device_units_without_offloaded_parameters(runs):
     line = _one_error_line(runs["device_units_without_offload"])
     assert "offload.device_units" in line and "offload=params" in line, line
     _model_not_built(runs["device_units_without_offload"])
+
+
+def test_more_blocks_per_unit_than_the_model_has(runs):
+    line = _one_error_line(runs["blocks_per_unit_over_the_layers"])
+    assert line == ("error: schedule.blocks_per_unit=3: the model has 2 blocks (layers); set at most 2 (one unit of "
+                    "every block)"), line
 
 
 def test_run_dir_named_on_the_command_line():

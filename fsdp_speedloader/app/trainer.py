@@ -323,6 +323,10 @@ class Trainer:
         model = build_model(cfg.model, device="meta")
         model.train()
         self.adapter = get_adapter(model)
+        num_blocks = len(self.adapter.blocks)
+        if sched.blocks_per_unit > num_blocks:
+            raise ValueError(f"schedule.blocks_per_unit={sched.blocks_per_unit}: the model has {num_blocks} blocks "
+                             f"(layers); set at most {num_blocks} (one unit of every block)")
         if cfg.data.document_mask and not self.adapter.takes_position_ids:
             raise ValueError(f"data.document_mask: per-document positions and attention are supported for "
                              f"{', '.join(position_ids_model_classes())} (RoPE, causal), not {type(model).__name__}; "
@@ -333,7 +337,6 @@ class Trainer:
             num_block_params=num_block_params(self.adapter.blocks), num_layers=len(self.adapter.blocks),
             hidden_size=model.config.hidden_size, seq_len=cfg.data.seq_len) if recompute else 0.0
         if sched.name == "canonical":  # only every k-th block recomputes
-            num_blocks = len(self.adapter.blocks)
             recompute_flops *= (num_blocks // sched.activation_checkpointing_every) / num_blocks
         self.num_params = sum(p.numel() for p in model.parameters())
         if cfg.optim.master_dtype == "bf16":  # before sharding: FSDP2 keeps each parameter's dtype in its shard
