@@ -245,16 +245,25 @@ def test_a_prepare_that_failed_before_its_first_shard_starts_over_with_the_corre
 
 @pytest.mark.slow
 def test_module_entry_point(tmp_path):
-    """``python -m fsdp_speedloader.app.prepare`` as a user runs it: a progress bar, a summary, exit 0."""
+    """``python -m fsdp_speedloader.app.prepare`` as a user runs it: a summary, exit 0; the progress bar where
+    stderr is a terminal or FSDP_SPEEDLOADER_PROGRESS=1 asks for it, not in a redirected log."""
     _corpus(tmp_path / "corpus")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "fsdp_speedloader.app.prepare", str(tmp_path / "corpus"), "--output",
-                           str(tmp_path / "out"), "--workers", "2"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
+    env.pop("FSDP_SPEEDLOADER_PROGRESS", None)
+
+    def prepare(out: str, **extra_env) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "fsdp_speedloader.app.prepare", str(tmp_path / "corpus"),
+                               "--output", str(tmp_path / out), "--workers", "2"], env={**env, **extra_env},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done
+
+    done = prepare("out", FSDP_SPEEDLOADER_PROGRESS="1")
     assert "prepare (2 worker(s))" in done.stderr and "100%" in done.stderr
-    assert f"data.path={tmp_path / 'out'}" in done.stdout
+    assert f"data.path={tmp_path / 'out'}" in done.stdout and f"{1 + 30 + 25 + 40} documents" in done.stdout
     assert read_index(tmp_path / "out")["num_documents"] == 1 + 30 + 25 + 40
+    quiet = prepare("out2")  # stderr is a pipe here
+    assert "\r" not in quiet.stderr and "100%" not in quiet.stderr, quiet.stderr
 
 
 def test_a_bin_file_of_the_earlier_format_still_loads(tmp_path):

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from fsdp_speedloader.app.data import ByteTokenizer, build_tokenizer
+from fsdp_speedloader.app.logger import progress_bar_enabled
 from fsdp_speedloader.app.prepare_inputs import InputError, Reader, Unit, find_inputs
 from fsdp_speedloader.app.token_shards import INDEX_FILE, TOKEN_DTYPES, token_dtype, write_index, write_json_atomic
 
@@ -332,16 +333,20 @@ def main(argv: Optional[list[str]] = None) -> None:
                                                                "one per input file)")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                         help=f"tokens per shard, about (default {DEFAULT_SHARD_TOKENS:,})")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (shown on a terminal only, as training's: FSDP_SPEEDLOADER_PROGRESS=1 "
+                             "shows it anyway)")
     args = parser.parse_args(argv)
     if args.workers < 0 or args.shard_tokens < 1:
         parser.exit(2, "error: --workers must be >= 0 and --shard-tokens >= 1\n")
 
     start = time.perf_counter()
     try:
+        # a redirected log gets no bar (its carriage returns would fill it), as a training run's does not
+        progress_bar = not args.no_progress and progress_bar_enabled(rank=0)
         index = run(args.inputs, args.output, tokenizer_name=args.tokenizer, text_field=args.text_field,
-                    shard_tokens=args.shard_tokens, workers=args.workers, progress_bar=not args.no_progress)
-    except ValueError as e:  # InputError and data.tokenizer errors: one line, exit 2
+                    shard_tokens=args.shard_tokens, workers=args.workers, progress_bar=progress_bar)
+    except ValueError as e:  # InputError, data.tokenizer errors, a bad FSDP_SPEEDLOADER_PROGRESS: one line, exit 2
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except WorkerDied as e:
@@ -351,8 +356,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"interrupted: run the same command again to resume ({args.output}/{PROGRESS_DIR} lists what is done)",
               file=sys.stderr, flush=True)
         sys.exit(130)
-    print(f"wrote {args.output}: {index['num_tokens']:,} {index['dtype']} tokens, {index['num_documents']:,} "
-          f"documents, {len(index['shards'])} shard(s), vocab_size={index['vocab_size']}, in "
+    documents = index["num_documents"]
+    print(f"wrote {args.output}: {index['num_tokens']:,} {index['dtype']} tokens, {documents:,} "
+          f"document{'' if documents == 1 else 's'}, {len(index['shards'])} shard(s), vocab_size={index['vocab_size']}, in "
           f"{time.perf_counter() - start:.1f} s; train with data=tokens data.path={args.output}")
 
 
