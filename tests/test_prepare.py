@@ -226,8 +226,8 @@ def test_bad_input_is_one_line_naming_file_and_line(tmp_path, capsys):
     assert "not empty and holds no prepare progress" in _fail(capsys, [str(tmp_path / "good.jsonl"), "-o",
                                                                       str(tmp_path / "mine")])
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
-    assert "data.tokenizer" in _fail(capsys, [str(tmp_path / "good.jsonl"), "-o", out, "--tokenizer",
-                                              str(tmp_path / "no_tokenizer")])
+    assert _fail(capsys, [str(tmp_path / "good.jsonl"), "-o", out, "--tokenizer", str(tmp_path / "no_tokenizer")]
+                 ).startswith("error: --tokenizer: ")  # the flag this command takes, not training's data.tokenizer
 
 
 def test_a_prepare_that_failed_before_its_first_shard_starts_over_with_the_corrected_settings(tmp_path, capsys):

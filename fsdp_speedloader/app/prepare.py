@@ -347,7 +347,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         index = run(args.inputs, args.output, tokenizer_name=args.tokenizer, text_field=args.text_field,
                     shard_tokens=args.shard_tokens, workers=args.workers, progress_bar=progress_bar)
     except ValueError as e:  # InputError, data.tokenizer errors, a bad FSDP_SPEEDLOADER_PROGRESS: one line, exit 2
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        message = str(e)  # the tokenizer's errors name training's key; here the flag is --tokenizer
+        if message.startswith("data.tokenizer:"):
+            message = "--tokenizer:" + message[len("data.tokenizer:"):]
+        print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
     except WorkerDied as e:
         print(f"error: {e} ({args.output}/{PROGRESS_DIR} lists what is done)", file=sys.stderr, flush=True)
