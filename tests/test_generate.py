@@ -554,6 +554,7 @@ def test_cli_generates_prompts_from_a_file(tmp_path):
     out = proc.stdout + proc.stderr
     order = [out.find(s) for s in ("setting up:", "building the model:", "generating:", "generate: ")]
     assert -1 not in order and order == sorted(order), out[-3000:]  # status lines first, then the bar
+    assert "random weights (model=llama_tiny, no checkpoint= or model.path=): the completions are noise" in out
     assert "token" in proc.stderr[proc.stderr.find("generate: "):], proc.stderr[-2000:]
     # The first 3 generations on the console, one line each, and no metric logger's bare "step 0" line.
     shown = [line.split(" - ", 1)[1] for line in out.splitlines() if "][INFO] - [" in line or "more in the" in line]
@@ -602,6 +603,7 @@ def test_cli_reads_prompts_with_the_pretrained_checkpoints_own_tokenizer(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
     assert [(r["prompt"], r["prompt_tokens"]) for r in lines] == [("hello world", [2, 3]), ("the cat", [4, 5])]
+    assert "random weights" not in proc.stdout + proc.stderr  # the checkpoint's weights
 
 
 def test_wandb_online_without_a_key_fails_before_the_model_in_generate_and_tune(tmp_path, monkeypatch):

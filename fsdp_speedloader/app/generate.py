@@ -431,6 +431,9 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
         if rank == 0:
             log.info("loaded %s from %s", architecture, checkpoint.step_dir)
     else:
+        if rank == 0 and cfg.model.path is None:  # a throughput run's model; text from it means nothing
+            log.info("random weights (model=%s, no checkpoint= or model.path=): the completions are noise",
+                     cfg.model.name)
         materialize_model(model, cfg.model, device=device, seed=cfg.seed, param_device=param_device)
     host_limit = None if cfg.host_memory_limit_gib is None else int(cfg.host_memory_limit_gib * 2**30)
     if cfg.weight_quant is not None:  # each linear read (or drawn) and quantized one at a time
