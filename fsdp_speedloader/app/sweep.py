@@ -186,7 +186,8 @@ def log_summary_to_wandb(summary: dict, sweep_dir: Path, logger_cfg: LoggerConfi
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(prog="python -m fsdp_speedloader.app.sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="The groups and keys of a point: python -m fsdp_speedloader.app.train "
                                             "--help; every key: docs/configuration.md; sweeps: docs/tuner.md.")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per point (torchrun when > 1)")

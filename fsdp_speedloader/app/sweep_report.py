@@ -270,7 +270,8 @@ def summary_from_hydra_multirun(sweep_dir: str | Path) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m fsdp_speedloader.app.sweep_report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep_dir")
     args = parser.parse_args(argv)
     sweep_dir = Path(args.sweep_dir)
