@@ -64,6 +64,35 @@ def test_load_balancing_loss_is_the_whole_batch_statistic(family):
 
 
 @pytest.mark.parametrize("family", MOE)
+def test_an_adapter_built_later_leaves_the_engine_its_router_logits(family):
+    """Code that only inspects the model builds an adapter of its own after the engine's (the trainer's host memory
+    plan does): the router logits still reach the engine's load-balancing loss. They used to go to the newest
+    adapter only, and an offloaded MoE run's loss was nan at step 1."""
+    model = _skewed_model(family)
+    ids, labels, mask = _padded_batch(2)
+    want = copy.deepcopy(model)(input_ids=ids, attention_mask=mask, labels=labels)
+    apply_speedloader(model, mesh=cpu_mesh(), num_sub_batches=2, offload_params=True)
+    get_adapter(model)
+    got = model(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.aux_loss, want.aux_loss.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(got.loss.detach(), want.loss.detach(), rtol=1e-6, atol=0)
+
+
+def test_an_offloaded_moe_run_trains_as_one_on_the_device(tmp_path):
+    """The trainer end to end, the load-balancing loss on: offload=params gives the losses of a run whose states
+    stay on the device (bit for bit on the CPU)."""
+    from dist_utils import tiny_config
+    from fsdp_speedloader.app.trainer import Trainer
+
+    moe = {"family": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+           "output_router_logits": True, "router_aux_loss_coef": 0.1}
+    losses = [[m["loss"] for m in Trainer(tiny_config(tmp_path / str(offload), steps=2, model=moe,
+                                                      offload={"params": offload})).train()]
+              for offload in (False, True)]
+    assert losses[0] == losses[1] and all(torch.isfinite(torch.tensor(losses[1]))), losses
+
+
+@pytest.mark.parametrize("family", MOE)
 def test_without_the_load_balancing_loss(family):
     """output_router_logits=False (the published configs): the loss is the token loss alone, no router hooks."""
     model = tiny_family_model(family, output_router_logits=False)

@@ -26,7 +26,21 @@ from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 from fsdp_speedloader.models.llama import MistralAdapter
 
-_HOOK_ATTR = "_speedloader_router_hook"
+_CAPTURE_ATTR = "_speedloader_router_capture"
+
+
+class _RouterCapture:
+    """The forward hook of every router of one model: appends each router's logits to ``captured`` while a
+    ``capture_router_logits`` block is open. One per model, shared by every adapter of it: an adapter built later
+    only to look at the model (the host memory plan's) must not take the recording from the engine's."""
+
+    def __init__(self, output_index: int) -> None:
+        self.output_index = output_index
+        self.captured: Optional[list[torch.Tensor]] = None
+
+    def __call__(self, module: nn.Module, args, output) -> None:
+        if self.captured is not None:
+            self.captured.append(output[self.output_index])
 
 
 class MoeAdapter(MistralAdapter):
@@ -38,15 +52,13 @@ class MoeAdapter(MistralAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         recorder = type(model)._can_record_outputs["router_logits"]  # Hugging Face's own: which module, which output
-        self._router_output_index = recorder.index
         self.routers: list[nn.Module] = [m for m in self.blocks.modules() if isinstance(m, recorder.target_class)]
-        self._captured: Optional[list[torch.Tensor]] = None
-        if self.router_aux_loss:  # hooks only where they are read: compiled blocks without aux loss trace none
+        self._capture: Optional[_RouterCapture] = getattr(model, _CAPTURE_ATTR, None)
+        if self._capture is None and self.router_aux_loss:  # hooks only where read: compiled blocks without aux
+            self._capture = _RouterCapture(recorder.index)  # loss trace none
             for router in self.routers:
-                previous = getattr(router, _HOOK_ATTR, None)
-                if previous is not None:  # a later adapter of the same model records instead
-                    previous.remove()
-                setattr(router, _HOOK_ATTR, router.register_forward_hook(self._record))
+                router.register_forward_hook(self._capture)
+            setattr(model, _CAPTURE_ATTR, self._capture)
 
     @property
     def num_experts(self) -> int:
@@ -69,20 +81,16 @@ class MoeAdapter(MistralAdapter):
     def has_dropout(self) -> bool:  # Mixtral's router jitter multiplies by random noise in training
         return super().has_dropout or getattr(self.config, "router_jitter_noise", 0.0) > 0
 
-    def _record(self, module: nn.Module, args, output) -> None:
-        if self._captured is not None:
-            self._captured.append(output[self._router_output_index])
-
     @contextlib.contextmanager
     def capture_router_logits(self) -> Iterator[list[torch.Tensor]]:
         """Collects, in call order, the router logits ((tokens, num_experts) each) of the blocks run inside."""
-        if not self.router_aux_loss:
+        if not self.router_aux_loss or self._capture is None:
             raise ValueError("router logits are recorded only with config.output_router_logits=True")
-        self._captured = captured = []
+        self._capture.captured = captured = []
         try:
             yield captured
         finally:
-            self._captured = None
+            self._capture.captured = None
 
     def flops_per_token(self, seq_len: int) -> float:
         """As dense models, with only the routed experts' parameters doing work: each token multiplies by
