@@ -252,9 +252,12 @@ def _shape(size) -> str:
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # model.layers.N. (LLaMA, Qwen, Gemma), model.decoder.layers.N. (OPT)
 
 
-def _num_layers(names) -> int:
-    """Decoder layers among parameter names (0 where none is numbered as one)."""
-    return len({m.group(1) for name in names if (m := _LAYER.search(name))})
+def _depth_and_layout(names) -> tuple[int, frozenset]:
+    """(decoder layers among parameter names, their parameters' names with the layer's number taken out): two
+    models of one family differ in depth only where the second agrees."""
+    matches = [(m, name) for name in names if (m := _LAYER.search(name))]
+    return (len({m.group(1) for m, _ in matches}),
+            frozenset(name[:m.start(1)] + "N" + name[m.end(1):] for m, name in matches))
 
 
 def check_checkpoint_fits(path: str | os.PathLike, model: nn.Module) -> None:
@@ -268,8 +271,8 @@ def check_checkpoint_fits(path: str | os.PathLike, model: nn.Module) -> None:
     fix = ("resume with the model settings that wrote it, or start fresh: checkpoint.resume=null or another "
            "checkpoint.dir")
     state = model.state_dict()
-    depth_saved, depth_model = _num_layers(saved), _num_layers(state)
-    if depth_saved and depth_model and depth_saved != depth_model:  # the same family, another depth
+    (depth_saved, layout_saved), (depth_model, layout_model) = _depth_and_layout(saved), _depth_and_layout(state)
+    if depth_saved and depth_model and depth_saved != depth_model and layout_saved == layout_model:
         raise ValueError(f"checkpoint {str(path)!r} does not fit this model: it holds {depth_saved} layers, the model "
                          f"has {depth_model}; resume with model.num_layers={depth_saved}, or start fresh: "
                          "checkpoint.resume=null or another checkpoint.dir")
