@@ -18,6 +18,20 @@ def check_choice(value: Any, name: str, choices: tuple) -> None:
     check(value in choices, name, f"got {value!r}; choose one of {', '.join(map(repr, choices))}")
 
 
+# One dtype, two spellings: torch's names (param_dtype=bfloat16) and the short ones (optim.state_dtype=bf16).
+DTYPE_SPELLINGS = (("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "fp16"))
+
+
+def dtype_choice(value: Any, name: str, choices: tuple) -> Any:
+    """``value`` in the spelling ``choices`` use, so that either spelling works for every dtype key
+    ('bf16' for param_dtype, 'bfloat16' for optim.state_dtype); else ``check_choice``'s error."""
+    for spellings in DTYPE_SPELLINGS:
+        if value in spellings:
+            value = next((s for s in spellings if s in choices), value)
+    check_choice(value, name, choices)
+    return value
+
+
 def check_positive(value: Any, name: str, *, allow_zero: bool = False) -> None:
     bound = "must be >= 0" if allow_zero else "must be >= 1"
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if allow_zero else 1)

@@ -241,6 +241,17 @@ def test_bad_value_names_the_field(overrides, field_name):
         to_train_config(cfg)
 
 
+def test_every_dtype_key_takes_either_spelling():
+    # param_dtype's choices are torch's names, optim.state_dtype's the short ones: each key takes both
+    cfg = to_train_config(compose_cfg(["param_dtype=bf16", "reduce_dtype=fp32", "offload=params",
+                                       "offload.param_transfer_dtype=bfloat16"]))
+    assert (cfg.param_dtype, cfg.reduce_dtype, cfg.offload.param_transfer_dtype) == ("bfloat16", "float32", "bfloat16")
+    cfg = to_train_config(compose_cfg(["offload=params", "optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16"]))
+    assert (cfg.optim.state_dtype, cfg.optim.master_dtype) == ("bf16", "bf16")
+    with pytest.raises(ValueError, match="optim.state_dtype: got 'fp16'; choose one of 'fp32', 'bf16', 'int8'"):
+        to_train_config(compose_cfg(["optim.state_dtype=fp16"]))  # a dtype the key does not take, in its spelling
+
+
 def test_a_pretrained_checkpoints_text_is_read_with_its_own_tokenizer(tmp_path):
     # data.tokenizer's default (null) is model.path's tokenizer where the directory holds one: a Llama checkpoint
     # trained on byte ids would learn nothing it knows. Without one, or without model.path: bytes; a named one wins.

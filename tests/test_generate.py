@@ -481,6 +481,7 @@ def test_generate_yaml_composes_into_a_valid_config():
     with pytest.raises(ValueError, match="at most the 1 sub-batches whose cache is on the host"):
         GenerateConfig.from_dict({"cpu_attention_sub_batches": 2, "kv_cache": "split", "num_sub_batches": 2,
                                   "kv_device_sub_batches": 1})
+    assert GenerateConfig.from_dict({"param_dtype": "bf16"}).param_dtype == "bfloat16"  # as training's keys take it
 
 
 def test_a_prompt_path_alone_means_a_prompt_file_and_show_generations_takes_all():

@@ -13,7 +13,7 @@ from typing import Optional
 
 from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 from fsdp_speedloader.models.config import ModelConfig
-from fsdp_speedloader.validation import check, check_choice, check_positive, dataclass_from_dict
+from fsdp_speedloader.validation import check, check_choice, check_positive, dataclass_from_dict, dtype_choice
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -199,8 +199,8 @@ class OptimConfig:
               "optim.worker_affinity=false)")
         check(not self.worker_affinity or hasattr(os, "sched_setaffinity"), "optim.worker_affinity",
               "needs Linux's per-thread CPU affinity (os.sched_setaffinity), which this system lacks")
-        check_choice(self.state_dtype, "optim.state_dtype", ("fp32", "bf16", "int8"))
-        check_choice(self.master_dtype, "optim.master_dtype", ("fp32", "bf16"))
+        self.state_dtype = dtype_choice(self.state_dtype, "optim.state_dtype", ("fp32", "bf16", "int8"))
+        self.master_dtype = dtype_choice(self.master_dtype, "optim.master_dtype", ("fp32", "bf16"))
         check_choice(self.host_kernel, "optim.host_kernel", ("auto", "fused", "torch"))
         check_choice(self.fp32_host_step, "optim.fp32_host_step", ("openmp", "pool"))
         check(self.master_dtype == "fp32" or self.state_dtype != "fp32", "optim.master_dtype",
@@ -357,10 +357,9 @@ class OffloadConfig:
         check(self.device_units == 0 or self.params, "offload.device_units",
               "keeps units' states on the GPU when the others are offloaded: set offload=params, or "
               "offload.device_units=0")
-        if self.param_transfer_dtype == "bf16":
-            self.param_transfer_dtype = "bfloat16"
         if self.param_transfer_dtype is not None:
-            check_choice(self.param_transfer_dtype, "offload.param_transfer_dtype", ("bfloat16", "float16"))
+            self.param_transfer_dtype = dtype_choice(self.param_transfer_dtype, "offload.param_transfer_dtype",
+                                                     ("bfloat16", "float16"))
             check(self.params and self.pin_memory, "offload.param_transfer_dtype",
                   "its copies live in the pinned arena next to the offloaded shards: set offload=params with "
                   "offload.pin_memory=true, or offload.param_transfer_dtype=null")
@@ -480,8 +479,8 @@ class TrainConfig:
             self.data.tokenizer = default_tokenizer(self.model.path)
         check_positive(self.steps, "steps")
         check_choice(self.device, "device", ("auto", "cuda", "cpu"))
-        check_choice(self.param_dtype, "param_dtype", _DTYPES)
-        check_choice(self.reduce_dtype, "reduce_dtype", _DTYPES[1:])
+        self.param_dtype = dtype_choice(self.param_dtype, "param_dtype", _DTYPES)
+        self.reduce_dtype = dtype_choice(self.reduce_dtype, "reduce_dtype", _DTYPES[1:])
         check_positive(self.dp_replicate, "dp_replicate")
         check_positive(self.log_every, "log_every")
         check(self.peak_tflops > 0, "peak_tflops", f"got {self.peak_tflops}; must be > 0")

@@ -56,7 +56,7 @@ from fsdp_speedloader.models.config import MOE_FAMILIES
 from fsdp_speedloader.options import SpeedLoaderOptions
 from fsdp_speedloader.quant import KV_CACHE_DTYPES, WEIGHT_FORMATS, materialize_quantized_weights, quantize_linears_, \
     weight_format
-from fsdp_speedloader.validation import check, check_choice, check_positive, dataclass_from_dict
+from fsdp_speedloader.validation import check, check_choice, check_positive, dataclass_from_dict, dtype_choice
 
 log = logging.getLogger("fsdp_speedloader.app.generate")
 
@@ -228,7 +228,7 @@ class GenerateConfig:
         check_choice(self.weight_dequantize, "weight_dequantize", DEQUANTIZE_MODES)
         check_choice(self.activation_store, "activation_store", ("auto", "device", "host"))
         check_choice(self.device, "device", ("auto", "cuda", "cpu"))
-        check_choice(self.param_dtype, "param_dtype", ("auto", *DTYPES))
+        self.param_dtype = dtype_choice(self.param_dtype, "param_dtype", ("auto", *DTYPES))
         if self.max_gpu_memory_gib is not None:
             check(self.max_gpu_memory_gib > 0, "max_gpu_memory_gib", "must be > 0 (or null for no cap)")
         if self.host_memory_limit_gib is not None:
