@@ -6,6 +6,7 @@ The speedloader tests need ``fsdp_speedloader.engine.speedloader.apply_speedload
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -387,6 +388,19 @@ def test_cpu_run_prints_no_gpu_fields(tmp_path, caplog):
     assert "mfu 41.0%" in format_metrics(gpu_record, 1) and "gpu 3.00/4.00 GiB" in format_metrics(gpu_record, 1)
     assert "retries" not in format_metrics(gpu_record, 1)
     assert "gpu 3.00/4.00 GiB | 3 allocator retries" in format_metrics({**gpu_record, "gpu_alloc_retries": 3}, 1)
+
+
+def test_keep_activations_above_the_pairs_says_every_pair_is_kept(tmp_path, caplog):
+    caplog.set_level("WARNING")
+    cfg = tiny_config(tmp_path, steps=1, logger={"backend": "none"},
+                      schedule={"sub_batch_size": 1, "num_sub_batches": 2, "keep_activations": 9})
+    Trainer(cfg).train()
+    warned = [r.getMessage() for r in caplog.records if "keep_activations" in r.getMessage()]
+    assert warned == ["schedule.keep_activations=9 is more than the 4 (unit, sub-batch) pairs of this run (2 units x 2 "
+                      "sub-batches): every pair keeps its activations, none is recomputed"]
+    caplog.clear()
+    Trainer(dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, keep_activations=4))).train()
+    assert not [r for r in caplog.records if "keep_activations" in r.getMessage()]
 
 
 def test_a_record_without_console_figures_prints_no_bare_step_line(tmp_path, caplog):

@@ -327,6 +327,11 @@ class Trainer:
         if sched.blocks_per_unit > num_blocks:
             raise ValueError(f"schedule.blocks_per_unit={sched.blocks_per_unit}: the model has {num_blocks} blocks "
                              f"(layers); set at most {num_blocks} (one unit of every block)")
+        num_units = -(-num_blocks // sched.blocks_per_unit)
+        if sched.name == "speedloader" and sched.keep_activations > num_units * sched.num_sub_batches:
+            self._warning("schedule.keep_activations=%d is more than the %d (unit, sub-batch) pairs of this run (%d "
+                          "units x %d sub-batches): every pair keeps its activations, none is recomputed",
+                          sched.keep_activations, num_units * sched.num_sub_batches, num_units, sched.num_sub_batches)
         if cfg.data.document_mask and not self.adapter.takes_position_ids:
             raise ValueError(f"data.document_mask: per-document positions and attention are supported for "
                              f"{', '.join(position_ids_model_classes())} (RoPE, causal), not {type(model).__name__}; "
