@@ -643,12 +643,21 @@ def test_prompt_files_and_left_padding(tmp_path):
     with pytest.raises(ValueError, match="line 2 of .*gap.txt is empty"):  # skipping it would shift every output
         read_prompt_file(str(tmp_path / "gap.txt"))
     (tmp_path / "p.jsonl").write_text('{"q": "a"}\n{"text": "b"}\n')
-    with pytest.raises(ValueError, match=r"^prompts\.text_field: line 1 of .*p\.jsonl has no field 'text' \(found "
+    with pytest.raises(ValueError, match=r"^prompts\.text_field: line 1 of .*p\.jsonl: no field 'text' \(found "
                                          r"\['q'\]\); set prompts\.text_field to the field that holds the prompt$"):
         read_prompt_file(str(tmp_path / "p.jsonl"))
     (tmp_path / "list.jsonl").write_text('["a"]\n')
-    with pytest.raises(ValueError, match=r"line 1 .* has no field 'text' \(found an array\)"):
+    with pytest.raises(ValueError, match=r"line 1 .*: no field 'text' \(found an array\)"):
         read_prompt_file(str(tmp_path / "list.jsonl"))
+    # the words of training's text reader and the prepare tool: a number is not a prompt, bad bytes are one line
+    (tmp_path / "number.jsonl").write_text('{"text": 7}\n')
+    with pytest.raises(ValueError, match=r"^prompts\.text_field: line 1 of .*: field 'text' holds a number, not a "
+                                         r"string$"):
+        read_prompt_file(str(tmp_path / "number.jsonl"))
+    (tmp_path / "latin1.txt").write_bytes(b"ok\ncaf\xe9\n")
+    with pytest.raises(ValueError, match=r"^prompts\.path: line 2 of .*latin1\.txt: not UTF-8 \(unexpected "
+                                         r"end of data at byte 4 of the line\); re-encode the file as UTF-8$"):
+        read_prompt_file(str(tmp_path / "latin1.txt"))
     with pytest.raises(ValueError, match=f"^prompts.path: prompt file '{tmp_path / 'missing.txt'}' does not exist$"):
         read_prompt_file(str(tmp_path / "missing.txt"))
     (tmp_path / "p.csv").write_text("a\n")

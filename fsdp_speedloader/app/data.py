@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from fsdp_speedloader.app.config import DataConfig
+from fsdp_speedloader.app.jsonl import JsonLineError, json_line_text
 from fsdp_speedloader.app.mixture import MixtureLoader
 from fsdp_speedloader.app.permutation import KeyedPermutation
-from fsdp_speedloader.app.prepare_inputs import json_kind
 from fsdp_speedloader.app.token_shards import PREPARE_HINT, TOKEN_DTYPES, TokenDirectory, TokenStream, read_index, \
     token_dtype
 
@@ -179,18 +179,10 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except ValueError as e:  # bad JSON or bad UTF-8
-            raise ValueError(f"data.path: {str(path)!r} line {line_number} is not valid JSON ({e})") from None
-        if not isinstance(record, dict) or text_field not in record:
-            found = sorted(record) if isinstance(record, dict) else json_kind(record)
-            raise ValueError(f"data.text_field: {str(path)!r} line {line_number} has no field {text_field!r} "
-                             f"(found {found}); set data.text_field to the field that holds the text")
-        text = record[text_field]
-        if not isinstance(text, str):
-            raise ValueError(f"data.text_field: {str(path)!r} line {line_number}: field {text_field!r} "
-                             f"holds {json_kind(text)}, not a string")
-        yield text
+            yield json_line_text(line, text_field, field_hint="set data.text_field to the field that holds the text")
+        except JsonLineError as e:
+            key = "data.text_field" if e.about_field else "data.path"
+            raise ValueError(f"{key}: {str(path)!r} line {line_number}: {e}") from None
 
 
 def iter_token_chunks(documents: Iterable[str], tokenizer: Any) -> Iterator[np.ndarray]:

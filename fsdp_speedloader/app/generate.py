@@ -41,10 +41,10 @@ from fsdp_speedloader import parallel
 from fsdp_speedloader.app.config import LoggerConfig, OffloadConfig, default_tokenizer
 from fsdp_speedloader.app.data import build_tokenizer
 from fsdp_speedloader.app.export import checkpoint_path_overrides, open_checkpoint
+from fsdp_speedloader.app.jsonl import JsonLineError, json_line_text
 from fsdp_speedloader.app.launch import config_path, fail, launch, rank, resolved_config
 from fsdp_speedloader.app.launch import rank as launch_rank
 from fsdp_speedloader.app.logger import StepProgress, build_logger, check_wandb_credentials, progress_bar_enabled
-from fsdp_speedloader.app.prepare_inputs import json_kind
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype
 from fsdp_speedloader.engine.speedloader import apply_speedloader
 from fsdp_speedloader.generation.generate import generate
@@ -271,22 +271,22 @@ def read_prompt_file(path: str, text_field: str = "text") -> list[str]:
     if not p.is_file() or p.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"prompts.path: {path!r} is not a .txt or .jsonl file")
     prompts = []
-    for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(p.read_bytes().splitlines(), start=1):
         if not line.strip():
             raise ValueError(f"prompts.path: line {number} of {path} is empty; every line is one prompt and "
                              "output k answers line k: remove the empty line")
-        if p.suffix == ".txt":
-            prompts.append(line)
-            continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"prompts.path: line {number} of {path} is not valid JSON ({e})") from None
-        if not isinstance(record, dict) or text_field not in record:
-            found = sorted(record) if isinstance(record, dict) else json_kind(record)
-            raise ValueError(f"prompts.text_field: line {number} of {path} has no field {text_field!r} (found "
-                             f"{found}); set prompts.text_field to the field that holds the prompt")
-        prompts.append(str(record[text_field]))
+            if p.suffix == ".jsonl":
+                prompts.append(json_line_text(line, text_field, field_hint="set prompts.text_field to the field "
+                                                                          "that holds the prompt"))
+                continue
+            prompts.append(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompts.path: line {number} of {path}: not UTF-8 ({e.reason} at byte {e.start + 1} "
+                             "of the line); re-encode the file as UTF-8") from None
+        except JsonLineError as e:
+            key = "prompts.text_field" if e.about_field else "prompts.path"
+            raise ValueError(f"{key}: line {number} of {path}: {e}") from None
     if not prompts:
         raise ValueError(f"prompts.path: {path} holds no prompts")
     return prompts

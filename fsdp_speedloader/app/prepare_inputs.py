@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import glob
 import gzip
-import json
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from fsdp_speedloader.app.jsonl import JsonLineError, json_line_text
+
 SUFFIXES = (".jsonl.gz", ".jsonl", ".parquet", ".txt")
 _TXT_PIECE_BYTES = 1 << 20  # a .txt file is read and tokenized in pieces of about this size, cut at line ends
-
-
-def json_kind(value: object) -> str:
-    """What a parsed JSON value is, as an error names it: 'a number', 'an array', 'null' ..."""
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 class InputError(ValueError):
@@ -133,23 +128,10 @@ class Reader:
 
     def _json_text(self, raw: bytes, number: int) -> str:
         try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise self._error(f"line {number}", f"not UTF-8 ({e.reason} at byte {e.start + 1} of the line); "
-                                                "re-encode the file as UTF-8") from None
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise self._error(f"line {number}", f"not valid JSON ({e})") from None
-        if not isinstance(record, dict) or self.text_field not in record:
-            found = sorted(record) if isinstance(record, dict) else json_kind(record)
-            raise self._error(f"line {number}", f"no field {self.text_field!r} (found {found}); "
-                                                "pass --text-field with the field that holds the text")
-        text = record[self.text_field]
-        if not isinstance(text, str):
-            raise self._error(f"line {number}", f"field {self.text_field!r} holds {json_kind(text)}, "
-                                                "not a string")
-        return text
+            return json_line_text(raw, self.text_field, field_hint="pass --text-field with the field that holds the "
+                                                                    "text")
+        except JsonLineError as e:
+            raise self._error(f"line {number}", str(e)) from None
 
     def _parquet(self, skip: int) -> Iterator[Unit]:
         import pyarrow as pa
