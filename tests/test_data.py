@@ -20,6 +20,8 @@ from fsdp_speedloader.app.data import (
     TokenLoader,
     build_loader,
     build_tokenizer,
+    check_held_out,
+    check_prepared_with,
     load_tokens,
     read_default_corpus,
     validate_data,
@@ -96,6 +98,36 @@ def test_local_hugging_face_tokenizer(tmp_path):
         validate_data(cfg, vocab_size=len(vocab) - 1)
 
 
+def test_token_data_is_read_with_the_tokenizer_that_prepared_it(tmp_path):
+    """data=tokens: data.tokenizer=null is the tokenizer that prepared the data (a checkpoint carries it, and
+    generation and export read the model's ids with it); another tokenizer, for the data, a mixture's dataset or
+    the held-out set, is refused by name (it trained without a word, and exports carried 'bytes')."""
+    from fsdp_speedloader.app.config import TrainConfig
+    from fsdp_speedloader.app.prepare import run as prepare
+
+    vocab = _write_tiny_hf_tokenizer(tmp_path / "tok")
+    (tmp_path / "docs.txt").write_text("hello world the cat sat " * 40)
+    prepare([str(tmp_path / "docs.txt")], tmp_path / "hf", tokenizer_name=str(tmp_path / "tok"), progress_bar=False)
+    prepare([str(tmp_path / "docs.txt")], tmp_path / "by", tokenizer_name="bytes", progress_bar=False)
+    data = {"source": "tokens", "path": str(tmp_path / "hf"), "tokenizer": None, "seq_len": 4}
+    cfg = TrainConfig.from_dict({"model": {"name": "llama_tiny"}, "data": data})
+    assert cfg.data.tokenizer == str(tmp_path / "tok")  # not 'bytes'
+    check_prepared_with(cfg.data)
+    refused = r"^data\.tokenizer: '.*{}' was prepared with '.*{}' \({} tokens, EOS {}\), but this run's tokenizer '{}' "
+    with pytest.raises(ValueError, match=refused.format("hf", "tok", len(vocab), vocab["<eos>"], "bytes")):
+        check_prepared_with(DataConfig(**{**data, "tokenizer": "bytes"}))
+    mixture = [{"path": str(tmp_path / "hf"), "weight": 1}, {"path": str(tmp_path / "by"), "weight": 1}]
+    cfg = TrainConfig.from_dict({"model": {"name": "llama_tiny"}, "data": {**data, "path": None, "mixture": mixture}})
+    with pytest.raises(ValueError, match=refused.format("by", "bytes", 257, 256, ".*tok")):  # not one tokenizer
+        check_prepared_with(cfg.data)
+    cfg = DataConfig(**{**data, "tokenizer": str(tmp_path / "tok"), "val_path": str(tmp_path / "by")})
+    with pytest.raises(ValueError, match=refused.format("by", "bytes", 257, 256, ".*tok")):
+        check_prepared_with(cfg)
+    with pytest.raises(ValueError, match=r"^data\.val_path: token file '.*nothing' does not exist"):  # not data.path
+        check_held_out(DataConfig(**{**data, "val_path": str(tmp_path / "nothing")}), vocab_size=320,
+                       global_batch_size=1)
+
+
 def test_text_txt_jsonl_and_directory(tmp_path):
     txt = "First paragraph, ünïcode.\n\nSecond paragraph after a blank line.\n"
     (tmp_path / "b.txt").write_text(txt, encoding="utf-8")
@@ -153,7 +185,7 @@ def test_packing_shapes_and_one_epoch_visits_every_sequence_once():
     assert sorted(seen) == list(range(num_sequences))
     assert seen != list(range(num_sequences))  # shuffled
     assert loader.state_dict() == {"epoch": 1, "position": 0, "num_sequences": num_sequences,
-                                   "order": "permutation"}
+                                   "order": "permutation", "seed": 0}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -195,6 +227,10 @@ def test_resume_gives_the_uninterrupted_batches(k):
     other_corpus = TokenLoader(tokens, **{**kwargs, "seq_len": 8})
     with pytest.raises(ValueError, match="data.seq_len"):
         other_corpus.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"^data\.seed: the checkpoint's loader drew its order with data\.seed=7, "
+                                         r"this run has 8; resume with data\.seed=7"):  # the epoch's order differs
+        TokenLoader(tokens, **{**kwargs, "seed": 8}).load_state_dict(state)
+    TokenLoader(tokens, **{**kwargs, "seed": 8}).load_state_dict({k: v for k, v in state.items() if k != "seed"})
 
 
 def test_epoch_wrap_reshuffles():

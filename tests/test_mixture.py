@@ -118,6 +118,8 @@ def test_resume_refuses_another_mixture():
         _mixture(weights=(0.5, 0.4, 0.1), batch_size=2).load_state_dict(state)
     with pytest.raises(ValueError, match=r"mixes 3 datasets, this run 2"):
         _mixture(sizes=(50, 13), weights=(1, 1), batch_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"^data\.seed: .*data\.seed=0, this run has 3"):
+        _mixture(batch_size=2, seed=3).load_state_dict(state)
 
 
 # ----- data.mixture from a config: token directories and .bin files
@@ -131,14 +133,14 @@ def _token_dir(path: Path, tokens: np.ndarray, *, vocab_size: int = 257, shards:
         np.save(path / f"{i:06d}-00000.docs.npy", np.array([0], dtype=np.int64))
         entries.append({"file": f"{i:06d}-00000.bin", "num_tokens": len(part), "num_documents": 1,
                         "document_starts": f"{i:06d}-00000.docs.npy", "source": "test"})
-    write_index(path, tokenizer="test", vocab_size=vocab_size, eos_token_id=0, dtype="uint16", shards=entries)
+    write_index(path, tokenizer="bytes", vocab_size=vocab_size, eos_token_id=vocab_size - 1, dtype="uint16", shards=entries)
     return str(path)
 
 
 def _bin(path: Path, tokens: np.ndarray) -> str:
     tokens.astype("<u2").tofile(path)
     Path(f"{path}.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 257, "num_tokens": len(tokens),
-                                                "tokenizer": "test"}))
+                                                "tokenizer": "bytes"}))
     return str(path)
 
 
@@ -157,7 +159,7 @@ def test_config_mixture_of_a_directory_and_a_bin_file(tmp_path):
     big_vocab = _token_dir(tmp_path / "big", np.zeros(100, dtype=int), vocab_size=300)
     cases = [
         (dict(mixture=[{"path": web, "weight": 1}, {"path": big_vocab, "weight": 1}]),
-         r"data\.mixture: .*big' was tokenized with 'test' \(vocab_size=300\)"),
+         r"data\.mixture: .*big' was tokenized with 'bytes' \(vocab_size=300\)"),
         (dict(mixture=[{"path": web, "weight": 1}, {"path": str(tmp_path / "nowhere"), "weight": 1}]),
          r"^data\.mixture\[1\]\.path: .*nowhere.* does not exist"),  # the entry, not data.path
         (dict(mixture=[{"path": str(tmp_path), "weight": 1}, {"path": web, "weight": 1}]),
@@ -257,7 +259,7 @@ def test_token_directories_give_a_held_out_set_and_progress(tmp_path):
                    for row in held_out.reshape(4, SEQ_LEN))
     assert np.array_equal(load_val_tokens(DataConfig(source="tokens", path=web, seq_len=SEQ_LEN, val_path=web)),
                           tokens)
-    assert eos_token_id(cfg) == 0  # the index's, not the byte tokenizer's 256
+    assert eos_token_id(cfg) == 256  # the index's, which validate_data checks is the run tokenizer's
 
     mix = DataConfig(source="tokens", seq_len=SEQ_LEN, val_path=web,
                      mixture=[{"path": web, "weight": 1}, {"path": _bin(tmp_path / "c.bin", tokens), "weight": 1}])

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from fsdp_speedloader.app.token_shards import prepared_tokenizer
 from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 from fsdp_speedloader.models.config import ModelConfig
 from fsdp_speedloader.validation import check, check_choice, check_positive, dataclass_from_dict, dtype_choice
@@ -40,7 +41,8 @@ class DataConfig:
     """File or directory for 'text'; a token directory or .bin file for 'tokens' (or data.mixture instead)."""
     tokenizer: Optional[str] = "bytes"
     """'bytes' (built in, vocab 257), a local Hugging Face tokenizer directory, or null (the data groups' default):
-    ``model.path``'s own tokenizer where that checkpoint directory holds one, else 'bytes'."""
+    token data's own (the tokenizer that prepared it, where it loads here), else ``model.path``'s own tokenizer
+    where that checkpoint directory holds one, else 'bytes'. Token data prepared with another is refused."""
     text_field: str = "text"
     """Field holding the document text in .jsonl files."""
     seq_len: int = 256
@@ -85,6 +87,13 @@ class DataConfig:
             key = "data.val_fraction" if self.val_fraction else "data.val_path"
             check(not (self.val_path or self.val_fraction), key, "synthetic tokens have no held-out set; set "
                   "data.val_path=null and data.val_fraction=0, or use another data.source")
+
+    def prepared_tokenizer(self) -> Optional[str]:
+        """Token data: the tokenizer that prepared it (its first dataset's), where it loads here; else None."""
+        if self.source != "tokens":
+            return None
+        first = self.mixture[0].get("path") if self.mixture and isinstance(self.mixture[0], dict) else self.path
+        return prepared_tokenizer(first) if first else None
 
     @property
     def has_validation(self) -> bool:
@@ -475,8 +484,8 @@ class TrainConfig:
     """Run directory (the Hydra entry point sets it; all ranks agree on it)."""
 
     def __post_init__(self) -> None:
-        if self.data.tokenizer is None:  # a pretrained checkpoint's text is read with its own tokenizer
-            self.data.tokenizer = default_tokenizer(self.model.path)
+        if self.data.tokenizer is None:  # token data: the tokenizer that prepared it; text: the checkpoint's own
+            self.data.tokenizer = self.data.prepared_tokenizer() or default_tokenizer(self.model.path)
         check_positive(self.steps, "steps")
         check_choice(self.device, "device", ("auto", "cuda", "cpu"))
         self.param_dtype = dtype_choice(self.param_dtype, "param_dtype", _DTYPES)

@@ -40,7 +40,7 @@ import torch
 from fsdp_speedloader.app.config import DataConfig
 from fsdp_speedloader.app.jsonl import JsonLineError, json_line_text
 from fsdp_speedloader.app.mixture import MixtureLoader
-from fsdp_speedloader.app.permutation import KeyedPermutation
+from fsdp_speedloader.app.permutation import KeyedPermutation, check_same_seed
 from fsdp_speedloader.app.token_shards import PREPARE_HINT, TOKEN_DTYPES, TokenDirectory, TokenStream, read_index, \
     token_dtype
 
@@ -340,7 +340,11 @@ def check_held_out(cfg: DataConfig, *, vocab_size: int, global_batch_size: int) 
     if not cfg.has_validation:
         return
     if cfg.val_path:
-        validate_data(_as_val_source(cfg), vocab_size=vocab_size)
+        try:
+            validate_data(_as_val_source(cfg), vocab_size=vocab_size)
+        except ValueError as e:  # the held-out set is read as data.path is: say which setting named it
+            raise ValueError("data.val_path" + str(e)[len("data.path"):] if str(e).startswith("data.path:")
+                             else str(e)) from None
         key, fix = "data.val_path", "use a larger held-out set or lower data.seq_len"
     else:
         key, fix = "data.val_fraction", "raise data.val_fraction or use data.val_path"
@@ -386,6 +390,29 @@ def apply_document_mask(batch: dict[str, torch.Tensor], eos_token_id: int) -> di
     would read the document before): the loss is the sum of each document's own loss, as if run alone."""
     position_ids = document_position_ids(batch["input_ids"], eos_token_id)
     return {**batch, "position_ids": position_ids, "labels": batch["labels"].masked_fill(position_ids == 0, -100)}
+
+
+def check_prepared_with(cfg: DataConfig) -> None:
+    """Token data (each dataset of a mixture, and ``data.val_path``): ValueError unless ``data.tokenizer`` is the
+    tokenizer that prepared it (the same number of tokens and EOS id). A training run checks this after
+    :func:`validate_data`: its checkpoints carry ``data.tokenizer``, and generation and export read the model's ids
+    with it. A loader alone (``build_loader``) reads ids whatever made them."""
+    if cfg.source != "tokens":
+        return
+    paths = [entry["path"] for entry in cfg.mixture] if cfg.mixture else [cfg.path]
+    paths += [cfg.val_path] if cfg.val_path else []
+    metas = [token_source_meta(path) for path in paths]
+    tok = build_tokenizer(cfg.tokenizer)
+    ours = (len(tok), int(tok.eos_token_id))
+    tokenizer = cfg.tokenizer
+    for path, meta in zip(paths, metas):
+        theirs = (meta["vocab_size"], meta.get("eos_token_id", ours[1]))  # an old .bin sidecar records no EOS
+        if theirs != ours:
+            raise ValueError(
+                f"data.tokenizer: {path!r} was prepared with {meta.get('tokenizer')!r} ({theirs[0]} tokens, EOS "
+                f"{theirs[1]}), but this run's tokenizer {tokenizer!r} has {ours[0]} tokens, EOS {ours[1]}; a "
+                "checkpoint carries the run's tokenizer, so set data.tokenizer to the one that prepared the data "
+                "(data.tokenizer=null takes it from the data where it can be loaded here)")
 
 
 def _named_meta(key: str, path: PathLike) -> dict:
@@ -512,7 +539,7 @@ class TokenLoader:
 
     def state_dict(self) -> dict:
         return {"epoch": int(self.epoch), "position": int(self.position), "num_sequences": int(self.num_sequences),
-                "order": self.order}
+                "order": self.order, "seed": int(self.seed)}
 
     def load_state_dict(self, state: dict) -> None:
         if "mixture" in state:
@@ -527,6 +554,7 @@ class TokenLoader:
                              "and data.seq_len")
         if not 0 <= int(state["position"]) < self.num_sequences:
             raise ValueError(f"data: loader state position={state['position']} is out of range")
+        check_same_seed(state, self.seed)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.order = state.get("order", "permutation")
         self._order = self._epoch_order(self.epoch)

@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from fsdp_speedloader.app.permutation import KeyedPermutation
+from fsdp_speedloader.app.permutation import KeyedPermutation, check_same_seed
 
 
 class MixtureLoader:
@@ -98,7 +98,8 @@ class MixtureLoader:
 
     def state_dict(self) -> dict:
         return {"mixture": [{"path": name, "weight": w, "num_sequences": int(n), "consumed": int(c)}
-                            for name, w, n, c in zip(self.names, self.weights, self.num_sequences, self.consumed)]}
+                            for name, w, n, c in zip(self.names, self.weights, self.num_sequences, self.consumed)],
+                "seed": int(self.seed)}
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("mixture")
@@ -117,4 +118,5 @@ class MixtureLoader:
             if not math.isclose(float(entry["weight"]), w, rel_tol=1e-9):
                 raise ValueError(f"data.mixture[{i}]: the checkpoint's weight share is {entry['weight']:.6g}, this "
                                  f"run's {w:.6g}; resume with the same data.mixture weights")
+        check_same_seed(state, self.seed)
         self.consumed = [int(entry["consumed"]) for entry in saved]

@@ -56,3 +56,12 @@ class KeyedPermutation:
             y[outside] = self._encrypt(y[outside])
             outside = y >= np.uint64(self.n)
         return y.astype(np.int64)
+
+
+def check_same_seed(state: dict, seed: int) -> None:
+    """A loader resumes in the order its data.seed drew: with another seed the rest of the epoch would repeat some
+    sequences and skip others. (A checkpoint from before the seed was saved is not checked.)"""
+    if "seed" in state and int(state["seed"]) != seed:
+        raise ValueError(f"data.seed: the checkpoint's loader drew its order with data.seed={state['seed']}, this run "
+                         f"has {seed}; resume with data.seed={state['seed']} (another seed would repeat some "
+                         "sequences of the epoch and skip others)")

@@ -24,7 +24,7 @@ import collections
 import json
 import os
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 
@@ -43,6 +43,17 @@ PathLike = Union[str, os.PathLike]
 def token_dtype(vocab_size: int) -> np.dtype:
     """Smallest on-disk dtype that holds every id of a vocabulary."""
     return TOKEN_DTYPES["uint16"] if vocab_size <= 2**16 else TOKEN_DTYPES["uint32"]
+
+
+def prepared_tokenizer(path: PathLike) -> Optional[str]:
+    """The tokenizer a token directory (its index) or a .bin file (its sidecar) was prepared with, where it loads
+    here: 'bytes', or its directory as prepare was given it; else None (a bad index is refused later, by name)."""
+    p = Path(path)
+    try:
+        name = json.loads((p / INDEX_FILE if p.is_dir() else Path(f"{p}.json")).read_text()).get("tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and (name == "bytes" or Path(name).is_dir()) else None
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
