@@ -69,6 +69,20 @@ def test_sweep_runs_every_point_records_the_failed_one_and_summarises(tmp_path):
         assert not png.exists() and "pip install matplotlib" in proc.stderr
 
 
+def test_a_sweep_over_any_key_runs(tmp_path):
+    # A point's label names the other keys as key=value (lr=0.002): quoted in logger.name, not an override's '='.
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "fsdp_speedloader.app.sweep", *TINY_OVERRIDES, "steps=1", "optim.lr=1e-3,2e-3",
+           f"hydra.sweep.dir={sweep_dir}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, tail(proc.stdout + proc.stderr)
+    points = json.loads((sweep_dir / "summary.json").read_text())["points"]
+    assert [p["status"] for p in points] == ["ok", "ok"], points
+    names = [yaml.safe_load((sweep_dir / str(p["index"]) / ".hydra" / "config.yaml").read_text())["logger"]["name"]
+             for p in points]
+    assert [n.rsplit("-", 1)[-1] for n in names] == ["lr=0.001", "lr=0.002"], names  # <group>-<label>
+
+
 # --- the pieces, without processes ---------------------------------------------------------------
 
 
@@ -96,7 +110,7 @@ def test_each_point_is_one_run_launched_by_python_or_torchrun(tmp_path):
                         group="g", name="g-n2-N4")
     assert one == ["py", "-m", "fsdp_speedloader.app.train", "sweep=sub_batches", "schedule.sub_batch_size=2",
                    "schedule.num_sub_batches=4", f"hydra.run.dir={tmp_path / '0'}", "hydra.mode=RUN", "logger.group=g",
-                   "logger.name=g-n2-N4"]
+                   'logger.name="g-n2-N4"']
     four = launcher_prefix(4, python="py")
     assert four == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
                     "fsdp_speedloader.app.train"]
@@ -113,7 +127,7 @@ def test_dry_run_prints_every_point(tmp_path, monkeypatch, capsys):
     assert len(commands) == 3 * 3 * 2
     assert all("--nproc-per-node 4" in c and "logger.group=sweep_sub_batches" in c for c in commands)
     assert commands[-1].endswith(f"hydra.run.dir={tmp_path}/17 hydra.mode=RUN logger.group=sweep_sub_batches "
-                                 "logger.name=sweep_sub_batches-n4-N8-bpu2")
+                                 "'logger.name=\"sweep_sub_batches-n4-N8-bpu2\"'")
     assert not any(tmp_path.iterdir())  # nothing ran
 
 

@@ -113,9 +113,14 @@ def point_command(prefix: Sequence[str], fixed: Sequence[str], point: dict[str, 
                   group: str, name: Optional[str]) -> list[str]:
     """The full command line of one point (a single run: ``hydra.mode=RUN`` beats a sweep file's MULTIRUN)."""
     extra = [f"hydra.run.dir={run_dir}", "hydra.mode=RUN", f"logger.group={group}"]
-    if name is not None:
-        extra.append(f"logger.name={name}")
+    if name is not None:  # quoted: a point's label holds '=' (model=opt_tiny), which Hydra reads as an override's
+        extra.append(f"logger.name={hydra_quoted(name)}")
     return [*prefix, *fixed, *(f"{k}={v}" for k, v in point.items()), *extra]
+
+
+def hydra_quoted(value: str) -> str:
+    """``value`` as a quoted string of Hydra's override grammar (its quotes escaped)."""
+    return '"' + value.replace('"', '\\"') + '"'
 
 
 def run_point(command: Sequence[str], run_dir: Path, *, timeout_s: Optional[float], env: Optional[dict] = None) -> dict:
@@ -143,7 +148,8 @@ def run_point(command: Sequence[str], run_dir: Path, *, timeout_s: Optional[floa
     status = classify(returncode, output, timed_out=timed_out)
     error = None
     if status != "ok":
-        lines = [line for line in output.splitlines() if line.strip()]
+        # Hydra's closing advice (HYDRA_FULL_ERROR) is not the reason
+        lines = [line for line in output.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
         errors = [line for line in lines if line.startswith("error:") or "Error" in line]
         error = (errors or lines or [""])[-1][-500:]
     return {"returncode": returncode, "status": status, "error": error, "wall_s": time.monotonic() - start,
