@@ -390,6 +390,17 @@ def test_cpu_run_prints_no_gpu_fields(tmp_path, caplog):
     assert "gpu 3.00/4.00 GiB | 3 allocator retries" in format_metrics({**gpu_record, "gpu_alloc_retries": 3}, 1)
 
 
+def test_a_sequence_longer_than_model_paths_positions_is_refused_at_setup(tmp_path):
+    # model.path's positions are in its config.json, read at setup: the engine's error came at step 1, a traceback
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 vocab_size=320, max_position_embeddings=16)).save_pretrained(tmp_path / "hf")
+    cfg = tiny_config(tmp_path / "run", steps=1, logger={"backend": "none"}, model={"path": str(tmp_path / "hf")})
+    with pytest.raises(ValueError, match=r"^data\.seq_len: 32 exceeds the 16 positions of model\.path="):
+        Trainer(cfg)
+
+
 def test_keep_activations_above_the_pairs_says_every_pair_is_kept(tmp_path, caplog):
     caplog.set_level("WARNING")
     cfg = tiny_config(tmp_path, steps=1, logger={"backend": "none"},

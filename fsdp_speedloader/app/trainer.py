@@ -254,7 +254,12 @@ class Trainer:
             log.info("setting up: model %s, tokenizer %s, schedule %s, %d steps, run directory %s",
                      cfg.model.path or cfg.model.name, cfg.data.tokenizer, sched.name, cfg.steps, cfg.output_dir)
         device_type = resolve_device_type(cfg.device)
-        vocab_size = build_hf_config(cfg.model).vocab_size
+        hf_config = build_hf_config(cfg.model)
+        vocab_size = hf_config.vocab_size
+        positions = getattr(hf_config, "max_position_embeddings", None)  # model.path's: its config.json holds them
+        if cfg.model.path and positions is not None and cfg.data.seq_len > positions:
+            raise ValueError(f"data.seq_len: {cfg.data.seq_len} exceeds the {positions} positions of model.path="
+                             f"{cfg.model.path!r} (max_position_embeddings in its config.json); lower data.seq_len")
         validate_data(cfg.data, vocab_size=vocab_size)
         host_memory_limit_from_env()  # a malformed FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB fails here, not at step 1
         checkpoint_dir = Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
