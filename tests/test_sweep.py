@@ -81,6 +81,8 @@ def test_a_sweep_over_any_key_runs(tmp_path):
     names = [yaml.safe_load((sweep_dir / str(p["index"]) / ".hydra" / "config.yaml").read_text())["logger"]["name"]
              for p in points]
     assert [n.rsplit("-", 1)[-1] for n in names] == ["lr=0.001", "lr=0.002"], names  # <group>-<label>
+    again = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "hydra.sweep.dir: " in again.stderr and "holds an earlier sweep" in again.stderr
 
 
 # --- the pieces, without processes ---------------------------------------------------------------

@@ -401,6 +401,14 @@ def test_a_sequence_longer_than_model_paths_positions_is_refused_at_setup(tmp_pa
         Trainer(cfg)
 
 
+def test_a_fresh_run_in_a_used_directory_moves_the_earlier_metrics_aside(tmp_path):
+    # appended, a second run's steps 1, 2 followed the first's 1, 2, 3 (a sweep's summary then took the wrong loss)
+    Trainer(tiny_config(tmp_path, steps=3, logger={"backend": "none"})).train()
+    Trainer(tiny_config(tmp_path, steps=2, logger={"backend": "none"})).train()
+    steps = lambda name: [json.loads(line)["step"] for line in (tmp_path / name).read_text().splitlines()]  # noqa: E731
+    assert steps("metrics.jsonl") == [1, 2] and steps("metrics.1.jsonl") == [1, 2, 3]
+
+
 def test_keep_activations_above_the_pairs_says_every_pair_is_kept(tmp_path, caplog):
     caplog.set_level("WARNING")
     cfg = tiny_config(tmp_path, steps=1, logger={"backend": "none"},
@@ -410,7 +418,8 @@ def test_keep_activations_above_the_pairs_says_every_pair_is_kept(tmp_path, capl
     assert warned == ["schedule.keep_activations=9 is more than the 4 (unit, sub-batch) pairs of this run (2 units x 2 "
                       "sub-batches): every pair keeps its activations, none is recomputed"]
     caplog.clear()
-    Trainer(dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, keep_activations=4))).train()
+    Trainer(dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, keep_activations=4),
+                                output_dir=str(tmp_path / "4"))).train()
     assert not [r for r in caplog.records if "keep_activations" in r.getMessage()]
 
 

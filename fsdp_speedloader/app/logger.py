@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import math
@@ -80,10 +81,17 @@ class Rank0Logger(MetricLogger):
     MFU (:data:`PEAK_RELATIVE_METRICS`) out of the console line and the W&B run (``metrics.jsonl`` keeps every
     figure)."""
 
-    def __init__(self, output_dir: str | os.PathLike, wandb_run: Any = None, *, show_mfu: bool = True) -> None:
+    def __init__(self, output_dir: str | os.PathLike, wandb_run: Any = None, *, show_mfu: bool = True,
+                 fresh: bool = False) -> None:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(output_dir) / METRICS_FILE
-        self._file = open(self.path, "a", buffering=1)  # line-buffered: readable while the run goes on
+        if fresh and self.path.is_file() and self.path.stat().st_size:  # an earlier run's records: kept, apart
+            earlier = next(p for k in itertools.count(1) if not (p := self.path.with_suffix(f".{k}.jsonl")).exists())
+            self.path.rename(earlier)
+            log.warning("%s held an earlier run's records (this directory was used before); moved to %s, so that "
+                        "this run's steps are not mixed with them", self.path, earlier.name)
+        # appended to on resume; line-buffered: readable while the run goes on
+        self._file = open(self.path, "a", buffering=1)
         self.wandb_run = wandb_run
         self.show_mfu = show_mfu
 
@@ -193,14 +201,16 @@ def resolve_wandb_mode(mode: str) -> tuple[str, str]:
 
 
 def build_logger(cfg: LoggerConfig, run_config: dict, output_dir: str | os.PathLike,
-                 rank: int, *, show_mfu: bool = True, wandb_run_id: Optional[str] = None) -> MetricLogger:
+                 rank: int, *, show_mfu: bool = True, wandb_run_id: Optional[str] = None,
+                 fresh: bool = False) -> MetricLogger:
     """The metric logger of this rank: rank 0 logs, every other rank gets a no-op logger.
 
     ``run_config`` (the full resolved config) goes to ``wandb.init(config=...)``. ``show_mfu``: MFU in the
     console line and the W&B run (False on a CPU, whose MFU against an accelerator's peak means nothing;
     ``metrics.jsonl`` keeps it). ``wandb_run_id``: the W&B run to log on into (a resumed job's, from its checkpoint:
     ``wandb.init(id=..., resume="allow")``); None starts a new run. W&B prints its start lines but not its run
-    summary (``quiet``): the console's own lines already show the figures.
+    summary (``quiet``): the console's own lines already show the figures. ``fresh``: a run that starts at step 0
+    (not resumed) moves an earlier run's ``metrics.jsonl`` in the same directory aside instead of appending to it.
     """
     if rank != 0:
         return MetricLogger()
@@ -227,7 +237,7 @@ def build_logger(cfg: LoggerConfig, run_config: dict, output_dir: str | os.PathL
         sync = f"; `wandb sync {Path(wandb_run.dir).parent}` uploads it" if mode == "offline" else ""
         log.info("W&B run %s (id %s%s, mode %s: %s%s) in %s", wandb_run.name, wandb_run.id,
                  ", resumed" if wandb_run_id else "", mode, why, sync, output_dir)
-    return Rank0Logger(output_dir, wandb_run, show_mfu=show_mfu)
+    return Rank0Logger(output_dir, wandb_run, show_mfu=show_mfu, fresh=fresh)
 
 
 # ---------------------------------------------------------------------------------------------

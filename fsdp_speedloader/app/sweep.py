@@ -226,6 +226,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stamp = os.environ.get("FSDP_SPEEDLOADER_RUN_STAMP") or datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
     os.environ["FSDP_SPEEDLOADER_RUN_STAMP"] = stamp  # the default hydra.sweep.dir reads it
     sweep_dir = Path(str(cfg.hydra.sweep.dir)).absolute()
+    if not args.dry_run and (sweep_dir / "summary.json").exists():  # its points' runs would mix with this sweep's
+        fail(ValueError(f"hydra.sweep.dir: {sweep_dir} holds an earlier sweep (summary.json); choose another "
+                        "hydra.sweep.dir (the default is a new dated directory), or move that one away"))
     group = cfg.logger.group or f"sweep-{stamp.replace('/', '-')}"
     user_named = any(o.split("=", 1)[0].lstrip("+~") == "logger.name" for o in fixed)
     prefix = launcher_prefix(args.nproc_per_node, shlex.split(args.torchrun_args))

@@ -399,7 +399,7 @@ class Trainer:
         self.logger = logger if logger is not None else build_logger(
             cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg), cfg.output_dir, self.rank,
             show_mfu=self.device.type != "cpu",  # peak_tflops is an accelerator's: no MFU on a CPU
-            wandb_run_id=saved_wandb_run_id)  # a resumed job logs on into its W&B run
+            wandb_run_id=saved_wandb_run_id, fresh=resume_path is None)  # a resumed job logs on into its W&B run
         self.checkpointer.wandb_run_id = getattr(self.logger, "wandb_run_id", None)
         if self.tune_plan is not None:
             self.logger.log(self.tune_plan.as_metrics(), step=self.step)
