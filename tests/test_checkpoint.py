@@ -8,6 +8,8 @@ state must be restored too. World size 1 in-process, world size 2 in spawned glo
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import shutil
 from pathlib import Path
@@ -52,6 +54,17 @@ def _check_resume(uninterrupted: list[dict], resumed: list[dict]) -> None:
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_resume_equals_uninterrupted(tmp_path, schedule):
     _check_resume(*_resume_runs(tmp_path, schedule))
+
+
+def test_tokens_count_on_from_the_checkpoint_after_a_resume_with_another_batch(tmp_path):
+    # step x this run's tokens per step counted the steps before the resume at the new batch size
+    Trainer(_config(tmp_path / "b", tmp_path / "ckpt", "speedloader")).train(max_steps=3)
+    cfg = _config(tmp_path / "c", tmp_path / "ckpt", "speedloader", resume="auto")
+    sched = cfg.schedule
+    per_step_before = sched.batch_size * cfg.data.seq_len
+    bigger = dataclasses.replace(cfg, schedule=dataclasses.replace(sched, num_sub_batches=2 * sched.num_sub_batches))
+    resumed = Trainer(bigger).train()
+    assert [m["tokens"] for m in resumed] == [3 * per_step_before + k * 2 * per_step_before for k in (1, 2, 3)]
 
 
 def _resume_runs_2_ranks(rank: int, world_size: int, root: str) -> dict:

@@ -354,6 +354,7 @@ class Checkpointer:
         self.device = torch.device(device)
         self.model_config = model_config  # written into every step with the model's own config.json
         self.tokenizer = tokenizer  # 'bytes' or the run's Hugging Face tokenizer directory (copied into every step)
+        self.loaded_tokens: Optional[int] = None  # the tokens a loaded checkpoint had trained on (None: not saved)
         # Read now, at setup: a tokenizer directory that goes away during the run cannot fail a save.
         self._hf_tokenizer = build_tokenizer(tokenizer) if rank == 0 and tokenizer != "bytes" else None
 
@@ -366,9 +367,11 @@ class Checkpointer:
         """Whether ``checkpoint.every_minutes`` have passed (the caller agrees across ranks: clocks differ)."""
         return bool(self.cfg.every_minutes) and seconds_since_save >= 60.0 * self.cfg.every_minutes
 
-    def save(self, step: int, *, model: nn.Module, optimizer: Stateful, scheduler: Stateful, loader: Stateful) -> Path:
+    def save(self, step: int, *, model: nn.Module, optimizer: Stateful, scheduler: Stateful, loader: Stateful,
+             tokens: Optional[int] = None) -> Path:
         """Writes ``step_NNNNNNNN/`` (all ranks call this); returns its path. Asynchronously (``cfg.async_save``) the
-        directory is complete only later (:meth:`poll`, :meth:`wait`); until then it is ``step_NNNNNNNN.tmp/``."""
+        directory is complete only later (:meth:`poll`, :meth:`wait`); until then it is ``step_NNNNNNNN.tmp/``.
+        ``tokens``: trained on so far (:attr:`loaded_tokens` after a load)."""
         self.wait()  # the save in flight first: one at a time, each complete before the next starts
         final = self.dir / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -386,7 +389,7 @@ class Checkpointer:
                             "checkpoint.dir")
         # The small files first: once DCP's files are written (an asynchronous save's coordinator knows it), so are
         # every rank's.
-        extra = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+        extra = {"step": step, "tokens": tokens, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                  "rng": rng_state(self.device), "wandb_run_id": self.wandb_run_id if self.rank == 0 else None}
         save_extra(extra, tmp / EXTRA_FILE.format(rank=self.rank))
         if self.rank == 0:
@@ -495,4 +498,5 @@ class Checkpointer:
             set_rng_state(extra["rng"], self.device)
         elif self.rank == 0:
             log.warning("checkpoint %s was saved on another world size: RNG states are not restored", path)
+        self.loaded_tokens = extra.get("tokens")
         return int(extra["step"])

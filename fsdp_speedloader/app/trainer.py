@@ -382,9 +382,13 @@ class Trainer:
                                          lock=self._checkpoint_lock,
                                          pin_staging=self.device.type == "cuda" and not cfg.offload.params)
         self.step = 0
+        self.tokens_per_step = self.world_size * sched.batch_size * cfg.data.seq_len
+        self.tokens = 0  # trained on so far: a resume with another batch size goes on from the checkpoint's count
         if resume_path is not None:
             self.step = self.checkpointer.load(resume_path, model=model, optimizer=self.optimizer,
                                                scheduler=self.scheduler, loader=self.loader)
+            saved = self.checkpointer.loaded_tokens  # None: a checkpoint from before the count was saved
+            self.tokens = saved if saved is not None else self.step * self.tokens_per_step
             self._info("resumed from %s at step %d", resume_path, self.step)
             if (engine := speedloader_engine(model, missing_ok=True)) is not None:
                 engine.refresh_param_transfer(force=True)  # loaded in place: recast whatever the checks missed
@@ -494,6 +498,7 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.tokens += self.tokens_per_step
 
         if self.world_size > 1:  # gloo has no AVG: sum, then divide
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)
@@ -502,7 +507,7 @@ class Trainer:
         metrics = self.metrics.end_step(loss=loss.item(), lr=float(lr),
                                         grad_norm=grad_norm.item() if grad_norm is not None else None,
                                         step_skipped=skipped, num_skipped_steps=self.optimizer.num_skipped_steps)
-        metrics["tokens"] = self.step * self.world_size * self.cfg.schedule.batch_size * self.cfg.data.seq_len
+        metrics["tokens"] = self.tokens
         metrics.update(self.loader.progress())  # epoch, dataset_tokens (where the loader knows them)
         if engine is not None:  # copy bytes, compute-stream waits on copies, arena bytes (read at the step end)
             metrics.update(engine.store.step_stats())
@@ -763,7 +768,7 @@ class Trainer:
         self.optimizer.wait()  # an overlapped optimizer's deferred steps: the parameters are read before its state
         start = time.perf_counter()
         path = self.checkpointer.save(self.step, model=self.model, optimizer=self.optimizer,
-                                      scheduler=self.scheduler, loader=self.loader)
+                                      scheduler=self.scheduler, loader=self.loader, tokens=self.tokens)
         self.last_checkpoint_stall_s = time.perf_counter() - start
         return path
 
