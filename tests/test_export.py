@@ -199,6 +199,27 @@ def test_hugging_face_generate_on_the_export_stops_at_the_run_tokenizers_eos(tra
     assert (built.config.bos_token_id, built.config.eos_token_id, built.config.pad_token_id) == special
 
 
+@pytest.mark.parametrize("tokenizer", ["own", "bytes"])
+def test_model_paths_generation_config_goes_through_training_to_the_export(tmp_path, tokenizer):
+    """An instruct model's generation_config.json (several EOS ids, sampling defaults) was lost through train ->
+    export: Hugging Face's generate on the export ran past <|eot_id|>. Kept now; trained with another tokenizer,
+    its special tokens are that tokenizer's."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    src = _tokenizer_dir(tmp_path / "src")
+    eos = AutoTokenizer.from_pretrained(src).eos_token_id
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 vocab_size=320, max_position_embeddings=64)).save_pretrained(src)
+    GenerationConfig(eos_token_id=[eos, 5], do_sample=True, temperature=0.6, top_p=0.9).save_pretrained(src)
+    data = {"tokenizer": None} if tokenizer == "own" else {"tokenizer": "bytes"}
+    Trainer(tiny_config(tmp_path / "run", steps=1, model={"path": str(src)}, data=data,
+                        checkpoint={"dir": str(tmp_path / "ckpt"), "save_final": True})).train()
+    out = json.loads((export_checkpoint(tmp_path / "ckpt", tmp_path / "hf") / "generation_config.json").read_text())
+    assert (out["do_sample"], out["temperature"], out["top_p"]) == (True, 0.6, 0.9)
+    expected = [eos, 5] if tokenizer == "own" else 256  # the byte tokenizer's: the source's ids are BPE tokens
+    assert (out["eos_token_id"], out["pad_token_id"]) == (expected, eos if tokenizer == "own" else 256)
+
+
 def test_sharded_export_holds_one_shard_at_a_time(trained, tmp_path, monkeypatch):
     run = trained["llama"]
     requested = []

@@ -64,6 +64,8 @@ _STEP_TMP = re.compile(r"^step_\d{8}(\.replaced)?\.tmp$")
 _DCP_METADATA = ".metadata"
 HF_CONFIG_FILE = "config.json"
 """In every step directory: the model's Hugging Face config (``PretrainedConfig.to_json_file``)."""
+GENERATION_CONFIG_FILE = "generation_config.json"
+"""In every step directory of a run whose model.path has one: that file, as it was."""
 MODEL_CONFIG_FILE = "model_config.json"
 """In every step directory: ``{"model": the run's ModelConfig as a dict, "tokenizer": "bytes" or TOKENIZER_DIR,
 "tokenizer_source": the run's data.tokenizer}``."""
@@ -357,6 +359,9 @@ class Checkpointer:
         self.loaded_tokens: Optional[int] = None  # the tokens a loaded checkpoint had trained on (None: not saved)
         # Read now, at setup: a tokenizer directory that goes away during the run cannot fail a save.
         self._hf_tokenizer = build_tokenizer(tokenizer) if rank == 0 and tokenizer != "bytes" else None
+        # model.path's generation_config.json (its EOS ids, sampling defaults): kept with every step for the export
+        source = Path(model_config.path) / GENERATION_CONFIG_FILE if model_config and model_config.path else None
+        self._generation_config = source.read_text() if rank == 0 and source and source.is_file() else None
 
     def should_save(self, step: int, total_steps: int) -> bool:
         if self.cfg.every > 0 and step % self.cfg.every == 0:
@@ -455,12 +460,15 @@ class Checkpointer:
 
 
     def _write_model_files(self, step_dir: Path, model: nn.Module) -> None:
-        """What rebuilds the model from this step alone: config.json, model_config.json, tokenizer/."""
+        """What rebuilds the model from this step alone: config.json, model_config.json, tokenizer/ (and model.path's
+        generation_config.json)."""
         model.config.to_json_file(step_dir / HF_CONFIG_FILE)
         tokenizer = "bytes"
         if self._hf_tokenizer is not None:
             self._hf_tokenizer.save_pretrained(step_dir / TOKENIZER_DIR)
             tokenizer = TOKENIZER_DIR
+        if self._generation_config is not None:
+            (step_dir / GENERATION_CONFIG_FILE).write_text(self._generation_config)
         record = {"model": dataclasses.asdict(self.model_config) if self.model_config is not None else None,
                   "tokenizer": tokenizer, "tokenizer_source": self.tokenizer}
         (step_dir / MODEL_CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")

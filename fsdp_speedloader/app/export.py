@@ -60,7 +60,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from fsdp_speedloader.app.checkpoint import HF_CONFIG_FILE, MODEL_CONFIG_FILE, resolve_checkpoint
+from fsdp_speedloader.app.checkpoint import GENERATION_CONFIG_FILE, HF_CONFIG_FILE, MODEL_CONFIG_FILE, \
+    resolve_checkpoint
 from fsdp_speedloader.app.data import build_tokenizer
 from fsdp_speedloader.app.launch import check_writable_dir, config_path, fail, launch, resolved_config, world_size
 from fsdp_speedloader.app.runtime import DTYPES
@@ -125,7 +126,7 @@ class TrainingCheckpoint:
         special = special_token_ids(build_tokenizer(self.tokenizer))
         for name, value in special.items():
             setattr(model.config, name, value)
-        model.generation_config = special_generation_config(special)
+        model.generation_config = special_generation_config(special, self.step_dir)
         return model.eval()
 
 
@@ -240,11 +241,24 @@ def special_token_ids(tokenizer) -> dict[str, Optional[int]]:
     return {name: getattr(tokenizer, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
-def special_generation_config(special: dict[str, Optional[int]]) -> GenerationConfig:
+def special_generation_config(special: dict[str, Optional[int]], step_dir: Optional[Path] = None) -> GenerationConfig:
     """Hugging Face's generation config of :func:`special_token_ids`: without a pad token, finished sequences are
-    padded with the EOS, as app/generate.py pads them."""
+    padded with the EOS, as app/generate.py pads them. With ``step_dir``'s copy of model.path's own generation
+    config, that one (its sampling defaults, and its EOS ids where they include the tokenizer's: an instruct
+    model's several end tokens), its missing pad token filled in."""
     pad = special["pad_token_id"] if special["pad_token_id"] is not None else special["eos_token_id"]
-    return GenerationConfig(**{**special, "pad_token_id": pad})
+    ours = GenerationConfig(**{**special, "pad_token_id": pad})
+    if step_dir is None or not (step_dir / GENERATION_CONFIG_FILE).is_file():
+        return ours
+    source = GenerationConfig.from_pretrained(step_dir)
+    eos = source.eos_token_id if isinstance(source.eos_token_id, list) else [source.eos_token_id]
+    if special["eos_token_id"] in eos:  # the source's special tokens are this tokenizer's: kept
+        if source.pad_token_id is None:
+            source.pad_token_id = ours.pad_token_id
+    else:  # trained with another tokenizer: the source's ids would name other tokens
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(source, name, getattr(ours, name))
+    return source
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_size: int | str = "5GB",
@@ -307,7 +321,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_size
         for f in Path(ckpt.tokenizer).iterdir():
             if f.is_file():
                 shutil.copy2(f, out / f.name)
-    special_generation_config(special).save_pretrained(out)
+    special_generation_config(special, ckpt.step_dir).save_pretrained(out)
     for name, value in special.items():
         setattr(hf_config, name, value)
     hf_config.architectures = [type(skeleton).__name__]
