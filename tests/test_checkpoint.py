@@ -67,6 +67,18 @@ def test_tokens_count_on_from_the_checkpoint_after_a_resume_with_another_batch(t
     assert [m["tokens"] for m in resumed] == [3 * per_step_before + k * 2 * per_step_before for k in (1, 2, 3)]
 
 
+def test_a_step_directory_as_checkpoint_dir_is_refused_naming_resume(tmp_path):
+    # it started fresh and wrote step_00000003/step_00000006 inside the checkpoint
+    Trainer(_config(tmp_path / "b", tmp_path / "ckpt", "speedloader")).train(max_steps=3)
+    step = tmp_path / "ckpt" / "step_00000003"
+    before = sorted(p.name for p in step.iterdir())
+    with pytest.raises(ValueError, match=rf"^checkpoint\.dir: '{step}' is one step's checkpoint, not a directory of "
+                                         rf"them; to resume from it: checkpoint\.resume={step} "
+                                         rf"checkpoint\.dir={step.parent}$"):
+        Trainer(_config(tmp_path / "c", step, "speedloader", resume="auto"))
+    assert sorted(p.name for p in step.iterdir()) == before
+
+
 def _resume_runs_2_ranks(rank: int, world_size: int, root: str) -> dict:
     results = {}
     for schedule in SCHEDULES:

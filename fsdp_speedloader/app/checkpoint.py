@@ -73,6 +73,15 @@ TOKENIZER_DIR = "tokenizer"
 """In every step directory of a run with a Hugging Face tokenizer: its files (``save_pretrained``)."""
 
 
+def check_not_a_step_dir(checkpoint_dir: Path) -> None:
+    """``checkpoint.dir`` names where a run's step directories go: one step directory there would start the run
+    fresh and write its steps inside that checkpoint."""
+    if _STEP_DIR.match(checkpoint_dir.name) and (checkpoint_dir / _DCP_METADATA).is_file():
+        raise ValueError(f"checkpoint.dir: {str(checkpoint_dir)!r} is one step's checkpoint, not a directory of them; "
+                         f"to resume from it: checkpoint.resume={checkpoint_dir} "
+                         f"checkpoint.dir={checkpoint_dir.parent}")
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 

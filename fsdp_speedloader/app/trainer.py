@@ -45,8 +45,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_speedloader import openmp_wait, parallel
-from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits, claim_checkpoint_dir, \
-    resolve_resume_path
+from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits, check_not_a_step_dir, \
+    claim_checkpoint_dir, resolve_resume_path
 from fsdp_speedloader.app.checkpoint_extra import EXTRA_FILE, read_extra
 from fsdp_speedloader.app.checkpoint_lock import CheckpointDirLock
 from fsdp_speedloader.app.config import TrainConfig
@@ -263,6 +263,7 @@ class Trainer:
         validate_data(cfg.data, vocab_size=vocab_size)
         host_memory_limit_from_env()  # a malformed FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB fails here, not at step 1
         checkpoint_dir = Path(cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
+        check_not_a_step_dir(checkpoint_dir)
         check_writable_dir(cfg.output_dir, "output_dir")  # before the model, not at the first save
         check_writable_dir(checkpoint_dir, "checkpoint.dir")
         if launch_rank() == 0:  # only rank 0 logs
