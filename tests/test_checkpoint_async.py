@@ -17,10 +17,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import fsdp_speedloader.app.checkpoint as checkpoint_mod
 import fsdp_speedloader.app.checkpoint_async as checkpoint_async
 from dist_utils import run_distributed, tiny_config
 from fsdp_speedloader.app.checkpoint import list_checkpoints, verify_checkpoint
 from fsdp_speedloader.app.host_memory import check_async_staging, check_host_memory, host_memory_plan
+from fsdp_speedloader.app.launch import UserError
 from fsdp_speedloader.app.trainer import Trainer
 from fsdp_speedloader.memory.arena import HostMemoryBudget
 from fsdp_speedloader.models import build_model
@@ -133,9 +135,9 @@ def test_a_save_that_fails_in_the_background_leaves_no_complete_step(tmp_path, m
 
     monkeypatch.setattr(checkpoint_async.dcp.FileSystemWriter, "finish", crash_at_step_6)
     ckpt = tmp_path / "ckpt"
-    failed = (r"checkpoint: the asynchronous save of step 6 failed \(rank 0: OSError: disk full\); "
-              r"'.*step_00000006.tmp' is left unfinished and is never resumed")
-    with pytest.raises(RuntimeError, match=failed):
+    failed = (r"checkpoint: the asynchronous save of step 6 failed \(rank 0: OSError: disk full\); [0-9.]+ GiB free "
+              r"on the disk of '.*ckpt'; '.*step_00000006.tmp' is left unfinished and is never resumed")
+    with pytest.raises(UserError, match=failed):  # one line, as the CLI prints a UserError
         Trainer(_config(tmp_path, "run", ckpt, async_save=True)).train()
     assert [s for s, _ in list_checkpoints(ckpt)] == [3] and (ckpt / "step_00000006.tmp").is_dir()
     monkeypatch.undo()
@@ -143,6 +145,24 @@ def test_a_save_that_fails_in_the_background_leaves_no_complete_step(tmp_path, m
     assert resumed.step == 3
     resumed.train()
     assert [s for s, _ in list_checkpoints(ckpt)] == [3, 6] and not (ckpt / "step_00000006.tmp").exists()
+
+
+def test_a_synchronous_save_that_fails_is_one_line_with_the_free_disk_space(tmp_path, monkeypatch):
+    # a full disk reached the user as torch's 60-line traceback ending in "unexpected pos 704 vs 598"
+    real_save = checkpoint_mod.dcp.save
+
+    def full_at_step_6(state, *, checkpoint_id):
+        if "step_00000006" in checkpoint_id:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(checkpoint_mod.dcp, "save", full_at_step_6)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(UserError, match=r"^checkpoint: the save of step 6 failed \(RuntimeError: .*unexpected pos 704 "
+                                        r"vs 598\); [0-9.]+ GiB free on the disk of '.*ckpt'; '.*step_00000006.tmp' is "
+                                        r"left unfinished and is never resumed$"):
+        Trainer(_config(tmp_path, "run", ckpt, async_save=False)).train()
+    assert [s for s, _ in list_checkpoints(ckpt)] == [3]
 
 
 # --- the staging copy in the host-memory plan ------------------------------------------------------------------

@@ -322,6 +322,17 @@ def _from_rank0(value: Any) -> Any:
     return box[0]
 
 
+def save_failed(step: int, error: BaseException, tmp: Path, *, how: str = "") -> UserError:
+    """One line for a save that failed: the first rank's error, the space left on the disk (torch's writer reports
+    a full disk as an 'unexpected pos' error, not ENOSPC), and that the step stays unfinished."""
+    try:
+        free = f"; {shutil.disk_usage(tmp.parent).free / 2**30:.2f} GiB free on the disk of {str(tmp.parent)!r}"
+    except OSError:
+        free = ""
+    return UserError(f"checkpoint: the {how}save of step {step} failed ({_root_cause(error)}){free}; {str(tmp)!r} "
+                     "is left unfinished and is never resumed")
+
+
 def _root_cause(error: BaseException) -> str:
     """``Type: message`` of what made a DCP save fail (a ``CheckpointException`` wraps each rank's error)."""
     failures = getattr(error, "failures", None)
@@ -413,7 +424,10 @@ class Checkpointer:
             self._async.start(state, str(tmp))  # returns once the state is staged in host memory
             self._pending = (step, tmp, final)
             return final
-        dcp.save(state, checkpoint_id=str(tmp))
+        try:
+            dcp.save(state, checkpoint_id=str(tmp))
+        except (Exception, CheckpointException) as e:  # a full disk, a vanished mount: the step stays *.tmp
+            raise save_failed(step, e, tmp) from e
         _barrier()  # every rank's files are in tmp
         if self.rank == 0:
             self._complete(step, tmp, final)
@@ -448,8 +462,7 @@ class Checkpointer:
         try:
             self._async.result()
         except (Exception, CheckpointException) as e:  # (a BaseException) the save stays *.tmp: never resumed
-            raise RuntimeError(f"checkpoint: the asynchronous save of step {step} failed ({_root_cause(e)}); "
-                               f"{str(tmp)!r} is left unfinished and is never resumed") from e
+            raise save_failed(step, e, tmp, how="asynchronous ") from e
         if self.rank == 0:  # the coordinator's save has finished: every rank's files are written
             self._complete(step, tmp, final)
 
