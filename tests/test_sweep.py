@@ -195,6 +195,15 @@ def test_summary_of_a_plain_hydra_multirun(tmp_path):
     assert summary["axes"] == ["schedule.sub_batch_size"]
     assert [(p["params"], p["status"]) for p in summary["points"]] == [
         ({"schedule.sub_batch_size": "1"}, "ok"), ({"schedule.sub_batch_size": "2"}, "failed")]
+    # the report reads the multirun again each time (it read its own first summary.json ever after)
+    from fsdp_speedloader.app.sweep_report import main as report_main
+
+    assert report_main([str(tmp_path)]) == 0
+    (tmp_path / "1" / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens_per_s": 7.0, "loss": 1.0}) + "\n")
+    assert report_main([str(tmp_path)]) == 0
+    assert [p["status"] for p in json.loads((tmp_path / "summary.json").read_text())["points"]] == ["ok", "ok"]
+    with pytest.raises(SystemExit):  # one line, not a traceback
+        report_main([str(tmp_path / "nowhere")])
 
 
 def test_progress_bar_over_the_points_with_the_lines_above_it(tmp_path, monkeypatch, capfd):

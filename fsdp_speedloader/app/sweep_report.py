@@ -275,8 +275,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("sweep_dir")
     args = parser.parse_args(argv)
     sweep_dir = Path(args.sweep_dir)
+    if not sweep_dir.is_dir():
+        parser.error(f"{str(sweep_dir)!r} is not a directory: give a sweep directory (app.sweep's, or a Hydra "
+                     "multirun's, e.g. multirun/DATE/TIME)")
     summary_file = sweep_dir / SUMMARY_JSON
-    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else summary_from_hydra_multirun(sweep_dir)
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
+    if summary is None or summary.get("group") is None:  # app.sweep's summary, or a multirun's: read again, as
+        summary = summary_from_hydra_multirun(sweep_dir)  # its points may have finished since the last report
     if not summary["points"]:
         print(f"sweep_report: no points in {sweep_dir}", file=sys.stderr)
         return 1
