@@ -634,6 +634,21 @@ def test_wandb_online_without_a_key_fails_before_the_model_in_generate_and_tune(
         tune_mod.run(dataclasses.replace(tiny_config(tmp_path / "tune"), logger=online))
 
 
+def test_a_tokenizer_beyond_the_models_vocabulary_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    import fsdp_speedloader.app.generate as generate_mod
+    from fsdp_speedloader.app.generate import GenerateConfig
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(generate_mod, "build_model", no_model)
+    cfg = GenerateConfig.from_dict({"model": {"vocab_size": 100}, "tokenizer": "bytes", "logger": {"backend": "none"},
+                                    "prompts": {"text": ["zebra"]}, "output_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"^tokenizer: the prompts' token ids reach 122, outside the model's "
+                                         r"vocabulary of 100 ids"):
+        generate_mod.run(cfg)
+
+
 def test_prompt_files_and_left_padding(tmp_path):
     from fsdp_speedloader.app.generate import left_pad, read_prompt_file
 

@@ -399,6 +399,11 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     tokenizer = build_tokenizer(cfg.tokenizer or (checkpoint.tokenizer if checkpoint is not None else
                                                   default_tokenizer(cfg.model.path)))
     texts, tokens = build_prompts(cfg, tokenizer, hf_config.vocab_size)
+    top = max((max(t) for t in tokens if t), default=-1)
+    if top >= hf_config.vocab_size:  # before the model is built (it failed at the first forward)
+        raise ValueError(f"tokenizer: the prompts' token ids reach {top}, outside the model's vocabulary of "
+                         f"{hf_config.vocab_size} ids; use the model's own tokenizer (tokenizer=null: the checkpoint's "
+                         "or model.path's)")
     longest = max(len(t) for t in tokens)
     if longest + cfg.max_new_tokens > hf_config.max_position_embeddings:
         raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens {cfg.max_new_tokens} exceeds the "
