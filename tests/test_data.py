@@ -233,6 +233,18 @@ def test_resume_gives_the_uninterrupted_batches(k):
     TokenLoader(tokens, **{**kwargs, "seed": 8}).load_state_dict({k: v for k, v in state.items() if k != "seed"})
 
 
+def test_a_corpus_smaller_than_one_global_batch_warns(caplog):
+    tokens = np.arange(3 * 16, dtype=np.uint16)  # 3 sequences for a global batch of 4
+    caplog.set_level("WARNING")
+    TokenLoader(tokens, seq_len=16, batch_size=2, rank=0, world_size=2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "data: the corpus gives 3 sequences of data.seq_len=16, fewer than one global batch of 4: every step repeats "
+        "sequences (an epoch is shorter than a step); use a larger corpus or a smaller batch"]
+    caplog.clear()
+    TokenLoader(tokens, seq_len=16, batch_size=3)
+    assert not caplog.records
+
+
 def test_epoch_wrap_reshuffles():
     seq_len, num_sequences = 4, 10
     loader = TokenLoader(np.arange(num_sequences * seq_len), seq_len=seq_len, batch_size=4, seed=3)

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import gzip
 import json
+import logging
 import math
 import os
 import zlib
@@ -48,6 +49,7 @@ TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 PREPARE_ONLY_SUFFIXES = (".parquet",)  # corpora that fsdp-speedloader-prepare reads into token shards
 
 PathLike = Union[str, os.PathLike]
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,6 +494,10 @@ class TokenLoader:
         if self.num_sequences == 0:
             raise ValueError(f"data.seq_len: the corpus has {len(tokens)} tokens, fewer than one sequence of "
                              f"data.seq_len={seq_len}; lower data.seq_len or use a larger corpus")
+        if self.num_sequences < batch_size * world_size and rank == 0:
+            log.warning("data: the corpus gives %d sequences of data.seq_len=%d, fewer than one global batch of %d: "
+                        "every step repeats sequences (an epoch is shorter than a step); use a larger corpus or a "
+                        "smaller batch", self.num_sequences, seq_len, batch_size * world_size)
         # A view, or rows read on demand from token files: only the rows a batch picks are ever read.
         self.sequences = (tokens.sequences(seq_len) if isinstance(tokens, TokenStream)
                           else tokens[: self.num_sequences * seq_len].reshape(self.num_sequences, seq_len))  # (S, s)
@@ -550,8 +556,8 @@ class TokenLoader:
                              "data=synthetic, or start fresh: checkpoint.resume=null or another checkpoint.dir")
         if int(state["num_sequences"]) != self.num_sequences:
             raise ValueError(f"data: the checkpoint's loader ran over {state['num_sequences']} sequences but this "
-                             f"corpus gives {self.num_sequences}; resume with the same data.path, data.tokenizer "
-                             "and data.seq_len")
+                             f"corpus gives {self.num_sequences}; resume with the same data.path, data.tokenizer, "
+                             "data.seq_len and data.val_fraction")
         if not 0 <= int(state["position"]) < self.num_sequences:
             raise ValueError(f"data: loader state position={state['position']} is out of range")
         check_same_seed(state, self.seed)
