@@ -200,7 +200,7 @@ def test_hugging_face_generate_on_the_export_stops_at_the_run_tokenizers_eos(tra
 
 
 @pytest.mark.parametrize("tokenizer", ["own", "bytes"])
-def test_model_paths_generation_config_goes_through_training_to_the_export(tmp_path, tokenizer):
+def test_model_paths_generation_config_goes_through_training_to_the_export(tmp_path, tokenizer, caplog):
     """An instruct model's generation_config.json (several EOS ids, sampling defaults) was lost through train ->
     export: Hugging Face's generate on the export ran past <|eot_id|>. Kept now; trained with another tokenizer,
     its special tokens are that tokenizer's."""
@@ -212,8 +212,13 @@ def test_model_paths_generation_config_goes_through_training_to_the_export(tmp_p
                                  vocab_size=320, max_position_embeddings=64)).save_pretrained(src)
     GenerationConfig(eos_token_id=[eos, 5], do_sample=True, temperature=0.6, top_p=0.9).save_pretrained(src)
     data = {"tokenizer": None} if tokenizer == "own" else {"tokenizer": "bytes"}
-    Trainer(tiny_config(tmp_path / "run", steps=1, model={"path": str(src)}, data=data,
-                        checkpoint={"dir": str(tmp_path / "ckpt"), "save_final": True})).train()
+    with caplog.at_level("WARNING"):
+        Trainer(tiny_config(tmp_path / "run", steps=1, model={"path": str(src)}, data=data,
+                            checkpoint={"dir": str(tmp_path / "ckpt"), "save_final": True})).train()
+    warned = [r.getMessage() for r in caplog.records if "is not model.path's own tokenizer" in r.getMessage()]
+    assert warned == ([] if tokenizer == "own" else [  # another tokenizer for a pretrained model: said
+        "data.tokenizer 'bytes' (257 tokens, EOS 256) is not model.path's own tokenizer (300 tokens, EOS 1): the "
+        "pretrained model learns new meanings for its ids, and the checkpoint and its export carry 'bytes'"])
     out = json.loads((export_checkpoint(tmp_path / "ckpt", tmp_path / "hf") / "generation_config.json").read_text())
     assert (out["do_sample"], out["temperature"], out["top_p"]) == (True, 0.6, 0.9)
     expected = [eos, 5] if tokenizer == "own" else 256  # the byte tokenizer's: the source's ids are BPE tokens

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import numpy as np
 import torch
 
-from fsdp_speedloader.app.config import DataConfig
+from fsdp_speedloader.app.config import DataConfig, default_tokenizer
 from fsdp_speedloader.app.jsonl import JsonLineError, json_line_text
 from fsdp_speedloader.app.mixture import MixtureLoader
 from fsdp_speedloader.app.permutation import KeyedPermutation, check_same_seed
@@ -415,6 +415,21 @@ def check_prepared_with(cfg: DataConfig) -> None:
                 f"{theirs[1]}), but this run's tokenizer {tokenizer!r} has {ours[0]} tokens, EOS {ours[1]}; a "
                 "checkpoint carries the run's tokenizer, so set data.tokenizer to the one that prepared the data "
                 "(data.tokenizer=null takes it from the data where it can be loaded here)")
+
+
+def other_than_models_own(cfg: DataConfig, model_path: Optional[str]) -> Optional[str]:
+    """Why ``data.tokenizer`` is not ``model_path``'s own tokenizer (another vocabulary size or EOS), if it is not
+    and the checkpoint has one: a pretrained model trained on another tokenizer's ids learns new meanings for its
+    ids, rarely what was meant. None otherwise."""
+    own = default_tokenizer(model_path)
+    if not model_path or own != model_path or Path(cfg.tokenizer).resolve() == Path(own).resolve():
+        return None
+    ours, theirs = build_tokenizer(cfg.tokenizer), build_tokenizer(own)
+    if (len(ours), ours.eos_token_id) == (len(theirs), theirs.eos_token_id):
+        return None
+    return (f"data.tokenizer {cfg.tokenizer!r} ({len(ours)} tokens, EOS {ours.eos_token_id}) is not model.path's own "
+            f"tokenizer ({len(theirs)} tokens, EOS {theirs.eos_token_id}): the pretrained model learns new meanings "
+            f"for its ids, and the checkpoint and its export carry {cfg.tokenizer!r}")
 
 
 def _named_meta(key: str, path: PathLike) -> dict:

@@ -51,7 +51,7 @@ from fsdp_speedloader.app.checkpoint_extra import EXTRA_FILE, read_extra
 from fsdp_speedloader.app.checkpoint_lock import CheckpointDirLock
 from fsdp_speedloader.app.config import TrainConfig
 from fsdp_speedloader.app.data import apply_document_mask, build_loader, check_held_out, check_prepared_with, \
-    eos_token_id, load_val_tokens, val_batches, validate_data
+    eos_token_id, load_val_tokens, other_than_models_own, val_batches, validate_data
 from fsdp_speedloader.app.faults import fault_from_env
 from fsdp_speedloader.app.host_memory import check_async_staging, check_cpu_memory, check_host_memory
 from fsdp_speedloader.app.launch import TrainingInterrupted, UserError, check_writable_dir
@@ -321,6 +321,8 @@ class Trainer:
         # The held-out set must hold one evaluation batch; packed documents need the tokenizer's EOS.
         check_held_out(cfg.data, vocab_size=vocab_size, global_batch_size=self.world_size * sched.batch_size)
         check_prepared_with(cfg.data)  # the tokenizer its checkpoints will carry is the one that made the data
+        if self.rank == 0 and (why := other_than_models_own(cfg.data, cfg.model.path)) is not None:
+            log.warning(why)
         self.eos_token_id = eos_token_id(cfg.data) if cfg.data.document_mask else None
 
         if cfg.optim.state_dtype != "fp32" and cfg.optim.host_kernel == "fused":
