@@ -263,11 +263,13 @@ def test_resume_auto_skips_an_incomplete_newest_checkpoint(tmp_path, caplog):
     uninterrupted = Trainer(config("a")).train()
     shard = next((ckpt / "step_00000004").glob("*.distcp"))
     os.truncate(shard, shard.stat().st_size // 2)
+    (ckpt / "step_00000006.tmp").mkdir()  # a save killed during its write, said too (it was passed over silently)
     caplog.set_level("WARNING")
     resumed = Trainer(config("b", resume="auto"))
     assert resumed.step == 2
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
-    assert len(skipped) == 1 and "step_00000004" in skipped[0] and "is truncated" in skipped[0], skipped
+    assert len(skipped) == 2 and "step_00000004" in skipped[0] and "is truncated" in skipped[0], skipped
+    assert skipped[1].endswith("step_00000006.tmp: an unfinished save (*.tmp), never resumed"), skipped
     with pytest.raises(ValueError, match=r"step_00000004.* is not a complete checkpoint: __0_0.distcp is truncated"):
         Trainer(config("c", resume=str(ckpt / "step_00000004")))
     history = resumed.train()

@@ -147,6 +147,17 @@ def latest_complete_checkpoint(directory: str | os.PathLike) -> tuple[Optional[P
     return None, skipped
 
 
+def unfinished_saves(directory: str | os.PathLike, *, after: Optional[Path]) -> list[tuple[Path, str]]:
+    """(path, why) of the ``step_NNNNNNNN.tmp`` directories newer than the step ``after`` (a save cut short: a kill
+    during the write, a full disk): resume passes them over, and says so."""
+    directory, newer_than = Path(directory), int(after.name.split("_")[-1]) if after is not None else -1
+    if not directory.is_dir():
+        return []
+    found = [(int(p.name[5:13]), p) for p in directory.iterdir() if _STEP_TMP.match(p.name) and p.is_dir()]
+    return [(p, "an unfinished save (*.tmp), never resumed") for step, p in sorted(found, reverse=True)
+            if step > newer_than]
+
+
 def find_latest_checkpoint(directory: str | os.PathLike) -> Optional[Path]:
     """The newest complete (verified) step checkpoint in ``directory``, or None."""
     return latest_complete_checkpoint(directory)[0]
@@ -197,6 +208,7 @@ def resolve_resume_path(cfg: CheckpointConfig, checkpoint_dir: str | os.PathLike
     if cfg.resume == "auto":
         latest, passed_over = latest_complete_checkpoint(checkpoint_dir)
         skipped.extend(passed_over)
+        skipped.extend(unfinished_saves(checkpoint_dir, after=latest))
         return latest
     path = Path(cfg.resume)
     found, what = _complete_step(path, skipped)
