@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from typing import Any, Iterable, Sequence
 
@@ -95,5 +96,22 @@ def dataclass_from_dict(cls: type, d: Any, prefix: str = "") -> Any:
         factory = fields[name].default_factory
         nested = factory if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory) else None
         kwargs[name] = (dataclass_from_dict(nested, value, f"{prefix}{name}.") if nested
-                        else coerce(value, hints[name], f"{prefix}{name}"))
+                        else expand_home(name, coerce(value, hints[name], f"{prefix}{name}")))
     return cls(**kwargs)
+
+
+# Keys that name a file or directory: '~' there is the home directory, as in a shell (Hydra passes it through).
+PATH_KEYS = frozenset({"path", "val_path", "tokenizer", "dir", "resume", "checkpoint_path", "out", "mixture"})
+
+
+def expand_home(name: str, value: Any) -> Any:
+    """``value`` of key ``name`` with a leading '~' expanded where the key names a path (a mixture's entries'
+    paths too); anything else as it is."""
+    if name not in PATH_KEYS:
+        return value
+    if isinstance(value, str) and value.startswith("~"):
+        return os.path.expanduser(value)
+    if isinstance(value, list):  # data.mixture: [{path, weight}, ...]
+        return [{**e, "path": expand_home("path", e["path"])} if isinstance(e, dict) and "path" in e else e
+                for e in value]
+    return value

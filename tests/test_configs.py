@@ -241,6 +241,16 @@ def test_bad_value_names_the_field(overrides, field_name):
         to_train_config(cfg)
 
 
+def test_a_home_directory_in_a_path_key_is_expanded(monkeypatch, tmp_path):
+    # quoted past Hydra's lexer, '~/x' was read as a directory named '~' (checkpoint.dir created ./~)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = to_train_config(compose_cfg(["data=mixture", 'data.mixture=[{path: "~/web", weight: 1}]',
+                                       "checkpoint.dir='~/ckpt'", "checkpoint.resume='~/ckpt/step_00000002'"]))
+    assert cfg.data.mixture[0]["path"] == str(tmp_path / "web")
+    assert (cfg.checkpoint.dir, cfg.checkpoint.resume) == (str(tmp_path / "ckpt"), str(tmp_path / "ckpt/step_00000002"))
+    assert to_train_config(compose_cfg(["optim.lr=1e-3"])).checkpoint.resume is None
+
+
 def test_every_dtype_key_takes_either_spelling():
     # param_dtype's choices are torch's names, optim.state_dtype's the short ones: each key takes both
     cfg = to_train_config(compose_cfg(["param_dtype=bf16", "reduce_dtype=fp32", "offload=params",
