@@ -406,13 +406,12 @@ def check_prepared_with(cfg: DataConfig) -> None:
     metas = [token_source_meta(path) for path in paths]
     tok = build_tokenizer(cfg.tokenizer)
     ours = (len(tok), int(tok.eos_token_id))
-    tokenizer = cfg.tokenizer
     for path, meta in zip(paths, metas):
         theirs = (meta["vocab_size"], meta.get("eos_token_id", ours[1]))  # an old .bin sidecar records no EOS
         if theirs != ours:
             raise ValueError(
                 f"data.tokenizer: {path!r} was prepared with {meta.get('tokenizer')!r} ({theirs[0]} tokens, EOS "
-                f"{theirs[1]}), but this run's tokenizer {tokenizer!r} has {ours[0]} tokens, EOS {ours[1]}; a "
+                f"{theirs[1]}), but this run's tokenizer {cfg.tokenizer!r} has {ours[0]} tokens, EOS {ours[1]}; a "
                 "checkpoint carries the run's tokenizer, so set data.tokenizer to the one that prepared the data "
                 "(data.tokenizer=null takes it from the data where it can be loaded here)")
 

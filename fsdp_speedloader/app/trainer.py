@@ -322,7 +322,7 @@ class Trainer:
         check_held_out(cfg.data, vocab_size=vocab_size, global_batch_size=self.world_size * sched.batch_size)
         check_prepared_with(cfg.data)  # the tokenizer its checkpoints will carry is the one that made the data
         if self.rank == 0 and (why := other_than_models_own(cfg.data, cfg.model.path)) is not None:
-            log.warning(why)
+            self._warning("%s", why)
         self.eos_token_id = eos_token_id(cfg.data) if cfg.data.document_mask else None
 
         if cfg.optim.state_dtype != "fp32" and cfg.optim.host_kernel == "fused":
