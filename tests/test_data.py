@@ -88,6 +88,9 @@ def test_local_hugging_face_tokenizer(tmp_path):
     vocab = _write_tiny_hf_tokenizer(tmp_path / "tok")
     tokenizer = build_tokenizer(str(tmp_path / "tok"))
     assert len(tokenizer) == len(vocab) and tokenizer.eos_token_id == vocab["<eos>"]
+    tokenizer.save_pretrained(tmp_path / "copy")  # as a checkpoint and an export save it: how it was read stays out
+    saved = json.loads((tmp_path / "copy" / "tokenizer_config.json").read_text())
+    assert "local_files_only" not in saved and "is_local" not in saved
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text(json.dumps({"text": "hello world"}) + "\n" + json.dumps({"text": "the cat sat"}) + "\n")
     cfg = DataConfig(source="text", path=str(corpus), tokenizer=str(tmp_path / "tok"), seq_len=2)

@@ -92,6 +92,8 @@ def build_tokenizer(name: str) -> Any:
     if tokenizer.eos_token_id is None:
         raise ValueError(f"data.tokenizer: the tokenizer in {name!r} has no eos_token, which separates "
                          "documents; set eos_token in its tokenizer_config.json")
+    for how_it_was_read in ("local_files_only", "is_local"):  # not the tokenizer's: kept out of its saved copies
+        tokenizer.init_kwargs.pop(how_it_was_read, None)
     return tokenizer
 
 
