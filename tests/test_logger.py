@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fsdp_speedloader.app.config import LoggerConfig, TrainConfig
-from fsdp_speedloader.app.logger import WANDB_PROBE_TIMEOUT_S, build_logger, default_run_name, resolve_wandb_mode
+from fsdp_speedloader.app.logger import WANDB_PROBE_TIMEOUT_S, build_logger, check_wandb_credentials, \
+    default_run_name, resolve_wandb_mode
 
 
 @pytest.fixture
@@ -46,6 +47,11 @@ def test_auto_mode_without_a_key_is_offline_and_says_why(wandb_env, tmp_path):
     wandb_env.setenv("WANDB_MODE", "online")
     assert resolve_wandb_mode("auto") == ("offline", "WANDB_MODE=online without an API key")
     assert resolve_wandb_mode("offline") == ("offline", "logger.mode=offline")  # an explicit mode wins
+    # a WANDB_MODE W&B does not take: one line before anything is built (pydantic's error came after the model)
+    wandb_env.setenv("WANDB_MODE", "bogus")
+    with pytest.raises(ValueError, match=r"^WANDB_MODE=bogus: W&B takes online, offline, disabled, "):
+        check_wandb_credentials(LoggerConfig(backend="wandb", mode="auto"))
+    check_wandb_credentials(LoggerConfig(backend="none"))  # not read without W&B
 
 
 def test_auto_mode_with_an_unreachable_server_logs_offline_within_seconds(wandb_env, tmp_path):

@@ -169,9 +169,16 @@ def wandb_credentials_found() -> bool:
     return bool(entry and entry[2])
 
 
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb.Settings.mode's values
+
+
 def check_wandb_credentials(cfg: LoggerConfig) -> None:
     """``logger.mode=online`` needs an API key: ValueError before anything is built when W&B has none (it would
-    otherwise prompt for one, or fail, once the model is built)."""
+    otherwise prompt for one, or fail, once the model is built); so does a ``WANDB_MODE`` W&B does not take."""
+    env = os.environ.get("WANDB_MODE", "").strip()
+    if cfg.backend == "wandb" and env and env.lower() not in WANDB_MODES:  # W&B refuses it only inside wandb.init
+        raise ValueError(f"WANDB_MODE={env}: W&B takes {', '.join(WANDB_MODES)}; unset WANDB_MODE or set one of "
+                         "them (logger.mode=auto follows it)")
     if cfg.backend == "wandb" and cfg.mode == "online" and not wandb_credentials_found():
         raise ValueError(f"logger.mode=online: no W&B API key (WANDB_API_KEY is not set and no netrc login for "
                          f"{_wandb_host()}); set WANDB_API_KEY (or run `wandb login`), or use logger.mode=offline "
