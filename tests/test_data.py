@@ -88,6 +88,9 @@ def test_local_hugging_face_tokenizer(tmp_path):
     vocab = _write_tiny_hf_tokenizer(tmp_path / "tok")
     tokenizer = build_tokenizer(str(tmp_path / "tok"))
     assert len(tokenizer) == len(vocab) and tokenizer.eos_token_id == vocab["<eos>"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^data\.tokenizer: '.*empty' holds no tokenizer \(tokenizer\.json, "):
+        build_tokenizer(str(tmp_path / "empty"))  # one line, not transformers' page on sentencepiece and tiktoken
     tokenizer.save_pretrained(tmp_path / "copy")  # as a checkpoint and an export save it: how it was read stays out
     saved = json.loads((tmp_path / "copy" / "tokenizer_config.json").read_text())
     assert "local_files_only" not in saved and "is_local" not in saved

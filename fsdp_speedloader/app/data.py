@@ -38,7 +38,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import numpy as np
 import torch
 
-from fsdp_speedloader.app.config import DataConfig, default_tokenizer
+from fsdp_speedloader.app.config import TOKENIZER_FILES, DataConfig, default_tokenizer
 from fsdp_speedloader.app.jsonl import JsonLineError, json_line_text
 from fsdp_speedloader.app.mixture import MixtureLoader
 from fsdp_speedloader.app.permutation import KeyedPermutation, check_same_seed
@@ -83,6 +83,9 @@ def build_tokenizer(name: str) -> Any:
     if not Path(name).is_dir():
         raise ValueError(f"data.tokenizer: {name!r} is neither 'bytes' nor an existing directory; use 'bytes' "
                          "or the path of a local Hugging Face tokenizer (a directory with tokenizer.json)")
+    if not any((Path(name) / f).is_file() for f in TOKENIZER_FILES):  # transformers' own message is a page long
+        raise ValueError(f"data.tokenizer: {name!r} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); use 'bytes' "
+                         "or the directory a Hugging Face tokenizer was saved to (save_pretrained)")
     from transformers import AutoTokenizer  # slow import, only paid by runs that use one
 
     try:
