@@ -35,6 +35,10 @@ def test_run_names_say_what_ran():
     assert default_run_name({"model": {"name": "opt_tiny"}, "max_new_tokens": 8, "num_sub_batches": 4}) == \
         "opt_tiny-generate-N4"
     assert "?" not in default_run_name({"model": {"name": "m"}})
+    # a model.path run is named after its checkpoint, not the model group's default name it does not use
+    assert default_run_name({"model": {"name": "llama_tiny", "path": "/models/Llama-2-7b-hf/"},
+                             "schedule": {"name": "speedloader", "sub_batch_size": 2, "num_sub_batches": 4}}) == \
+        "Llama-2-7b-hf-speedloader-n2xN4"
 
 
 def test_auto_mode_without_a_key_is_offline_and_says_why(wandb_env, tmp_path):

@@ -388,7 +388,8 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     first = launch_rank() == 0
     if first:  # the first line, before the checkpoint is read and the model built
         log.info("setting up: %s, %d new tokens per prompt, run directory %s",
-                 f"checkpoint {cfg.checkpoint_path}" if cfg.checkpoint_path is not None else f"model {cfg.model.name}",
+                 f"checkpoint {cfg.checkpoint_path}" if cfg.checkpoint_path is not None else
+                 f"model {cfg.model.path or cfg.model.name}",
                  cfg.max_new_tokens, cfg.output_dir)
         check_wandb_credentials(cfg.logger)  # logger.mode=online without a key: one line, before the model
     show_bar = progress_bar_enabled(launch_rank())  # a malformed FSDP_SPEEDLOADER_PROGRESS fails here, not later

@@ -120,8 +120,11 @@ class Rank0Logger(MetricLogger):
 
 def default_run_name(run_config: dict) -> str:
     """Training: ``<model>-<schedule>-n<sub_batch_size>xN<num_sub_batches>``; generation:
-    ``<model>-generate-N<num_sub_batches>``; anything else: the model's name."""
-    model = run_config.get("model", {}).get("name", "model")
+    ``<model>-generate-N<num_sub_batches>``; anything else: the model's name (a model.path run's: its directory's
+    name, not the model group's default name, which it does not use)."""
+    model_cfg = run_config.get("model", {})
+    path = model_cfg.get("path")
+    model = Path(str(path).rstrip("/")).name if path else model_cfg.get("name", "model")
     schedule = run_config.get("schedule")
     if isinstance(schedule, dict) and "name" in schedule:
         if schedule["name"] == "auto":  # n and N are chosen by the tuner at run time
