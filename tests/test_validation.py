@@ -247,7 +247,8 @@ def test_too_small_held_out_sets_are_refused_before_the_model_is_built(tmp_path,
     cases = [({"val_fraction": 0.001}, r"data.val_fraction: the held-out set holds 1 sequences .* fewer than one "
                                        r"evaluation batch of 4"),
              ({"val_path": str(tiny)}, "data.val_path: the held-out set holds 1 sequences"),
-             ({"val_path": str(tmp_path / "missing.txt")}, "data.path: .*missing.txt' does not exist")]
+             ({"val_path": str(tmp_path / "missing.txt")},  # the setting that named it, not data.path
+              r"^data\.val_path: .*missing.txt' does not exist; point data\.val_path at a \.txt")]
     for data, match in cases:
         with pytest.raises(ValueError, match=match):
             Trainer(tiny_config(tmp_path, data={"source": "text", "path": corpus, **data}))

@@ -350,7 +350,7 @@ def check_held_out(cfg: DataConfig, *, vocab_size: int, global_batch_size: int) 
         try:
             validate_data(_as_val_source(cfg), vocab_size=vocab_size)
         except ValueError as e:  # the held-out set is read as data.path is: say which setting named it
-            raise ValueError("data.val_path" + str(e)[len("data.path"):] if str(e).startswith("data.path:")
+            raise ValueError(str(e).replace("data.path", "data.val_path") if str(e).startswith("data.path:")
                              else str(e)) from None
         key, fix = "data.val_path", "use a larger held-out set or lower data.seq_len"
     else:
