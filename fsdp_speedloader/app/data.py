@@ -350,8 +350,7 @@ def check_held_out(cfg: DataConfig, *, vocab_size: int, global_batch_size: int) 
         try:
             validate_data(_as_val_source(cfg), vocab_size=vocab_size)
         except ValueError as e:  # the held-out set is read as data.path is: say which setting named it
-            raise ValueError(str(e).replace("data.path", "data.val_path") if str(e).startswith("data.path:")
-                             else str(e)) from None
+            raise renamed(e, "data.val_path") from None
         key, fix = "data.val_path", "use a larger held-out set or lower data.seq_len"
     else:
         key, fix = "data.val_fraction", "raise data.val_fraction or use data.val_path"
@@ -436,15 +435,18 @@ def other_than_models_own(cfg: DataConfig, model_path: Optional[str]) -> Optiona
             f"for its ids, and the checkpoint and its export carry {cfg.tokenizer!r}")
 
 
+def renamed(error: ValueError, key: str) -> ValueError:
+    """``error`` of a path read as ``data.path`` is, naming ``key`` (the setting that gave the path: a mixture's
+    entry, ``data.val_path``) wherever it says ``data.path``; any other error as it is."""
+    return ValueError(str(error).replace("data.path", key)) if str(error).startswith("data.path:") else error
+
+
 def _named_meta(key: str, path: PathLike) -> dict:
-    """:func:`token_source_meta`, its errors naming ``key`` (a mixture's entry, ``data.mixture[i].path``) where the
-    path came from, not ``data.path``."""
+    """:func:`token_source_meta`, its errors naming ``key`` (a mixture's entry, ``data.mixture[i].path``)."""
     try:
         return token_source_meta(path)
     except ValueError as e:
-        if key == "data.path" or not str(e).startswith("data.path:"):
-            raise
-        raise ValueError(key + str(e)[len("data.path"):]) from None
+        raise renamed(e, key) from None
 
 
 def validate_data(cfg: DataConfig, *, vocab_size: int) -> None:
