@@ -351,6 +351,8 @@ def test_family_of_every_spec():
     assert bench_fair.family_of("speedloader-overlap:1x8:keep=3:eager") == "layer-major-eager"
     assert bench_fair.family_of("ondevice:1x8:sync=last") == "ceiling"
     assert bench_fair.family_of("flexgen:32x2:c4") == "flexgen-c4" and bench_fair.family_of("flexgen:32x2") == "flexgen-fp16"
+    assert bench_fair.family_of("flexgen:64x4:kc4:w=0:attn=gpu") == "flexgen-c4"
+    assert bench_fair.family_of("flexgen:32x8:c4:w=100:attn=gpu") == "flexgen-c4"
     assert bench_fair.family_of("speedloader:56x8:device:w=int4:kvq=int8") == "speedloader-int4"
 
 

@@ -407,6 +407,25 @@ def test_the_deepspeed_contenders_say_deepspeed_is_missing(tmp_path, monkeypatch
 # --- generation: a contender that cannot run the model -------------------------------------------
 
 
+def test_flexgen_policy_from_the_spec():
+    """A FlexGen spec sets its batch, compression, weight placement and where attention runs; the rest is its
+    published policy; what it does not know is refused naming the options."""
+    published = bench_infer.FLEXGEN_POLICIES["opt_30b"]
+    pol = bench_infer.flexgen_policy("opt_30b", "")
+    assert pol == {**published, "compress_weight": False, "compress_cache": False}
+    pol = bench_infer.flexgen_policy("opt_30b", "32x8:c4:w=100:attn=gpu")
+    assert (pol["gpu_batch_size"], pol["num_gpu_batches"]) == (32, 8)
+    assert pol["percent"] == [100, 0, *published["percent"][2:]] and pol["cpu_cache_compute"] is False
+    assert pol["compress_weight"] and pol["compress_cache"]
+    pol = bench_infer.flexgen_policy("opt_30b", "64x4:kc4:w=0:attn=gpu")
+    assert pol["percent"][:2] == [0, 100] and not pol["compress_weight"] and pol["compress_cache"]
+    assert bench_infer.flexgen_policy("opt_30b", "48x3:c4")["cpu_cache_compute"] is True  # published: on the CPU
+    for bad, says in (("32x2:c8", "unknown option"), ("32x2:c4:kc4", "two compressions"), ("32x2:w=120", "0-100"),
+                      ("32x2:attn=tpu", "unknown option")):
+        with pytest.raises(ValueError, match=says):
+            bench_infer.flexgen_policy("opt_30b", bad)
+
+
 def test_flexgen_refuses_what_it_cannot_run(tmp_path, monkeypatch):
     """FlexGen implements OPT only: on Mixtral its row says unsupported and why, and nothing is launched."""
     mixtral = harness.model_config("mixtral_8x7b")

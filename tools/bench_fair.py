@@ -257,7 +257,12 @@ INFER_POINTS = {
         "speedloader-int4": ["speedloader:48x4:device:w=int4:kvq=int8", "speedloader:56x8:device:w=int4:kvq=int8",
                              "speedloader:128x4:split=1:w=int4:kvq=int8"],
         "speedloader-bf16": ["speedloader:128x4:split=1:kvq=int8", "speedloader:104x8:split=2:cpu=6"],
-        "flexgen-c4": ["flexgen:32x2:c4", "flexgen:48x3:c4", "flexgen:64x4:c4", "flexgen:96x4:c4"],
+        # FlexGen with its compression, attending on the GPU as its compressed settings do: its published OPT-30B
+        # setting (the cache compressed, fp16 weights on the host; 64 x 8 there, 64 x 4 here, where 512 sequences'
+        # cache and the weights exceed the host's memory), and with its weights compressed too, on the GPU (they fit
+        # the cap at 4 bits) or on the host beside a larger batch
+        "flexgen-c4": ["flexgen:32x8:c4:w=100:attn=gpu", "flexgen:32x12:c4:w=100:attn=gpu",
+                       "flexgen:64x4:kc4:w=0:attn=gpu", "flexgen:64x6:c4:w=0:attn=gpu"],
         "flexgen-fp16": ["flexgen:32x2", "flexgen:48x3"],
         "zero-inference-q4": ["zero-inference:16:q4", "zero-inference:32:q4", "zero-inference:64:q4"],
         "accelerate": ["accelerate:16", "accelerate:32", "accelerate:64"],
@@ -290,8 +295,8 @@ def family_of(spec: str) -> str:
         return "ceiling"
     if name == "speedloader":
         return "speedloader-int4" if "w=int4" in spec else "speedloader-bf16"
-    if name == "flexgen":
-        return "flexgen-c4" if spec.endswith(":c4") else "flexgen-fp16"
+    if name == "flexgen":  # with any of its compressions (weights and cache, or the cache only), or fp16
+        return "flexgen-c4" if {"c4", "kc4"} & set(spec.split(":")[2:]) else "flexgen-fp16"
     if name == "zero-inference":
         return "zero-inference-q4" if ":q4" in spec else "zero-inference-bf16"
     return name

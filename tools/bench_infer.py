@@ -17,10 +17,13 @@ weights: nothing is downloaded), prompt length and generation length, and genera
   accelerate:B           Hugging Face generate on a model dispatched by accelerate (device_map from
                          infer_auto_device_map with max_memory: the budget minus B's KV cache and a margin
                          on the GPU, the rest of the layers on the host)
-  flexgen[:GBSxNGBS][:c4]
+  flexgen[:GBSxNGBS][:c4|:kc4][:w=P][:attn=cpu|gpu]
                          FlexGen 0.1.8 (OPT only), dummy weights, its published policy for the model
                          (FLEXGEN_POLICIES; --flexgen-percent / --flexgen-cpu-cache-compute override); c4: its
-                         4-bit group-wise compression of the weights and the KV cache (fp16 without)
+                         4-bit group-wise compression of the weights and the KV cache, kc4: of the cache only (its
+                         published OPT-30B setting with compression), fp16 without; w=P: P% of the weights on the
+                         GPU, the rest on the host; attn: attention over the cache on the CPU or the GPU
+                         (flexgen_policy)
   zero-inference:B[:q4|:q8][:fp16|:bf16]
                          DeepSpeed ZeRO-Inference: ZeRO-3 with every parameter partitioned to page-locked host
                          memory and gathered to the GPU module by module for each forward, Hugging Face generate
@@ -84,6 +87,36 @@ FLEXGEN_POLICIES = {
     "opt_30b": dict(percent=[20, 80, 0, 100, 0, 100], gpu_batch_size=48, num_gpu_batches=3, cpu_cache_compute=True),
 }
 FLEXGEN_NAMES = {"opt_6.7b": "facebook/opt-6.7b", "opt_30b": "facebook/opt-30b"}
+FLEXGEN_COMPRESSION = {"fp16": (False, False), "c4": (True, True), "kc4": (False, True)}  # (weights, cache)
+
+
+def flexgen_policy(model: str, spec: str) -> dict:
+    """FlexGen's policy for ``flexgen:SPEC`` on ``model``: its published one (FLEXGEN_POLICIES), the batch from the
+    spec's GBSxNGBS, the compression (``c4`` weights and cache, ``kc4`` the cache only), ``w=P`` P% of the weights
+    on the GPU and the rest on the host, ``attn=cpu|gpu`` where attention over the cache runs. A compressed cache
+    attended on the CPU is decompressed there by FlexGen's PyTorch code: its own compressed settings attend on
+    the GPU."""
+    pol = dict(FLEXGEN_POLICIES[model], compress_weight=False, compress_cache=False)
+    shape, *options = spec.split(":") if spec else [""]
+    if shape:
+        pol["gpu_batch_size"], pol["num_gpu_batches"] = (int(v) for v in shape.split("x"))
+    modes = [o for o in options if o in FLEXGEN_COMPRESSION]
+    unknown = [o for o in options if o not in FLEXGEN_COMPRESSION and not re.fullmatch(r"w=\d+|attn=(cpu|gpu)", o)]
+    if unknown or len(modes) > 1:
+        raise ValueError(f"flexgen:{spec}: {'unknown option(s) ' + str(unknown) if unknown else 'two compressions'}; "
+                         "one of ':c4' (weights and KV cache to 4 bits, FlexGen's group-wise quantization), ':kc4' "
+                         "(the cache only), ':fp16' (default: neither); ':w=P' puts P% of the weights on the GPU; "
+                         "':attn=cpu|gpu' where attention over the cache runs")
+    pol["compress_weight"], pol["compress_cache"] = FLEXGEN_COMPRESSION[modes[0] if modes else "fp16"]
+    for option in options:
+        key, _, value = option.partition("=")
+        if key == "w":
+            if not 0 <= int(value) <= 100:
+                raise ValueError(f"flexgen:{spec}: w={value} is a percentage of the weights on the GPU (0-100)")
+            pol["percent"] = [int(value), 100 - int(value), *pol["percent"][2:]]
+        elif key == "attn":
+            pol["cpu_cache_compute"] = value == "cpu"
+    return pol
 
 
 # --- shared helpers ------------------------------------------------------------------------------
@@ -428,15 +461,7 @@ def run_flexgen(args, spec: str) -> dict:
     from flexgen.utils import ExecutionEnv
 
     _cap_gpu(args)
-    pol = dict(FLEXGEN_POLICIES[args.model])
-    shape, *options = spec.split(":") if spec else [""]
-    if shape:
-        pol["gpu_batch_size"], pol["num_gpu_batches"] = (int(v) for v in shape.split("x"))
-    unknown = [o for o in options if o not in ("c4", "fp16")]
-    if unknown:
-        raise ValueError(f"flexgen:{spec}: unknown option(s) {unknown}; ':c4' compresses weights and KV cache to 4 bits "
-                         "(FlexGen's group-wise quantization), ':fp16' (default) leaves both in fp16")
-    compress = "c4" in options  # FlexGen's own 4-bit weight and cache compression (group 64, asymmetric)
+    pol = flexgen_policy(args.model, spec)
     if args.flexgen_percent:
         pol["percent"] = [int(v) for v in args.flexgen_percent.split()]
     if args.flexgen_cpu_cache_compute is not None:
@@ -444,10 +469,10 @@ def run_flexgen(args, spec: str) -> dict:
     gpu, cpu = TorchDevice("cuda:0"), TorchDevice("cpu")
     disk = TorchDisk(tempfile.mkdtemp(prefix="flexgen_offload_"))
     env = ExecutionEnv(gpu=gpu, cpu=cpu, disk=disk, mixed=TorchMixedDevice([gpu, cpu, disk]))
-    comp = dict(num_bits=4, group_size=64, symmetric=False)
+    comp = dict(num_bits=4, group_size=64, symmetric=False)  # FlexGen's own (group 64, asymmetric)
     policy = Policy(pol["gpu_batch_size"], pol["num_gpu_batches"], *pol["percent"], True, True, True,
-                    pol["cpu_cache_compute"], 1.0, compress, CompressionConfig(group_dim=0, **comp), compress,
-                    CompressionConfig(group_dim=2, **comp))
+                    pol["cpu_cache_compute"], 1.0, pol["compress_weight"], CompressionConfig(group_dim=0, **comp),
+                    pol["compress_cache"], CompressionConfig(group_dim=2, **comp))
     opt_config = get_opt_config(FLEXGEN_NAMES[args.model])
     if args.layers:
         opt_config.num_hidden_layers = args.layers
@@ -465,7 +490,9 @@ def run_flexgen(args, spec: str) -> dict:
         env.close_copy_threads()
     assert out.shape == (batch, args.prompt_len + args.gen_len)
     prefill, decode = costs[0], sum(costs[1:])
-    return {"batch_size": batch, "policy": pol, "compression": "4-bit weights and cache" if compress else "fp16",
+    compression = {(True, True): "4-bit weights and cache", (False, True): "4-bit cache", (False, False): "fp16"}
+    return {"batch_size": batch, "policy": pol,
+            "compression": compression[pol["compress_weight"], pol["compress_cache"]],
             "prefill_s": prefill, "decode_s": decode, "wall_s_generate": wall,
             "generated_tokens_per_s": batch * args.gen_len / (prefill + decode),
             "prefill_tokens_per_s": batch * args.prompt_len / prefill,
