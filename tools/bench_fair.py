@@ -258,11 +258,12 @@ INFER_POINTS = {
                              "speedloader:128x4:split=1:w=int4:kvq=int8"],
         "speedloader-bf16": ["speedloader:128x4:split=1:kvq=int8", "speedloader:104x8:split=2:cpu=6"],
         # FlexGen with its compression, attending on the GPU as its compressed settings do: its published OPT-30B
-        # setting (the cache compressed, fp16 weights on the host; 64 x 8 there, 64 x 4 here, where 512 sequences'
-        # cache and the weights exceed the host's memory), and with its weights compressed too, on the GPU (they fit
+        # setting (the cache compressed, fp16 weights on the host; 64 x 8 there, where the host had 208 GB; here 64 x
+        # 4 ran out of the host's 128 GiB, 64 x 3 fits), and with its weights compressed too, on the GPU (they fit
         # the cap at 4 bits) or on the host beside a larger batch
         "flexgen-c4": ["flexgen:32x8:c4:w=100:attn=gpu", "flexgen:32x12:c4:w=100:attn=gpu",
-                       "flexgen:64x4:kc4:w=0:attn=gpu", "flexgen:64x6:c4:w=0:attn=gpu"],
+                       "flexgen:64x4:kc4:w=0:attn=gpu", "flexgen:64x6:c4:w=0:attn=gpu",
+                       "flexgen:64x6:c4:w=100:attn=gpu", "flexgen:64x3:kc4:w=0:attn=gpu"],
         "flexgen-fp16": ["flexgen:32x2", "flexgen:48x3"],
         "zero-inference-q4": ["zero-inference:16:q4", "zero-inference:32:q4", "zero-inference:64:q4"],
         "accelerate": ["accelerate:16", "accelerate:32", "accelerate:64"],
