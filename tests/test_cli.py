@@ -102,6 +102,17 @@ def test_valid_command_lines_pass():
     check_overrides("tune", ["experiment=tiny_cpu", "schedule.target_batch_size=8"])
 
 
+@pytest.mark.parametrize("entry", ["config", "generate", "tune"])
+def test_a_shape_beside_model_path_is_refused(entry):
+    """model.path's config.json gives the shapes: a shape override beside it would be dropped without a word."""
+    with pytest.raises(ValueError, match=r"^model\.num_layers: model\.path='/ckpt/llama' takes the model's shapes .*"
+                                         r"drop it"):
+        check_overrides(entry, ["model.path=/ckpt/llama", "model.num_layers=1"])
+    check_overrides(entry, ["model.path=/ckpt/llama", "model.name=mine", "model.attn_implementation=eager"])
+    check_overrides(entry, ["model.path=null", "model.num_layers=1"])
+    check_overrides(entry, ["model.num_layers=1"])
+
+
 def test_a_key_with_no_close_name_lists_the_keys_beside_it():
     with pytest.raises(ValueError) as raised:
         check_overrides("config", ["optim.learning_rate=1e-3"])

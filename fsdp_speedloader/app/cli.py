@@ -136,6 +136,27 @@ def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
             return
     for key, value in keys:
         _check_key(cfg, key, groups, value)
+    _check_model_path_shapes(cfg, keys)
+
+
+# What a model.path run still takes from the model group: its label and the attention kernel; every other model key
+# describes the shapes of a fresh model, which model.path's config.json replaces.
+MODEL_PATH_KEYS = ("model.path", "model.name", "model.attn_implementation")
+
+
+def _check_model_path_shapes(cfg: DictConfig, keys: Sequence[tuple[str, Any]]) -> None:
+    """``ValueError`` for an override of a model shape (``model.num_layers=1``) where ``model.path`` names a
+    checkpoint: its config.json gives the shapes, and the override would be dropped without a word."""
+    given = dict(keys)  # a sweep's value is None here, as is null: neither names one checkpoint
+    path = given["model.path"] if "model.path" in given else OmegaConf.select(cfg, "model.path", default=None)
+    if not path:
+        return
+    for key, _ in keys:
+        if key.startswith("model.") and key not in MODEL_PATH_KEYS:
+            raise ValueError(f"{key}: model.path={path!r} takes the model's shapes and settings from its config.json, "
+                             f"so {key} would be ignored; drop it (with model.path the model group gives only "
+                             f"{', '.join(k for k in MODEL_PATH_KEYS if k != 'model.path')}); to change the model "
+                             "itself, edit a copy of its config.json")
 
 
 def _group_values(override: Any) -> list[str]:
