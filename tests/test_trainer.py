@@ -401,6 +401,26 @@ def test_a_sequence_longer_than_model_paths_positions_is_refused_at_setup(tmp_pa
         Trainer(cfg)
 
 
+def test_a_model_path_run_logs_its_checkpoint_s_config_not_the_group_s_shapes(tmp_path, monkeypatch):
+    # W&B's config said hidden_size 256, 4 layers (llama_tiny's) for a 2-layer, 64-wide model.path checkpoint
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for name, value in (("WANDB_DIR", tmp_path / "wandb_dir"), ("WANDB_CACHE_DIR", tmp_path / "wandb_cache"),
+                        ("WANDB_CONFIG_DIR", tmp_path / "wandb_config"), ("WANDB_SILENT", "true")):
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 vocab_size=320, max_position_embeddings=64)).save_pretrained(tmp_path / "hf")
+    cfg = tiny_config(tmp_path / "run", steps=1, logger={"backend": "wandb", "mode": "offline"},
+                      model={"path": str(tmp_path / "hf")})
+    Trainer(cfg).train()
+    # offline, the config is in the run's transaction log (protobuf records holding each key's value as JSON)
+    (log,) = (tmp_path / "run").glob("wandb/offline-run-*/run-*.wandb")
+    logged = log.read_bytes()
+    assert b'"config_json":{' in logged and b'"num_hidden_layers":2' in logged and b'"hidden_size":64' in logged
+    assert b'"hidden_size":256' not in logged and b'"num_layers":4' not in logged  # llama_tiny's, the group's
+
+
 def test_a_fresh_run_in_a_used_directory_moves_the_earlier_metrics_aside(tmp_path):
     # appended, a second run's steps 1, 2 followed the first's 1, 2, 3 (a sweep's summary then took the wrong loss)
     Trainer(tiny_config(tmp_path, steps=3, logger={"backend": "none"})).train()

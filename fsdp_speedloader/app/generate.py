@@ -44,7 +44,8 @@ from fsdp_speedloader.app.export import checkpoint_path_overrides, open_checkpoi
 from fsdp_speedloader.app.jsonl import JsonLineError, json_line_text
 from fsdp_speedloader.app.launch import config_path, fail, launch, rank, resolved_config
 from fsdp_speedloader.app.launch import rank as launch_rank
-from fsdp_speedloader.app.logger import StepProgress, build_logger, check_wandb_credentials, progress_bar_enabled
+from fsdp_speedloader.app.logger import StepProgress, build_logger, check_wandb_credentials, logged_model, \
+    progress_bar_enabled
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype
 from fsdp_speedloader.engine.speedloader import apply_speedloader
 from fsdp_speedloader.generation.generate import generate
@@ -503,8 +504,8 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
         log.info("%d prompt(s) -> %s | prefill %.1f tok/s (%.2f s) | decode %.1f tok/s (%.2f s) | kv_cache %s",
                  len(all_records), out_path, figures["prefill_tokens_per_s"], figures["prefill_s"],
                  figures["decode_tokens_per_s"], figures["decode_s"], figures["kv_cache"])
-    logger = build_logger(cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg),
-                          cfg.output_dir, rank)
+    logged = run_config if run_config is not None else dataclasses.asdict(cfg)  # the model that ran, not the group's
+    logger = build_logger(cfg.logger, {**logged, "model": logged_model(model_cfg, hf_config)}, cfg.output_dir, rank)
     # The metric logger's console line shows training's figures: for generation it would read a bare "step 0". The
     # summary line above is generation's; metrics.jsonl and W&B still get every figure.
     with _without_info(logging.getLogger(build_logger.__module__)):

@@ -13,6 +13,7 @@ to the log and ``metrics.jsonl``, written above the bar.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -133,6 +134,16 @@ def default_run_name(run_config: dict) -> str:
     if "max_new_tokens" in run_config:
         return f"{model}-generate-N{run_config.get('num_sub_batches')}"
     return model
+
+
+def logged_model(model: Any, hf_config: Any) -> dict:
+    """The ``model`` section of a run's logged config (W&B): a fresh model's shapes; with ``model.path``, the
+    checkpoint's own config.json (``hf_config.to_diff_dict()``) beside its path, name and attention kernel, not the
+    model group's shapes, which such a run does not use."""
+    section = dataclasses.asdict(model)
+    if not model.path:
+        return section
+    return {**{k: section[k] for k in ("name", "path", "attn_implementation")}, "config_json": hf_config.to_diff_dict()}
 
 
 WANDB_INIT_TIMEOUT_S = 30.0

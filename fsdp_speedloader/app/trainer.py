@@ -57,7 +57,7 @@ from fsdp_speedloader.app.host_memory import check_async_staging, check_cpu_memo
 from fsdp_speedloader.app.launch import TrainingInterrupted, UserError, check_writable_dir
 from fsdp_speedloader.app.launch import rank as launch_rank
 from fsdp_speedloader.app.logger import MetricLogger, StepProgress, build_logger, check_wandb_credentials, \
-    progress_bar_enabled
+    logged_model, progress_bar_enabled
 from fsdp_speedloader.kernels import KernelScope, apply_kernels
 from fsdp_speedloader.app.metrics import StepMetrics, num_block_params, recompute_flops_per_token
 from fsdp_speedloader.models import build_hf_config, build_model, get_adapter, materialize_model, \
@@ -403,8 +403,9 @@ class Trainer:
                           "checkpoint.resume=PATH", checkpoint_dir)
         elif cfg.checkpoint.resume == "auto":
             self._info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", checkpoint_dir)
+        logged = run_config if run_config is not None else dataclasses.asdict(cfg)
         self.logger = logger if logger is not None else build_logger(
-            cfg.logger, run_config if run_config is not None else dataclasses.asdict(cfg), cfg.output_dir, self.rank,
+            cfg.logger, {**logged, "model": logged_model(cfg.model, hf_config)}, cfg.output_dir, self.rank,
             show_mfu=self.device.type != "cpu",  # peak_tflops is an accelerator's: no MFU on a CPU
             wandb_run_id=saved_wandb_run_id, fresh=resume_path is None)  # a resumed job logs on into its W&B run
         self.checkpointer.wandb_run_id = getattr(self.logger, "wandb_run_id", None)
