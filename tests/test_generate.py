@@ -582,29 +582,67 @@ def test_weights_over_the_host_memory_are_one_line_before_they_are_built(tmp_pat
     assert not (tmp_path / "run" / "generations.jsonl").exists()
 
 
-def test_cli_reads_prompts_with_the_pretrained_checkpoints_own_tokenizer(tmp_path):
-    """model.path=DIR holding a Hugging Face tokenizer: prompts.text is encoded with it (not with bytes), the
-    generations decoded with it."""
+def _pretrained_dir(path: Path, words: list[str], *, zero_norm: bool = False) -> Path:
+    """A tiny LLaMA and a word-level tokenizer of ``words`` (EOS "<eos>") as a Hugging Face directory; with
+    ``zero_norm`` every logit is 0, so greedy decoding always picks id 0."""
     tokenizers = pytest.importorskip("tokenizers")
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(["[UNK]", "<eos>", "hello", "world", "the", "cat"])}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    hf = tmp_path / "hf"
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(hf)
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]").save_pretrained(hf)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    if zero_norm:
+        torch.nn.init.zeros_(model.model.norm.weight)
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="[UNK]").save_pretrained(path)
+    return path
+
+
+def _generate_cli(tmp_path: Path, *overrides: str) -> list[dict]:
+    """The entry point on the CPU in a subprocess; the generations.jsonl records."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-m", "fsdp_speedloader.app.generate", "logger=none", "device=cpu",
-                           f"model.path={hf}", "prompts.text=[hello world,the cat]", "max_new_tokens=3",
-                           "warmup=false", f"hydra.run.dir={tmp_path / 'run'}"],
+                           *overrides, "warmup=false", f"hydra.run.dir={tmp_path / 'run'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
-    assert [(r["prompt"], r["prompt_tokens"]) for r in lines] == [("hello world", [2, 3]), ("the cat", [4, 5])]
     assert "random weights" not in proc.stdout + proc.stderr  # the checkpoint's weights
+    return [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+
+
+def test_cli_reads_prompts_with_the_pretrained_checkpoints_own_tokenizer(tmp_path):
+    """model.path=DIR holding a Hugging Face tokenizer: prompts.text is encoded with it (not with bytes), the
+    generations decoded with it."""
+    hf = _pretrained_dir(tmp_path / "hf", ["[UNK]", "<eos>", "hello", "world", "the", "cat"])
+    lines = _generate_cli(tmp_path, f"model.path={hf}", "prompts.text=[hello world,the cat]", "max_new_tokens=3")
+    assert [(r["prompt"], r["prompt_tokens"]) for r in lines] == [("hello world", [2, 3]), ("the cat", [4, 5])]
+
+
+def test_cli_stops_at_every_eos_id_of_the_models_generation_config(tmp_path):
+    """An instruct model's generation_config.json lists end tokens beside the tokenizer's EOS (Llama-3's <|eot_id|>):
+    a sequence stops at any of them, as in Hugging Face's generate; it ran on to max_new_tokens."""
+    from transformers import GenerationConfig
+
+    hf = _pretrained_dir(tmp_path / "hf", ["<eot>", "<eos>", "[UNK]", "hello", "world", "the", "cat"],
+                         zero_norm=True)  # greedy emits id 0, <eot>
+    GenerationConfig(eos_token_id=[1, 0]).save_pretrained(hf)
+    lines = _generate_cli(tmp_path, f"model.path={hf}", "prompts.text=[hello world,the cat]", "max_new_tokens=3")
+    assert [r["completion_tokens"] for r in lines] == [[0], [0]]
+
+
+def test_stop_token_ids_are_the_tokenizers_eos_and_its_generation_configs(tmp_path):
+    from transformers import GenerationConfig
+
+    from fsdp_speedloader.app.data import ByteTokenizer
+    from fsdp_speedloader.app.generate import stop_token_ids
+
+    tokenizer = ByteTokenizer()  # EOS 256
+    assert stop_token_ids(tokenizer, None) == stop_token_ids(tokenizer, str(tmp_path)) == [256]  # no config
+    GenerationConfig(eos_token_id=[7, 256, 9]).save_pretrained(tmp_path)
+    assert stop_token_ids(tokenizer, str(tmp_path)) == [256, 7, 9]
+    GenerationConfig(eos_token_id=2).save_pretrained(tmp_path)  # another tokenizer's EOS: its id means another token
+    assert stop_token_ids(tokenizer, str(tmp_path)) == [256]
 
 
 def test_wandb_online_without_a_key_fails_before_the_model_in_generate_and_tune(tmp_path, monkeypatch):

@@ -40,7 +40,8 @@ from torch.distributed.tensor import DTensor
 from fsdp_speedloader import parallel
 from fsdp_speedloader.app.config import LoggerConfig, OffloadConfig, default_tokenizer
 from fsdp_speedloader.app.data import build_tokenizer
-from fsdp_speedloader.app.export import checkpoint_path_overrides, open_checkpoint
+from fsdp_speedloader.app.export import checkpoint_path_overrides, open_checkpoint, special_generation_config, \
+    special_token_ids
 from fsdp_speedloader.app.jsonl import JsonLineError, json_line_text
 from fsdp_speedloader.app.launch import config_path, fail, launch, rank, resolved_config
 from fsdp_speedloader.app.launch import rank as launch_rank
@@ -173,7 +174,8 @@ class GenerateConfig:
     """Prompts (the first ones) whose text and completion rank 0 prints on the console; null (``all`` on the command
     line): every one; 0: none. generations.jsonl holds them all either way."""
     stop_at_eos: bool = True
-    """Stop a sequence at the tokenizer's EOS (synthetic prompts never stop early)."""
+    """Stop a sequence at the tokenizer's EOS and at the other end ids of the model's generation_config.json
+    (synthetic prompts never stop early)."""
     warmup: bool = True
     """Run a 2-token generation first, so the timed run excludes lazy init and page-locking."""
     seed: int = 0
@@ -360,6 +362,17 @@ def _without_info(logger: logging.Logger) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------
 
 
+def stop_token_ids(tokenizer: Any, model_dir: Optional[str]) -> list[int]:
+    """The ids that end a sequence: the tokenizer's EOS and the EOS ids of ``model_dir``'s generation_config.json
+    (model.path's, or a checkpoint's copy of it), where Hugging Face's generate stops too: an instruct model's
+    several end tokens (Llama-3's <|eot_id|> beside <|end_of_text|>). A config that does not list the tokenizer's EOS
+    names another tokenizer's ids; those are left out, as the export leaves them out."""
+    special = special_token_ids(tokenizer)
+    config = special_generation_config(special, Path(model_dir) if model_dir else None)
+    listed = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    return list(dict.fromkeys(int(i) for i in (special["eos_token_id"], *listed) if i is not None))
+
+
 def check_host_weights(model: torch.nn.Module, cfg: GenerateConfig, dtype: torch.dtype, on: str) -> None:
     """Unquantized weights kept in host memory (``on``: the CPU, or offload=params) must fit the host budget:
     ``ValueError`` in one line before they are materialised (a 7B model in fp32 would otherwise fill the machine's
@@ -458,7 +471,7 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     eos_id = getattr(tokenizer, "eos_token_id", None)
     pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
     ids, mask = left_pad([tokens[k] for k in rows], pad_id)
-    eos = eos_id if cfg.stop_at_eos and cfg.prompts.source != "synthetic" else None
+    eos = stop_token_ids(tokenizer, model_cfg.path) if cfg.stop_at_eos and cfg.prompts.source != "synthetic" else None
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, num_sub_batches=cfg.num_sub_batches, kv_cache=cfg.kv_cache,
                   kv_device_sub_batches=cfg.kv_device_sub_batches,
                   cpu_attention_sub_batches=cfg.cpu_attention_sub_batches, kv_cache_dtype=cfg.kv_cache_dtype,

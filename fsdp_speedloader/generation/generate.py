@@ -209,9 +209,10 @@ def generate(
         max_new_tokens: new tokens per prompt (fewer when every sequence has ended with EOS).
         num_sub_batches: N; each unit is loaded once per step for all N sub-batches.
         do_sample / temperature / top_k / top_p: greedy (default) or sampling.
-        eos_token_id: token id(s) that end a sequence; None: no early stop (unlike Hugging Face, the
-            model's generation config is NOT consulted). Ended sequences get ``pad_token_id``
-            (default: the first EOS id); generation stops when all have ended (on every rank).
+        eos_token_id: token id(s) that end a sequence, at any of them; None: no early stop (unlike Hugging
+            Face, the model's generation config is NOT consulted: app/generate.py passes its end ids). Ended
+            sequences get ``pad_token_id`` (default: the first EOS id); generation stops when all have ended (on
+            every rank).
         kv_cache: 'device' (GPU), 'host' (page-locked host arena, copies overlapped with compute),
             'split' (the last ``kv_device_sub_batches`` sub-batches on the GPU, the others on the host:
             only those are copied), 'off' (recompute the prefix every step), 'auto' (device when the
