@@ -199,7 +199,7 @@ def test_bad_input_is_one_line_naming_file_and_line(tmp_path, capsys):
         ("missing.jsonl", r"missing\.jsonl: line 3: no field 'text' \(found \['body'\]\); pass --text-field"),
         ("latin1.jsonl", r"latin1\.jsonl: line 2: not UTF-8"),
         ("latin1.txt", r"latin1\.txt: line 3: not UTF-8"),
-        ("empty.txt", r"empty\.txt: line 1: the file is empty"),
+        ("empty.txt", r"empty\.txt is empty \(0 bytes\); nothing to prepare"),
         ("bad.jsonl", r"bad\.jsonl: line 2: not valid JSON"),
         ("number.jsonl", r"number\.jsonl: line 1: field 'text' holds a number, not a string"),
         ("blank.jsonl", r"blank\.jsonl: line 2: no line holds any text"),
@@ -228,6 +228,28 @@ def test_bad_input_is_one_line_naming_file_and_line(tmp_path, capsys):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert _fail(capsys, [str(tmp_path / "good.jsonl"), "-o", out, "--tokenizer", str(tmp_path / "no_tokenizer")]
                  ).startswith("error: --tokenizer: ")  # the flag this command takes, not training's data.tokenizer
+
+
+def test_an_empty_input_file_is_skipped_with_a_warning(tmp_path, capsys):
+    """A 0-byte file among the inputs holds no documents: a warning names it and the rest is prepared as if it
+    were not there; only a prepare whose every input is empty is refused (one line)."""
+    _corpus(tmp_path / "corpus")
+    kwargs = dict(tokenizer_name="bytes", shard_tokens=200, workers=1, progress_bar=False)
+    without = run([str(tmp_path / "corpus")], tmp_path / "without", **kwargs)
+    for name in ("0-empty.txt", "b2-empty.jsonl", "e-empty.jsonl.gz"):
+        (tmp_path / "corpus" / name).write_bytes(b"")
+    capsys.readouterr()
+    index = run([str(tmp_path / "corpus")], tmp_path / "with", **kwargs)
+    assert index == without and _shard_bytes(tmp_path / "with") == _shard_bytes(tmp_path / "without")
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 3 and all("is empty (0 bytes); skipped" in w for w in warnings), warnings
+    assert "b2-empty.jsonl" in warnings[1]
+
+    (tmp_path / "none").mkdir()
+    for name in ("a.txt", "b.jsonl"):
+        (tmp_path / "none" / name).write_bytes(b"")
+    err = _fail(capsys, [str(tmp_path / "none"), "-o", str(tmp_path / "out")])
+    assert re.search(r"error: all 2 input files \(.*a\.txt, \.\.\.\) are empty \(0 bytes\); nothing to prepare", err)
 
 
 def test_a_prepare_that_failed_before_its_first_shard_starts_over_with_the_corrected_settings(tmp_path, capsys):

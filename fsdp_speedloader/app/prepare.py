@@ -14,8 +14,8 @@ Each input file goes to one worker process, which streams it (a line, a row or a
 whatever the file sizes. Resume: a shard is recorded in <output>/progress/ only once it is complete, with
 how far into its input file it reaches; after an interruption, the same command skips what is recorded and
 redoes the rest (a partly written shard included). index.json is written last: training refuses a directory
-without it. Bad input (a missing field, a line that is not UTF-8 or not JSON, an empty file) stops the run with
-one line naming the file and line, exit status 2.
+without it. Bad input (a missing field, a line that is not UTF-8 or not JSON) stops the run with one line naming
+the file and line, exit status 2; an empty (0-byte) file is skipped with a warning, unless every input is empty.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,8 @@ def input_kind(path: Path) -> Optional[str]:
 
 def find_inputs(patterns: list[str]) -> list[Path]:
     """The input files of ``patterns`` (files, directories searched recursively, globs), each argument's sorted
-    by path, duplicates dropped; InputError when one names nothing usable."""
+    by path, duplicates and empty (0-byte) files dropped, a warning naming each of the latter; InputError when one
+    names nothing usable, or when every file is empty."""
     files: list[Path] = []
     for pattern in patterns:
         p = Path(pattern)
@@ -49,10 +51,15 @@ def find_inputs(patterns: list[str]) -> list[Path]:
                 raise InputError(f"{pattern}: no such file, and as a pattern it matches no {', '.join(SUFFIXES)} files")
         files.extend(found)
     unique = list(dict.fromkeys(f.resolve() for f in files))
-    for f in unique:
-        if f.stat().st_size == 0:
-            raise InputError(f"{f}: line 1: the file is empty; remove it from the inputs")
-    return unique
+    # An empty file holds no documents: one among many (a crawl's empty part) is skipped, not fatal; only a
+    # prepare with nothing at all to tokenize is refused.
+    empty = [f for f in unique if f.stat().st_size == 0]
+    if len(empty) == len(unique):
+        named = f"{empty[0]} is" if len(empty) == 1 else f"all {len(empty)} input files ({empty[0]}, ...) are"
+        raise InputError(f"{named} empty (0 bytes); nothing to prepare")
+    for f in empty:
+        print(f"warning: {f}: the file is empty (0 bytes); skipped", file=sys.stderr, flush=True)
+    return [f for f in unique if f not in empty]
 
 
 @dataclass
