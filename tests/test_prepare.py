@@ -170,6 +170,30 @@ def test_a_failed_run_resumes_after_the_input_is_fixed(tmp_path):
     assert index == run([str(corpus)], tmp_path / "fresh", **kwargs)
 
 
+def test_a_rerun_after_an_input_shrank_removes_the_shards_it_no_longer_lists(tmp_path):
+    """The same command after an input lost documents writes fewer parts: the old higher parts (and a leftover
+    .tmp) are deleted, so the directory holds what a fresh prepare writes; files of other names stay."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _documents(60, "a")))
+    (corpus / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _documents(20, "b")))
+    kwargs = dict(tokenizer_name="bytes", shard_tokens=200, workers=1, progress_bar=False)
+    out = tmp_path / "out"
+    before = run([str(corpus)], out, **kwargs)
+    (out / "notes.txt").write_text("keep me")
+    (out / "000000-00099.bin.bak").write_text("not a shard name: kept")
+    (out / "000001-00042.bin.tmp").write_bytes(b"left over")
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _documents(4, "a")))
+
+    index = run([str(corpus)], out, **kwargs)
+    assert len(index["shards"]) < len(before["shards"])
+    assert index == run([str(corpus)], tmp_path / "fresh", **kwargs)
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / "fresh")
+    listed = {name for s in index["shards"] for name in (s["file"], s["document_starts"])}
+    assert {p.name for p in out.iterdir()} == listed | {"index.json", "progress", "notes.txt", "000000-00099.bin.bak"}
+    assert len(TokenDirectory(out)) == index["num_tokens"]
+
+
 def _fail(capsys, argv: list[str]) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--no-progress"])

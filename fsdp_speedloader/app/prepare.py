@@ -26,6 +26,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from fsdp_speedloader.app.token_shards import INDEX_FILE, TOKEN_DTYPES, token_dt
 PROGRESS_DIR = "progress"
 SETTINGS_FILE = "settings.json"
 DEFAULT_SHARD_TOKENS = 1 << 26
+SHARD_NAME = re.compile(r"\d{6,}-\d{5,}\.(bin|docs\.npy)(\.tmp)?")  # <input file number>-<part>, as _ShardWriter names
 _BATCH_CHARS = 1 << 20  # text per tokenizer call: large enough to amortise the call, small enough to bound memory
 _BATCH_UNITS = 4096
 
@@ -244,6 +246,23 @@ def check_output(output: Path, settings: dict) -> None:
                          "directory (nothing in it is touched)")
 
 
+def remove_unlisted_shards(output: Path, shards: list[dict]) -> list[Path]:
+    """Deletes the shard files (``.bin``, ``.docs.npy``) in ``output`` that ``shards`` does not list, and any shard
+    ``.tmp`` left over; returns them. A rerun after an input shrank writes fewer parts: its old higher parts would
+    stay behind.
+
+    Safe here: check_output let this run into ``output`` only as a new or empty directory or as one a prepare
+    started, so a file with a shard's name is a prepare's own; every worker has finished, so no .tmp is being
+    written; and index.json is written after this, so a run stopped mid-way is resumed as any other. Only names of
+    the shard pattern are touched: anything else a user put there stays."""
+    listed = {name for shard in shards for name in (shard["file"], shard["document_starts"])}
+    stale = sorted(f for f in output.iterdir()
+                   if SHARD_NAME.fullmatch(f.name) and f.name not in listed and f.is_file())
+    for f in stale:
+        f.unlink()
+    return stale
+
+
 def run(inputs: list[str], output: Path, *, tokenizer_name: str, text_field: str = "text",
         shard_tokens: int = DEFAULT_SHARD_TOKENS, workers: int = 0, progress_bar: bool = True) -> dict:
     """Prepares ``inputs`` into ``output``; returns the index. Raises InputError / ValueError on bad input."""
@@ -283,6 +302,7 @@ def run(inputs: list[str], output: Path, *, tokenizer_name: str, text_field: str
     bar.close()
     shards = [{k: v for k, v in shard.items() if k != "units_done"}
               for i in range(len(tasks)) for shard in records[i]["shards"]]
+    remove_unlisted_shards(output, shards)
     return write_index(output, tokenizer=tokenizer_name, vocab_size=vocab_size, eos_token_id=eos,
                        dtype=settings.dtype, shards=shards, text_field=text_field)
 
