@@ -324,6 +324,35 @@ def test_a_bin_file_of_the_earlier_format_still_loads(tmp_path):
         assert torch.equal(loader.next_batch()["input_ids"], in_memory.next_batch()["input_ids"])
 
 
+def test_an_id_past_the_vocabulary_is_one_error_naming_the_file_when_it_is_read(tmp_path):
+    """A shard holding an id >= the index's vocab_size (written by hand, or with another tokenizer) fails when a
+    batch reads it, naming the file, the id and the vocab_size (a UserError: one line at the entry point), not as
+    an IndexError inside the model's embedding."""
+    from fsdp_speedloader.app.launch import UserError
+
+    _corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    index = run([str(tmp_path / "corpus")], out, tokenizer_name="bytes", shard_tokens=200, workers=1,
+                progress_bar=False)
+    bad = out / index["shards"][3]["file"]
+    tokens = np.fromfile(bad, dtype="<u2")
+    tokens[5] = 5000
+    tokens.tofile(bad)
+    message = rf"data.path: token file '{re.escape(str(bad))}' holds id 5000 .* >= vocab_size=257 of its index"
+    with pytest.raises(UserError, match=message):
+        TokenDirectory(out).read(0, index["num_tokens"])
+    loader = build_loader(DataConfig(source="tokens", path=str(out), seq_len=16), vocab_size=320, batch_size=8)
+    with pytest.raises(UserError, match=message):
+        for _ in range(loader.num_sequences // 8 + 1):  # an epoch: every sequence is read once
+            loader.next_batch()
+
+    tokens.tofile(tmp_path / "train.bin")  # the earlier format: the sidecar's vocab_size
+    (tmp_path / "train.bin.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 257,
+                                                         "num_tokens": len(tokens), "tokenizer": "bytes"}))
+    with pytest.raises(UserError, match=r"train\.bin' holds id 5000 .* >= vocab_size=257 of its sidecar"):
+        load_tokens(DataConfig(source="tokens", path=str(tmp_path / "train.bin"))).read(0, len(tokens))
+
+
 def _forked_children(pid: int) -> list[int]:
     """Children of ``pid`` running its command line (fork()ed workers, not a helper process it started)."""
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

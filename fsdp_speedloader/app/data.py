@@ -249,7 +249,8 @@ def read_token_source(path: PathLike) -> TokenStream:
     if Path(path).is_dir():
         return TokenDirectory(path)
     meta = read_sidecar(path)
-    return TokenStream([(Path(path), meta["num_tokens"])], TOKEN_DTYPES[meta["dtype"]])
+    return TokenStream([(Path(path), meta["num_tokens"])], TOKEN_DTYPES[meta["dtype"]], meta["vocab_size"],
+                       "its sidecar")
 
 
 def token_source_meta(path: PathLike) -> dict:

@@ -24,7 +24,7 @@ import collections
 import json
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import NoReturn, Optional, Union
 
 import numpy as np
 
@@ -126,9 +126,13 @@ class TokenStream:
 
     ndim = 1
 
-    def __init__(self, files: list[tuple[Path, int]], dtype: np.dtype) -> None:
+    def __init__(self, files: list[tuple[Path, int]], dtype: np.dtype, vocab_size: Optional[int] = None,
+                 vocab_source: str = "its index") -> None:
         files = [(Path(f), n) for f, n in files if n > 0]
         self.dtype = np.dtype(dtype)
+        # Every id read is checked against it: an id past the vocabulary (a hand-written shard, another
+        # tokenizer's) would fail deep in the model's embedding, or on a GPU as an asynchronous device assert.
+        self.vocab_size, self.vocab_source = vocab_size, vocab_source
         self._files = [f for f, _ in files]
         self._starts = np.concatenate([[0], np.cumsum([n for _, n in files], dtype=np.int64)])  # (num_files + 1,)
         self._open: collections.OrderedDict[int, int] = collections.OrderedDict()  # file number -> descriptor
@@ -167,9 +171,19 @@ class TokenStream:
             if len(data) != (end - start) * self.dtype.itemsize:
                 raise ValueError(f"data.path: {str(self._files[i])!r} ended early (read {len(data)} bytes at "
                                  f"{offset}); it changed after its index was written: prepare it again")
-            out[done : done + end - start] = np.frombuffer(data, dtype=self.dtype)
+            piece = np.frombuffer(data, dtype=self.dtype)
+            if self.vocab_size is not None and len(piece) and (largest := int(piece.max())) >= self.vocab_size:
+                self._id_error(i, largest)
+            out[done : done + end - start] = piece
             start, i, done = end, i + 1, done + end - start
         return out
+
+    def _id_error(self, i: int, largest: int) -> NoReturn:
+        from fsdp_speedloader.app.launch import UserError  # a ValueError the training loop prints as one line
+
+        raise UserError(f"data.path: token file {str(self._files[i])!r} holds id {largest} (the largest read) >= "
+                        f"vocab_size={self.vocab_size} of {self.vocab_source}; it was written with another tokenizer "
+                        "or by hand: prepare it again")
 
     def sequences(self, seq_len: int) -> "PackedSequences":
         return PackedSequences(self, seq_len)
@@ -180,7 +194,7 @@ class TokenStream:
             raise IndexError(f"TokenStream.head: {num_tokens} is outside [0, {len(self)}]")
         files = [(f, int(min(end, num_tokens) - start)) for f, start, end in
                  zip(self._files, self._starts[:-1], self._starts[1:]) if start < num_tokens]
-        return TokenStream(files, self.dtype)
+        return TokenStream(files, self.dtype, self.vocab_size, self.vocab_source)
 
 
 class TokenDirectory(TokenStream):
@@ -191,7 +205,7 @@ class TokenDirectory(TokenStream):
         self.index = read_index(self.directory)
         shards = [s for s in self.index["shards"] if s["num_tokens"] > 0]
         super().__init__([(self.directory / s["file"], s["num_tokens"]) for s in shards],
-                         TOKEN_DTYPES[self.index["dtype"]])
+                         TOKEN_DTYPES[self.index["dtype"]], self.index["vocab_size"], "its index")
         self._doc_files = [self.directory / s["document_starts"] for s in shards]
 
     def document_starts(self, start: int, stop: int) -> np.ndarray:
