@@ -353,6 +353,35 @@ def test_an_id_past_the_vocabulary_is_one_error_naming_the_file_when_it_is_read(
         load_tokens(DataConfig(source="tokens", path=str(tmp_path / "train.bin"))).read(0, len(tokens))
 
 
+def test_errors_found_while_reading_name_the_setting_that_gave_the_files(tmp_path):
+    """A mixture's dataset and the held-out set are read as data.path is; what goes wrong mid-run (a shard cut
+    short after its index was written, an id past the vocabulary) names their own setting, as a UserError (one line
+    at the entry point, not a traceback)."""
+    from fsdp_speedloader.app.data import load_val_tokens
+    from fsdp_speedloader.app.launch import UserError
+
+    _corpus(tmp_path / "corpus")
+    for name in ("a", "b"):
+        run([str(tmp_path / "corpus")], tmp_path / name, tokenizer_name="bytes", shard_tokens=200, workers=1,
+            progress_bar=False)
+    index = json.loads((tmp_path / "b" / "index.json").read_text())
+    cut = tmp_path / "b" / index["shards"][-1]["file"]
+    mixture = [{"path": str(tmp_path / "a"), "weight": 0.5}, {"path": str(tmp_path / "b"), "weight": 0.5}]
+    loader = build_loader(DataConfig(source="tokens", path=None, mixture=mixture, seq_len=16), vocab_size=320,
+                          batch_size=8)
+    cut.write_bytes(cut.read_bytes()[:10])  # changed after its index was written (and checked, at setup)
+    with pytest.raises(UserError, match=rf"^data\.mixture\[1\]\.path: '{re.escape(str(cut))}' ended early"):
+        for _ in range(4 * index["num_tokens"] // (16 * 8)):  # both datasets' epochs, and then some
+            loader.next_batch()
+    bad = tmp_path / "a" / index["shards"][0]["file"]
+    tokens = np.fromfile(bad, dtype="<u2")
+    tokens[3] = 5000
+    tokens.tofile(bad)
+    with pytest.raises(UserError, match=rf"^data\.val_path: token file '{re.escape(str(bad))}' holds id 5000"):
+        load_val_tokens(DataConfig(source="tokens", path=str(tmp_path / "b"), val_path=str(tmp_path / "a"),
+                                   seq_len=16))
+
+
 def _forked_children(pid: int) -> list[int]:
     """Children of ``pid`` running its command line (fork()ed workers, not a helper process it started)."""
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -315,9 +315,12 @@ def load_val_tokens(cfg: DataConfig) -> np.ndarray:
     """The held-out token stream: ``data.val_path`` read as ``data.source`` reads ``data.path``, or the end of
     the training stream (``data.val_fraction``); empty when neither is set."""
     if cfg.val_path:
-        tokens = load_tokens(_as_val_source(cfg))
-        # A held-out token directory is read whole: an evaluation reads every one of its sequences anyway.
-        return tokens.read(0, len(tokens)) if isinstance(tokens, TokenStream) else tokens
+        try:
+            tokens = load_tokens(_as_val_source(cfg))
+            # A held-out token directory is read whole: an evaluation reads every one of its sequences anyway.
+            return tokens.read(0, len(tokens)) if isinstance(tokens, TokenStream) else tokens
+        except ValueError as e:  # read as data.path is: say which setting named it
+            raise renamed(e, "data.val_path") from None
     return split_held_out(load_tokens(cfg), cfg.val_fraction, cfg.seq_len)[1]
 
 
@@ -439,7 +442,11 @@ def other_than_models_own(cfg: DataConfig, model_path: Optional[str]) -> Optiona
 def renamed(error: ValueError, key: str) -> ValueError:
     """``error`` of a path read as ``data.path`` is, naming ``key`` (the setting that gave the path: a mixture's
     entry, ``data.val_path``) wherever it says ``data.path``; any other error as it is."""
-    return ValueError(str(error).replace("data.path", key)) if str(error).startswith("data.path:") else error
+    from fsdp_speedloader.app.launch import UserError  # one found mid-run stays one (printed as one line there too)
+
+    if not str(error).startswith("data.path:"):
+        return error
+    return (UserError if isinstance(error, UserError) else ValueError)(str(error).replace("data.path", key))
 
 
 def _named_meta(key: str, path: PathLike) -> dict:
@@ -633,8 +640,9 @@ def build_loader(cfg: DataConfig, *, vocab_size: int, batch_size: int, rank: int
     if cfg.mixture:
         _check_loader_args(cfg.seq_len, batch_size, rank, world_size, cfg.seed)
         datasets = []
-        for entry in cfg.mixture:
+        for i, entry in enumerate(cfg.mixture):
             stream = read_token_source(entry["path"])
+            stream.key = f"data.mixture[{i}].path"  # what its errors mid-run name
             datasets.append((entry["path"], stream.sequences(cfg.seq_len)))
         return MixtureLoader(datasets, [entry["weight"] for entry in cfg.mixture], batch_size=batch_size,
                              rank=rank, world_size=world_size, seed=cfg.seed)

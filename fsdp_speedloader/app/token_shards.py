@@ -133,6 +133,7 @@ class TokenStream:
         # Every id read is checked against it: an id past the vocabulary (a hand-written shard, another
         # tokenizer's) would fail deep in the model's embedding, or on a GPU as an asynchronous device assert.
         self.vocab_size, self.vocab_source = vocab_size, vocab_source
+        self.key = "data.path"  # the setting that named these files, in errors found mid-run (a mixture's entry)
         self._files = [f for f, _ in files]
         self._starts = np.concatenate([[0], np.cumsum([n for _, n in files], dtype=np.int64)])  # (num_files + 1,)
         self._open: collections.OrderedDict[int, int] = collections.OrderedDict()  # file number -> descriptor
@@ -169,8 +170,8 @@ class TokenStream:
             offset = (start - int(self._starts[i])) * self.dtype.itemsize
             data = os.pread(self._fd(i), (end - start) * self.dtype.itemsize, offset)
             if len(data) != (end - start) * self.dtype.itemsize:
-                raise ValueError(f"data.path: {str(self._files[i])!r} ended early (read {len(data)} bytes at "
-                                 f"{offset}); it changed after its index was written: prepare it again")
+                self._error(f"{str(self._files[i])!r} ended early (read {len(data)} bytes at {offset}); it changed "
+                            "after its index was written: prepare it again")
             piece = np.frombuffer(data, dtype=self.dtype)
             if self.vocab_size is not None and len(piece) and (largest := int(piece.max())) >= self.vocab_size:
                 self._id_error(i, largest)
@@ -179,11 +180,14 @@ class TokenStream:
         return out
 
     def _id_error(self, i: int, largest: int) -> NoReturn:
+        self._error(f"token file {str(self._files[i])!r} holds id {largest} (the largest read) >= "
+                    f"vocab_size={self.vocab_size} of {self.vocab_source}; it was written with another tokenizer or "
+                    "by hand: prepare it again")
+
+    def _error(self, message: str) -> NoReturn:
         from fsdp_speedloader.app.launch import UserError  # a ValueError the training loop prints as one line
 
-        raise UserError(f"data.path: token file {str(self._files[i])!r} holds id {largest} (the largest read) >= "
-                        f"vocab_size={self.vocab_size} of {self.vocab_source}; it was written with another tokenizer "
-                        "or by hand: prepare it again")
+        raise UserError(f"{self.key}: {message}")
 
     def sequences(self, seq_len: int) -> "PackedSequences":
         return PackedSequences(self, seq_len)
@@ -194,7 +198,9 @@ class TokenStream:
             raise IndexError(f"TokenStream.head: {num_tokens} is outside [0, {len(self)}]")
         files = [(f, int(min(end, num_tokens) - start)) for f, start, end in
                  zip(self._files, self._starts[:-1], self._starts[1:]) if start < num_tokens]
-        return TokenStream(files, self.dtype, self.vocab_size, self.vocab_source)
+        head = TokenStream(files, self.dtype, self.vocab_size, self.vocab_source)
+        head.key = self.key
+        return head
 
 
 class TokenDirectory(TokenStream):
