@@ -265,7 +265,10 @@ def test_token_directories_give_a_held_out_set_and_progress(tmp_path):
                      mixture=[{"path": web, "weight": 1}, {"path": _bin(tmp_path / "c.bin", tokens), "weight": 1}])
     mixed = build_loader(mix, vocab_size=257, batch_size=4)
     mixed.next_batch()
-    assert mixed.progress() == {"epoch": pytest.approx(4 / 80), "dataset_tokens": 80 * SEQ_LEN}
+    # 4 samples, 2 from each: 2 of web's 40 sequences and 2 of c.bin's 40, each a dataset's own figure
+    assert mixed.progress() == {"epoch": pytest.approx(4 / 80), "dataset_tokens": 80 * SEQ_LEN,
+                                "mixture/0/epoch": pytest.approx(2 / 40), "mixture/0/tokens": 2 * SEQ_LEN,
+                                "mixture/1/epoch": pytest.approx(2 / 40), "mixture/1/tokens": 2 * SEQ_LEN}
     assert len(load_val_tokens(mix)) == len(tokens)
     with pytest.raises(ValueError, match=r"data\.val_fraction: a mixture holds out no fraction"):
         DataConfig(source="tokens", seq_len=SEQ_LEN, val_fraction=0.1, mixture=[{"path": web, "weight": 1}])

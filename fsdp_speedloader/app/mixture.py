@@ -56,9 +56,14 @@ class MixtureLoader:
 
     def progress(self) -> dict:
         """For every log record: passes over the whole mixture (sequences taken over the datasets' sequences) and
-        every dataset's tokens; each dataset's completed passes are ``epochs``."""
-        return {"epoch": sum(self.consumed) / sum(self.num_sequences),
-                "dataset_tokens": sum(self.num_sequences) * self.seq_len}
+        every dataset's tokens; then, dataset i by its place in data.mixture, its passes (``mixture/i/epoch``, a
+        fraction) and the tokens the job has taken from it (``mixture/i/tokens``): a small dataset's repeats show."""
+        record = {"epoch": sum(self.consumed) / sum(self.num_sequences),
+                  "dataset_tokens": sum(self.num_sequences) * self.seq_len}
+        for i, (taken, n) in enumerate(zip(self.consumed, self.num_sequences)):
+            record[f"mixture/{i}/epoch"] = taken / n
+            record[f"mixture/{i}/tokens"] = taken * self.seq_len
+        return record
 
     def _take(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The next ``count`` global samples: (dataset of each, sequence index of each), both (count,)."""
