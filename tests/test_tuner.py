@@ -224,6 +224,11 @@ def test_plan_caps():
     plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
                                   target_batch_size=8)
     assert (plan.sub_batch_size, plan.num_sub_batches) == (8, 1)
+    # the whole target in one sub-batch is the plan meant (no warning); a target n does not divide falls short
+    assert plan.whole_batch_fits() and plan.single_sub_batch_warning() is None and plan.target_warning() is None
+    plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
+                                  max_sub_batch_size=4, target_batch_size=10)
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (4, 2) and "e.g. 12" in plan.target_warning()
 
 
 def test_budget_boundaries_are_inclusive():
@@ -561,7 +566,8 @@ def test_auto_schedule_caps_the_sub_batch_size(tmp_path):
     plan = tune_train_config(_auto_config(tmp_path, max_sub_batch_size=1, target_batch_size=3), mesh=_cpu_mesh(),
                              param_dtype=torch.float32, reduce_dtype=torch.float32)
     assert (plan.sub_batch_size, plan.num_sub_batches) == (1, 3)
-    assert plan.limited_by == {"sub_batch_size": "max_sub_batch_size", "num_sub_batches": "target_batch_size"}
+    assert plan.limited_by == {"sub_batch_size": "schedule.max_sub_batch_size",
+                               "num_sub_batches": "schedule.target_batch_size"}  # the settings, by name
 
 
 def test_auto_schedule_on_a_cpu_keeps_the_configured_batch(tmp_path):

@@ -32,13 +32,14 @@ def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduc
     if gpu_budget is None and cfg.max_gpu_memory_gib is not None:  # else the setting to name is the schedule's
         gpu_name, gpu_budget = "max_gpu_memory_gib", cfg.max_gpu_memory_gib
     caps = {"max_sub_batch_size": sched.max_sub_batch_size, "target_batch_size": sched.target_batch_size}
-    cap_names = None
+    cap_names = {name: f"schedule.{name}" for name in caps}  # what the plan and its warnings call them
     device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")  # tune's
     if device_type == "cpu" and not cfg.offload.params:  # the trial model holds every state in host memory too
         check_cpu_memory(build_model(cfg.model, device="meta"), cfg,
                          shards=parallel.shard_size(mesh) if mesh is not None else 1)
     if device_type != "cuda" and gpu_budget is None:
-        caps, cap_names = configured_caps(sched)
+        caps, configured = configured_caps(sched)
+        cap_names.update(configured)
     options = speedloader_options(cfg, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return tune(cfg.model, options, seq_len=cfg.data.seq_len, gpu_memory_budget_bytes=gib(gpu_budget),
                 host_memory_budget_bytes=gib(sched.host_memory_budget_gib), **caps,

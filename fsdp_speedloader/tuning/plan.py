@@ -112,6 +112,8 @@ class TunePlan:
     device_unit_bytes: int = 0
     """GPU memory the states of one unit kept there take (from the parameter count; 0: not planned)."""
     trial_s: float = 0.0
+    target_batch_size: Optional[int] = None
+    """The target effective batch the plan was capped by (None: none given)."""
 
     # --- the memory model ----------------------------------------------------------------------
     @property
@@ -180,11 +182,30 @@ class TunePlan:
     def _name(self) -> str:
         return f"n={self.sub_batch_size} x N={self.num_sub_batches}, blocks_per_unit={self.blocks_per_unit}"
 
+    def whole_batch_fits(self) -> bool:
+        """The whole target batch in one sub-batch (N = 1, n = target_batch_size): the plan meant, not a shortfall.
+        Each unit is loaded once per direction for the whole batch (the canonical order, with the engine's
+        overlapped host optimizer); where a batch fits the GPU that ran faster than layer-major's sub-batches
+        (docs/results.md, the regime map's 80 GiB point)."""
+        return self.num_sub_batches == 1 and self.sub_batch_size == self.target_batch_size
+
+    def target_warning(self, target_name: str = "target_batch_size") -> Optional[str]:
+        """When n x N falls short of the target (N = target // n: the target is not a multiple of n), what to set;
+        else None."""
+        if self.target_batch_size is None or self.batch_size >= self.target_batch_size:
+            return None
+        n = self.sub_batch_size
+        return (f"{target_name}={self.target_batch_size} is not a multiple of the planned n={n}: the plan runs "
+                f"n x N = {n} x {self.num_sub_batches} = {self.batch_size} sequences (N = {self.target_batch_size} // "
+                f"{n}); a multiple of {n} (e.g. {-(-self.target_batch_size // n) * n}) runs exactly that batch")
+
     def single_sub_batch_warning(self, budget_names: tuple[str, str] = ("gpu_memory_budget_bytes",
                                                                         "host_memory_budget_bytes")) -> Optional[str]:
         """When the plan has N = 1 (no layer-major reuse: each unit is loaded for a single sub-batch, as without
-        SpeedLoader), what to change for N >= 2; None for N >= 2. ``budget_names``: the settings of the two budgets."""
-        if self.num_sub_batches != 1:
+        SpeedLoader) for want of memory or by a cap, what to change for N >= 2; None for N >= 2, and where the whole
+        target batch fits one sub-batch (:meth:`whole_batch_fits`: the faster plan there, not a shortfall).
+        ``budget_names``: the settings of the two budgets."""
+        if self.num_sub_batches != 1 or self.whole_batch_fits():
             return None
         cpu = "; on a CPU both budgets are host memory" if self.device == "cpu" else ""
         return (f"the tuned plan has N=1 sub-batch (n={self.sub_batch_size}; N limited by "
@@ -407,6 +428,7 @@ def plan_from_measurements(
         raise _too_small_error(plan, candidates[0])
     _, n, N, b, limited = max(choices, key=lambda c: c[0])
     plan.sub_batch_size, plan.num_sub_batches, plan.blocks_per_unit, plan.limited_by = n, N, b, limited
+    plan.target_batch_size = target_batch_size
     plan.predicted_gpu_bytes = int(plan.predict_gpu_bytes(n, N, b))
     plan.predicted_gpu_reserved_bytes = int(plan.predict_gpu_reserved_bytes(n, N, b))
     plan.predicted_host_bytes = int(plan.predict_host_bytes(n, N, b))

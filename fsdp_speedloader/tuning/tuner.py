@@ -142,9 +142,15 @@ def tune(
         device_unit_bytes_per_block=device_unit_bytes_per_block(model, trials.mesh) if plan_units else 0,
         cap_names=cap_names, trial_s=time.perf_counter() - start, **trials.budgets.plan_fields(),
         **_device_fields(trials.device))
-    warning = plan.single_sub_batch_warning(budget_names)
-    if warning is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-        log.warning(warning)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        target_name = (cap_names or {}).get("target_batch_size", "target_batch_size")
+        for warning in (plan.target_warning(target_name), plan.single_sub_batch_warning(budget_names)):
+            if warning is not None:
+                log.warning(warning)
+        if plan.whole_batch_fits():
+            log.info("the whole target batch fits one sub-batch: N=1 (n=%d), each unit loaded once per direction for "
+                     "all of it; layer-major (N >= 2) is for batches the budget cannot hold at once, where it saves "
+                     "loads (to force it: schedule=speedloader schedule.num_sub_batches=2)", plan.sub_batch_size)
     return plan
 
 
