@@ -67,6 +67,23 @@ def test_tokens_count_on_from_the_checkpoint_after_a_resume_with_another_batch(t
     assert [m["tokens"] for m in resumed] == [3 * per_step_before + k * 2 * per_step_before for k in (1, 2, 3)]
 
 
+def test_a_resume_with_other_optimizer_settings_runs_them_and_says_so(tmp_path, caplog):
+    # the checkpoint's param groups and base LR replaced the command line's: a lower optim.lr after a NaN loss
+    # resumed at the old LR and failed again
+    Trainer(_config(tmp_path / "b", tmp_path / "ckpt", "speedloader")).train(max_steps=3)
+    cfg = _config(tmp_path / "c", tmp_path / "ckpt", "speedloader", resume="auto")
+    lower = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=cfg.optim.lr / 10, weight_decay=0.0))
+    caplog.set_level("WARNING")
+    trainer = Trainer(lower)
+    assert all(g["weight_decay"] == 0.0 for g in trainer.optimizer.param_groups)
+    (warned,) = [r.getMessage() for r in caplog.records if "other optimizer settings" in r.getMessage()]
+    assert f"lr {cfg.optim.lr:g} -> {cfg.optim.lr / 10:g}" in warned and "weight_decay 0.1 -> 0.0" in warned
+    resumed = trainer.train()
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    uninterrupted_lr = [m["lr"] for m in Trainer(_config(tmp_path / "a", tmp_path / "a_ckpt", "speedloader")).train()]
+    assert [m["lr"] for m in resumed] == pytest.approx([lr / 10 for lr in uninterrupted_lr[3:]])
+
+
 def test_a_step_directory_as_checkpoint_dir_is_refused_naming_resume(tmp_path):
     # it started fresh and wrote step_00000003/step_00000006 inside the checkpoint
     Trainer(_config(tmp_path / "b", tmp_path / "ckpt", "speedloader")).train(max_steps=3)

@@ -534,8 +534,12 @@ class Checkpointer:
             raise ValueError(f"checkpoint {str(path)!r} cannot be loaded ({type(e).__name__}: {first}); resume from "
                              "another step directory, or start fresh: checkpoint.resume=null") from e
         set_model_state_dict(model, state["model"])
+        configured = scheduler.configured() if hasattr(scheduler, "configured") else None
         optimizer.load_state_dict(state["optim"])
         scheduler.load_state_dict(extra["scheduler"])
+        if configured is not None and (changed := scheduler.reapply(configured)) and self.rank == 0:
+            log.warning("resumed with other optimizer settings than the checkpoint's: %s (this run's apply; the "
+                        "schedule goes on from the checkpoint's step)", ", ".join(changed))
         if same_world:
             set_rng_state(extra["rng"], self.device)
         elif self.rank == 0:

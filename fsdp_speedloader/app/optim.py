@@ -133,3 +133,40 @@ class LRSchedulersContainer:
                              "depth / schedule.blocks_per_unit")
         for scheduler, s in zip(self.schedulers, states):
             scheduler.load_state_dict(s)
+
+    def configured(self) -> list[tuple[list[float], list[dict]]]:
+        """This run's settings, before a checkpoint's replace them: each scheduler's base LRs and its optimizer's
+        param-group hyperparameters (weight decay, betas, eps, ...; not the parameters or the current LR)."""
+        return [(list(s.base_lrs), [{k: v for k, v in g.items() if k not in _SCHEDULED} for g in s.optimizer.param_groups])
+                for s in self.schedulers]
+
+    def reapply(self, configured: list[tuple[list[float], list[dict]]]) -> list[str]:
+        """After a resume: ``configured`` (:meth:`configured`) replaces what the checkpoint held, the schedule going on
+        from the checkpoint's step with it, as a resumed run's command line says (a lower ``optim.lr`` after a loss
+        that went to NaN). Returns the settings that changed, as "name old -> new" (each once)."""
+        changes: dict[str, str] = {}
+        for scheduler, (base_lrs, groups) in zip(self.schedulers, configured):
+            for group, settings in zip(scheduler.optimizer.param_groups, groups):
+                for key, value in settings.items():
+                    if not _same(group.get(key), value):
+                        changes.setdefault(key, f"{key} {group.get(key)} -> {value}")
+                        group[key] = value
+            for old, new in zip(scheduler.base_lrs, base_lrs):
+                if not _same(old, new):
+                    changes.setdefault("lr", f"lr {old:g} -> {new:g}")
+            scheduler.base_lrs = base_lrs
+            epoch = scheduler.last_epoch
+            for group, base, factor in zip(scheduler.optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+                group["initial_lr"], group["lr"] = base, base * factor(epoch)
+            scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+        return list(changes.values())
+
+
+_SCHEDULED = ("params", "lr", "initial_lr")  # a group's parameters, and what the LR schedule sets
+
+
+def _same(a, b) -> bool:
+    """Equal settings, a tuple and the list a checkpoint made of it alike (AdamW's betas)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return a == b
