@@ -290,6 +290,9 @@ def test_non_empty_out_is_refused_before_anything_is_read(trained, tmp_path, mon
     # overwrite=true: an earlier (sharded) export's files go, the user's stay.
     export_checkpoint(trained["opt"]["ckpt"], out, overwrite=True, max_shard_size="30KB")
     assert (out / "model.safetensors.index.json").is_file()
+    # an earlier export's tokenizer (another vocabulary) left beside this byte-tokenizer model loaded as its own
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (out / name).write_text("{}")
     export_checkpoint(trained["opt"]["ckpt"], out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
                                                     "notes.txt"]

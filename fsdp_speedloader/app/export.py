@@ -21,7 +21,7 @@ and freed before the next shard's are allocated: the peak is about ``max_shard_s
 larger) plus one saved chunk.
 
 A non-empty ``out`` is refused before anything is read, unless ``overwrite=true``, which replaces the files an
-export writes (an earlier export's shards and index are removed) and deletes nothing else.
+export writes (an earlier export's shards, index and tokenizer files are removed) and deletes nothing else.
 
 Python (the generation CLI, ``app/generate.py``, loads a checkpoint the same way)::
 
@@ -74,6 +74,11 @@ log = logging.getLogger("fsdp_speedloader.app.export")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+# The files a Hugging Face tokenizer's save_pretrained writes (the fast and slow formats of the families here): an
+# earlier export's, left beside a model with another vocabulary, or none, would load as this model's tokenizer.
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                        "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                        "chat_template.jinja", "chat_template.json")
 # DCP keys of the model's state in a training checkpoint: "model." + the parameter's name (Checkpointer.save).
 _MODEL_PREFIX = "model."
 
@@ -297,8 +302,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, max_shard_size
     shards = plan_shards(sizes, max_bytes)
 
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.iterdir():  # an earlier export's weights (only with overwrite: out was empty otherwise)
-        if old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.match(old.name):
+    for old in out.iterdir():  # an earlier export's weights and tokenizer (only with overwrite: else out was empty)
+        if old.name in (SINGLE_FILE, INDEX_FILE, *TOKENIZER_FILE_NAMES) or _SHARD_FILE.match(old.name):
             old.unlink()
     files = [SINGLE_FILE] if len(shards) == 1 else \
         [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
