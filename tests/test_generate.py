@@ -735,3 +735,23 @@ def test_nested_host_attention_routing_keeps_each_record():
             assert config._attn_implementation == routed and host_attention._times[-1] is inner
         assert host_attention._times == [outer] and host_attention._times[-1] is outer  # equal values, not equal records
     assert host_attention._times == [] and config._attn_implementation == original
+
+
+def test_copies_that_fill_the_sub_batches_are_not_counted_in_the_throughput(tmp_path, caplog):
+    # 3 prompts in 4 sub-batches: a 4th row, a copy, filled them, and the rates counted its tokens (16 rows for 3
+    # prompts reported 5x the prompts' throughput)
+    import fsdp_speedloader.app.generate as generate_mod
+    from fsdp_speedloader.app.generate import GenerateConfig
+
+    cfg = GenerateConfig.from_dict({"model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4,
+                                              "intermediate_size": 128}, "device": "cpu", "warmup": False,
+                                    "logger": {"backend": "none"}, "max_new_tokens": 3, "num_sub_batches": 4,
+                                    "stop_at_eos": False, "prompts": {"text": ["one", "two", "three"]},
+                                    "output_dir": str(tmp_path)})
+    caplog.set_level("WARNING")
+    figures = generate_mod.run(cfg)
+    assert (figures["batch_size"], figures["prompts"], figures["filler_rows"]) == (4, 3, 1)
+    total_s = figures["prefill_s"] + figures["decode_s"]
+    assert figures["generated_tokens_per_s"] == pytest.approx(3 * figures["num_steps"] / total_s)
+    assert figures["prefill_tokens_per_s"] == pytest.approx(3 * figures["prompt_len"] / figures["prefill_s"])
+    assert any("1 filler row(s), copies of a prompt, fill this rank's 4 sub-batch(es)" in r.getMessage() for r in caplog.records)

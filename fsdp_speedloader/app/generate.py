@@ -362,6 +362,9 @@ def _without_info(logger: logging.Logger) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------
 
 
+RATES = ("prefill_tokens_per_s", "decode_tokens_per_s", "generated_tokens_per_s")
+
+
 def stop_token_ids(tokenizer: Any, model_dir: Optional[str]) -> list[int]:
     """The ids that end a sequence: the tokenizer's EOS and the EOS ids of ``model_dir``'s generation_config.json
     (model.path's, or a checkpoint's copy of it), where Hugging Face's generate stops too: an instruct model's
@@ -482,6 +485,10 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     if rank == 0:
         log.info("generating: %d prompt(s), %d on this rank in %d sub-batch(es), %d new tokens%s", len(tokens),
                  len(mine), cfg.num_sub_batches, cfg.max_new_tokens, " (after a 2-token warm-up)" if cfg.warmup else "")
+        if len(rows) > len(mine):
+            log.warning("%d filler row(s), copies of a prompt, fill this rank's %d sub-batch(es) to equal sizes (%d "
+                        "prompts here); they are generated but not counted in the throughput: num_sub_batches dividing "
+                        "the prompts per rank wastes none", len(rows) - len(mine), cfg.num_sub_batches, len(mine))
     if cfg.warmup:
         generate(model, ids, mask, **{**kwargs, "max_new_tokens": min(2, cfg.max_new_tokens)})
     if device.type == "cuda":
@@ -496,7 +503,10 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     for r in records:
         r["completion"] = tokenizer.decode(r["completion_tokens"])
     figures = {**stats.as_dict(), "num_ranks": world, "model": model_cfg.name,
-               "num_sub_batches": cfg.num_sub_batches, "sub_batch_size": ids.shape[0] // cfg.num_sub_batches}
+               "num_sub_batches": cfg.num_sub_batches, "sub_batch_size": ids.shape[0] // cfg.num_sub_batches,
+               "prompts": len(mine), "filler_rows": len(rows) - len(mine)}
+    for key in RATES:  # the prompts' tokens per second: the copies that fill the sub-batches are not output
+        figures[key] *= len(mine) / len(rows)
     if device.type == "cuda":
         figures["peak_gpu_mem_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     gathered = [None] * world
@@ -512,7 +522,7 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
             for line in generation_lines(all_records, cfg.show_generations):
                 log.info("%s", line)
         # Throughput of all ranks together: they run concurrently, so rates add up.
-        for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "generated_tokens_per_s"):
+        for key in (*RATES, "prompts", "filler_rows"):
             figures[key] = sum(fig[key] for _, fig in gathered)
         log.info("%d prompt(s) -> %s | prefill %.1f tok/s (%.2f s) | decode %.1f tok/s (%.2f s) | kv_cache %s",
                  len(all_records), out_path, figures["prefill_tokens_per_s"], figures["prefill_s"],
