@@ -755,3 +755,20 @@ def test_copies_that_fill_the_sub_batches_are_not_counted_in_the_throughput(tmp_
     assert figures["generated_tokens_per_s"] == pytest.approx(3 * figures["num_steps"] / total_s)
     assert figures["prefill_tokens_per_s"] == pytest.approx(3 * figures["prompt_len"] / figures["prefill_s"])
     assert any("1 filler row(s), copies of a prompt, fill this rank's 4 sub-batch(es)" in r.getMessage() for r in caplog.records)
+
+
+def test_sampling_settings_without_sampling_warn_and_temperature_0_is_greedy(caplog):
+    # temperature / top_k / top_p without do_sample were dropped without a word; temperature=0 (greedy to many users)
+    # was refused although nothing samples
+    from fsdp_speedloader.app.generate import SamplingConfig
+
+    caplog.set_level("WARNING")
+    SamplingConfig(temperature=0.5, top_k=3)
+    assert [r.getMessage() for r in caplog.records] == [
+        "sampling.temperature=0.5, sampling.top_k=3 apply only with sampling.do_sample=true: this run decodes greedily"]
+    caplog.clear()
+    SamplingConfig(temperature=0)
+    SamplingConfig(do_sample=True, temperature=0.5, top_k=3)
+    assert not caplog.records
+    with pytest.raises(ValueError, match=r"sampling\.temperature: got 0; must be > 0 with sampling\.do_sample=true"):
+        SamplingConfig(do_sample=True, temperature=0)

@@ -121,11 +121,19 @@ class SamplingConfig:
     """Nucleus sampling mass (sampling); null: 1."""
 
     def __post_init__(self) -> None:
-        check(self.temperature > 0, "sampling.temperature", f"got {self.temperature}; must be > 0")
+        # temperature=0 is a common way to say greedy: taken as such without sampling
+        check(self.temperature > 0 or (self.temperature == 0 and not self.do_sample), "sampling.temperature",
+              f"got {self.temperature}; must be > 0 with sampling.do_sample=true (0 or do_sample=false: greedy)")
         if self.top_k is not None:
             check_positive(self.top_k, "sampling.top_k")
         if self.top_p is not None:
             check(0 < self.top_p <= 1, "sampling.top_p", f"got {self.top_p}; use (0, 1] or null")
+        unused = [f"sampling.{name}={value}" for name, value, default in
+                  (("temperature", self.temperature, (0, 1.0)), ("top_k", self.top_k, (None,)),
+                   ("top_p", self.top_p, (None,))) if value not in default]
+        if unused and not self.do_sample:  # Hugging Face's generate warns alike
+            log.warning("%s appl%s only with sampling.do_sample=true: this run decodes greedily", ", ".join(unused),
+                        "ies" if len(unused) == 1 else "y")
 
 
 @dataclass
