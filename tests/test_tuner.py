@@ -768,3 +768,17 @@ def test_auto_schedule_with_the_overlapped_optimizer(tmp_path):
     assert threading.active_count() == workers, "the overlapped optimizers' worker threads were stopped"
     for overlapped, plain_m in zip(plans[0].measurements, plans[1].measurements):
         assert overlapped.host_breakdown["model_states"] == plain_m.host_breakdown["model_states"] > 0
+
+
+def test_a_detected_host_budget_is_measured_again_after_the_trials(monkeypatch):
+    # planned with the memory in use before the trials, a plan filled the host to the brim and the run's own arena
+    # check, which counts what the process holds after them, refused it
+    from fsdp_speedloader.tuning.tuner import Budgets, _after_trials
+
+    monkeypatch.setenv("FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB", "1000")
+    before = Budgets(2**50, "the CPU stand-in: detected host memory", 2**50, "detected: before")
+    after = _after_trials(before, host_given=False, device=torch.device("cpu"))
+    assert after.host_bytes < 1000 * GIB and after.host_source.startswith("detected after the trials: ")
+    assert after.gpu_bytes == after.host_bytes  # the CPU stand-in's budget is host memory too
+    given = Budgets(2**50, "schedule.gpu_memory_budget_gib", 2**50, "schedule.host_memory_budget_gib")
+    assert _after_trials(given, host_given=True, device=torch.device("cpu")) == given  # what the user set stays

@@ -131,6 +131,7 @@ def tune(
                       host_memory_budget_bytes=host_memory_budget_bytes, budget_names=budget_names)
     start = time.perf_counter()
     measurements = _run_trials(model, trials, seq_len, build_optimizer=build_optimizer or default_optimizer, seed=seed)
+    budgets = _after_trials(trials.budgets, host_given=host_memory_budget_bytes is not None, device=trials.device)
     plan_units = (plan_device_units and options.offload_params and options.device_units == 0
                   and trials.device.type == "cuda")
     plan = plan_from_measurements(
@@ -140,7 +141,7 @@ def tune(
         keep_activations=None if plan_keep_activations else options.keep_activations,
         device_units=None if plan_units else options.device_units,
         device_unit_bytes_per_block=device_unit_bytes_per_block(model, trials.mesh) if plan_units else 0,
-        cap_names=cap_names, trial_s=time.perf_counter() - start, **trials.budgets.plan_fields(),
+        cap_names=cap_names, trial_s=time.perf_counter() - start, **budgets.plan_fields(),
         **_device_fields(trials.device))
     if not dist.is_initialized() or dist.get_rank() == 0:
         target_name = (cap_names or {}).get("target_batch_size", "target_batch_size")
@@ -206,6 +207,24 @@ def _prepare(options: SpeedLoaderOptions, *, tune_blocks_per_unit: Sequence[int]
     budgets = _resolve_budgets(device, gpu_memory_budget_bytes, host_memory_budget_bytes, budget_names)
     return TrialSetup(options=trial_options, sub_batch_sizes=(min(n1, n2), max(n1, n2)), mesh=mesh, device=device,
                       budgets=budgets)
+
+
+def _after_trials(budgets: "Budgets", *, host_given: bool, device: torch.device) -> "Budgets":
+    """A detected host budget measured again after the trials, the smaller taken: what the process holds once they
+    ran (the allocator's kept pages, the trial model's leftovers) is held by the run too, and a plan made with the
+    memory before them filled the host to the brim and failed the run's own arena check."""
+    if host_given and device.type == "cuda":
+        return budgets
+    gc.collect()
+    after = HostMemoryBudget.detect()
+    available = int(reduce_over_ranks([after.available_bytes], dist.ReduceOp.MIN)[0])
+    host, host_source = budgets.host_bytes, budgets.host_source
+    if not host_given and available < host:
+        host, host_source = available, f"detected after the trials: {after.describe()}"
+    gpu, gpu_source = budgets.gpu_bytes, budgets.gpu_source
+    if device.type != "cuda" and gpu_source.startswith("the CPU stand-in") and available < gpu:
+        gpu = available
+    return Budgets(gpu, gpu_source, host, host_source)
 
 
 def _resolve_budgets(device: torch.device, gpu_budget: Optional[int], host_budget: Optional[int],
