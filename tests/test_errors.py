@@ -98,6 +98,8 @@ def test_wrong_shape_checkpoint(runs):
     path = runs["root"] / "ckpt" / CHECKPOINT
     assert line.startswith(f"error: checkpoint '{path}' does not fit this model: model.embed_tokens.weight is "
                            "(320, 64) in the checkpoint but (320, 128) in the model"), line
+    # the fix names the settings that wrote the checkpoint (its model_config.json) where this run's differ
+    assert "resume with the model settings that wrote it (model.hidden_size=64), or start fresh" in line, line
     _model_not_built(runs["wrong_shape_checkpoint"])
 
 

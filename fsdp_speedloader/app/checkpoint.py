@@ -283,16 +283,18 @@ def _depth_and_layout(names) -> tuple[int, frozenset]:
             frozenset(name[:m.start(1)] + "N" + name[m.end(1):] for m, name in matches))
 
 
-def check_checkpoint_fits(path: str | os.PathLike, model: nn.Module) -> None:
+def check_checkpoint_fits(path: str | os.PathLike, model: nn.Module, model_config: Optional[ModelConfig] = None,
+                          tokenizer: Optional[str] = None) -> None:
     """ValueError naming ``path`` and the first parameter whose name or shape differs between the checkpoint
-    (its DCP ``.metadata`` alone: nothing else is read) and ``model``. Call it with the model on the meta device,
-    before any large allocation: a checkpoint of another model shape or family is refused before it costs memory.
-    """
+    (its DCP ``.metadata``, and its model_config.json for the fix) and ``model``. Call it with the model on the meta
+    device, before any large allocation: a checkpoint of another model shape or family is refused before it costs
+    memory. ``model_config`` / ``tokenizer``: this run's, so that the error names the settings that wrote the
+    checkpoint where they differ (``model.vocab_size=1024 data.tokenizer=/tok``)."""
     path = Path(path)
     saved = {k[len("model."):]: v for k, v in dcp.FileSystemReader(str(path)).read_metadata()
              .state_dict_metadata.items() if k.startswith("model.")}
-    fix = ("resume with the model settings that wrote it, or start fresh: checkpoint.resume=null or another "
-           "checkpoint.dir")
+    fix = (f"resume with the model settings that wrote it{_settings_that_wrote(path, model_config, tokenizer)}, or "
+           "start fresh: checkpoint.resume=null or another checkpoint.dir")
     state = model.state_dict()
     (depth_saved, layout_saved), (depth_model, layout_model) = _depth_and_layout(saved), _depth_and_layout(state)
     if depth_saved and depth_model and depth_saved != depth_model and layout_saved == layout_model:
@@ -318,6 +320,21 @@ def check_checkpoint_fits(path: str | os.PathLike, model: nn.Module) -> None:
     if extra := [k for k in saved if k not in state]:
         raise ValueError(f"checkpoint {str(path)!r} does not fit this model: its {extra[0]} is not a parameter of the "
                          f"model ({len(extra)} such); {fix}")
+
+
+def _settings_that_wrote(step_dir: Path, model_config: Optional[ModelConfig], tokenizer: Optional[str]) -> str:
+    """" (model.vocab_size=1024 data.tokenizer=/tok)": the step's own model settings (model_config.json) where they
+    differ from this run's; "" where the step has no record or nothing differs."""
+    try:
+        record = json.loads((step_dir / MODEL_CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return ""
+    wrote, ours = record.get("model") or {}, dataclasses.asdict(model_config) if model_config is not None else {}
+    differ = [f"model.{k}={v}" for k, v in wrote.items() if k != "name" and k in ours and ours[k] != v]
+    source = record.get("tokenizer_source")
+    if tokenizer is not None and source and source != tokenizer:
+        differ.append(f"data.tokenizer={source}")
+    return f" ({' '.join(differ)})" if differ else ""
 
 
 def _barrier() -> None:

@@ -279,7 +279,7 @@ class Trainer:
         for path, why in skipped:
             self._warning("checkpoint.resume=%s: skipped %s: %s", cfg.checkpoint.resume, path, why)
         if resume_path is not None:  # another model's checkpoint fails here, from its metadata, before any allocation
-            check_checkpoint_fits(resume_path, build_model(cfg.model, device="meta"))
+            check_checkpoint_fits(resume_path, build_model(cfg.model, device="meta"), cfg.model, cfg.data.tokenizer)
         resume_step, saved_wandb_run_id = 0, None
         if resume_path is not None:  # weights_only: a tampered extra file is refused here, before anything is built
             saved = read_extra(resume_path / EXTRA_FILE.format(rank=0))
