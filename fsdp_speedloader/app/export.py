@@ -62,6 +62,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from fsdp_speedloader.app.checkpoint import GENERATION_CONFIG_FILE, HF_CONFIG_FILE, MODEL_CONFIG_FILE, \
     resolve_checkpoint
+from fsdp_speedloader.app.config import TOKENIZER_FILES
 from fsdp_speedloader.app.data import build_tokenizer
 from fsdp_speedloader.app.launch import check_writable_dir, config_path, fail, launch, resolved_config, world_size
 from fsdp_speedloader.app.runtime import DTYPES
@@ -76,9 +77,8 @@ SINGLE_FILE = "model.safetensors"
 _SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 # The files a Hugging Face tokenizer's save_pretrained writes (the fast and slow formats of the families here): an
 # earlier export's, left beside a model with another vocabulary, or none, would load as this model's tokenizer.
-TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                        "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
-                        "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILE_NAMES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                        "vocab.txt", "spiece.model", "chat_template.jinja", "chat_template.json")
 # DCP keys of the model's state in a training checkpoint: "model." + the parameter's name (Checkpointer.save).
 _MODEL_PREFIX = "model."
 
