@@ -312,7 +312,8 @@ def test_the_process_age_counts_from_this_processs_start():
 def test_an_fsdp2_contender_may_skip_the_recompute():
     assert bench_train.parse_contender("ondevice:1x8:recompute=off", None).recompute is False
     assert bench_train.parse_contender("fsdp2-offload:1x8", None).recompute is True
-    assert bench_train.parse_contender("ondevice:1x8:recompute=every4", None)[-2:] == (False, 4)  # ascending, every
+    every4 = bench_train.parse_contender("ondevice:1x8:recompute=every4", None)
+    assert (every4.ascending, every4.recompute_every) == (False, 4)
     assert bench_train.parse_contender("fsdp2-offload:1x8:recompute=every12", None).recompute_every == 12
     for bad in ("speedloader:1x8:recompute=off", "deepspeed-offload:1x8:recompute=off", "ondevice:1x8:recompute=no",
                 "ondevice:1x8:recompute=every1", "ondevice:1x8:recompute=every0", "ondevice:1x8:recompute=every"):
@@ -385,6 +386,23 @@ def test_deepspeed_gets_each_moe_block_as_a_leaf_module(family, block):
     assert all(b.mlp is m for b, m in zip(get_adapter(model).blocks, blocks))  # each layer's router + experts
     calls.clear()
     assert bench_deepspeed.mark_moe_leaf_modules(build_model(ModelConfig()), set_z3_leaf_modules) == [] and not calls
+
+
+def test_the_peers_chunk_their_head_loss_as_layer_major_unless_told():
+    from fsdp_speedloader import SpeedLoaderOptions
+
+    chunk = SpeedLoaderOptions().loss_chunk_tokens
+    for spec in ("fsdp2-offload:8x8", "ondevice:1x8", "deepspeed-offload:8x8", "fsdp2-offload-rs:2x4:loss=chunked"):
+        assert bench_train.head_loss_chunk(bench_train.parse_contender(spec, None)) == chunk
+    for spec in ("fsdp2-offload:8x8:loss=hf", "deepspeed-offload:8x8:loss=hf"):
+        assert bench_train.head_loss_chunk(bench_train.parse_contender(spec, None)) == 0
+    for bad in ("speedloader:2x4:loss=hf", "fsdp2-offload:8x8:loss=full"):
+        with pytest.raises(ValueError, match="loss=chunked"):
+            bench_train.parse_contender(bad, None)
+    # DeepSpeed's activation estimate (its prefetch and persistence budget) counts one chunk's logits, not all
+    full = bench_deepspeed.activation_bytes(8, 4096, 2, 4096, 11008, 32000)
+    chunked = bench_deepspeed.activation_bytes(8, 4096, 2, 4096, 11008, 32000, loss_chunk_tokens=chunk)
+    assert full - chunked == (8 * 4096 - chunk) * 12 * 32000
 
 
 def test_deepspeed_activation_estimate_counts_routed_copies():

@@ -294,6 +294,14 @@ def test_the_tuners_budgets_are_read_under_schedule_auto_only():
     assert (tc.schedule.target_batch_size, tc.schedule.gpu_memory_budget_gib) == (4, 40.0)
 
 
+def test_the_model_s_own_loss_is_a_canonical_choice_only():
+    # 0: the canonical schedule leaves the head to the model's own loss; layer-major's head is always chunked
+    assert to_train_config(compose_cfg(["schedule=canonical", "schedule.loss_chunk_tokens=0"])).schedule \
+        .loss_chunk_tokens == 0
+    with pytest.raises(ValueError, match="schedule.loss_chunk_tokens"):
+        to_train_config(compose_cfg(["schedule.loss_chunk_tokens=0"]))
+
+
 @pytest.mark.parametrize("data, key", [("text", "path"), ("tokens", "path"), ("mixture", "mixture")])
 def test_missing_data_path_is_named(data, key):
     with pytest.raises(MissingMandatoryValue, match=rf"data\.{key}"):

@@ -33,20 +33,22 @@ GIB = 2**30
 
 
 def activation_bytes(sub_batch: int, seq_len: int, layers: int, hidden: int, inter: int, vocab: int, *,
-                     experts_per_token: int = 0) -> int:
+                     experts_per_token: int = 0, loss_chunk_tokens: int = 0) -> int:
     """A (deliberately high) estimate of one micro-batch's peak activation memory under full recompute.
 
     Per token: the bf16 input of every block kept for recompute (2 L h bytes); one block's forward
     activations being recomputed and their gradients (about 3 (10 h + 4 i) bytes: q, k, v, rotated
     q/k, attention output, norms and residuals, gate/up/act/product); the logits in bf16, their fp32
-    copy in the loss, the fp32 log-softmax saved for backward and the logit gradient (12 V bytes).
+    copy in the loss, the fp32 log-softmax saved for backward and the logit gradient (12 V bytes); with the head's
+    loss chunked (``loss_chunk_tokens`` > 0), those of one chunk only.
     A mixture of experts (``experts_per_token`` = k > 0, ``inter`` = one expert's width): every token's k
     routed copies go through the experts, 4 k i for their gate/up/act/product and 3 k h for the token copies
     gathered in, the expert outputs and their weighted sum.
     """
     mlp = 4 * experts_per_token * inter + 3 * experts_per_token * hidden if experts_per_token else 4 * inter
-    per_token = 2 * layers * hidden + 3 * (10 * hidden + mlp) + 12 * vocab
-    return sub_batch * seq_len * per_token
+    tokens = sub_batch * seq_len
+    logit_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
+    return tokens * (2 * layers * hidden + 3 * (10 * hidden + mlp)) + logit_tokens * 12 * vocab
 
 
 def moe_blocks(model) -> list:
@@ -198,8 +200,9 @@ def _pinned_rounding_off(threshold_mb: int = 16) -> str:
         return f"power-of-two rounding kept ({type(exc).__name__}: {str(exc)[:80]})"
 
 
-def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
-    """One deepspeed-offload contender in this process: build, warm up, time, return bench_train's figures."""
+def run_deepspeed(args, sub_batch: int, num_sub: int, loss_chunk_tokens: int = 0) -> dict:
+    """One deepspeed-offload contender in this process: build, warm up, time, return bench_train's figures.
+    ``loss_chunk_tokens`` > 0: the head's logits for that many tokens at a time (``models.chunked_loss``)."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/fsl_torch_extensions")  # CPU Adam JIT build, reused
     try:
         import deepspeed
@@ -216,6 +219,7 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
     from launch_two_nodes import free_port
 
     from fsdp_speedloader.models import build_hf_config, build_model, get_adapter
+    from fsdp_speedloader.models.chunked_loss import causal_lm_loss
 
     cuda = torch.cuda.is_available() and getattr(args, "device", "cuda") == "cuda"
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
@@ -257,7 +261,8 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
                          f"for {model_numel / 1e9:.2f}B parameters (22 B/param plus pinned rounding), above "
                          f"{host_limit / GIB:.0f} GiB (FSDP_SPEEDLOADER_HOST_MEMORY_LIMIT_GIB)")
     cap = int(args.max_gpu_memory_gib * GIB) if args.max_gpu_memory_gib else (total or 80 * GIB)
-    act = activation_bytes(sub_batch, args.seq_len, cfg.num_layers, hidden, inter, vocab, experts_per_token=routed)
+    act = activation_bytes(sub_batch, args.seq_len, cfg.num_layers, hidden, inter, vocab, experts_per_token=routed,
+                           loss_chunk_tokens=loss_chunk_tokens)
     zero = zero_settings(cap, act, block_numel, model_numel)
     ds_config = deepspeed_config(sub_batch, num_sub, world, zero)
 
@@ -304,7 +309,7 @@ def run_deepspeed(args, sub_batch: int, num_sub: int) -> dict:
         loss_sum = 0.0
         for k, mb in enumerate(ids.split(sub_batch)):
             mb = mb.to(device, non_blocking=True)
-            loss = engine(input_ids=mb, labels=mb).loss
+            loss = causal_lm_loss(engine.module, mb, mb, chunk_tokens=loss_chunk_tokens, forward=engine)
             engine.backward(loss)
             loss_sum += loss.detach()
             if k < num_sub - 1:

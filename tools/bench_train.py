@@ -448,6 +448,7 @@ class Contender(NamedTuple):
     prefetch: Optional[int] = None  # every contender but DeepSpeed: units unsharded ahead in forward; None: --prefetch
     ascending: bool = False  # speedloader contenders: every loop over the sub-batches 0 .. N-1 (alternate_sub_batches off)
     recompute_every: int = 1  # FSDP2 contenders with recompute: only every k-th block (activation_checkpointing_every)
+    loss: str = "chunked"  # FSDP2 and DeepSpeed contenders: the head's loss chunked as layer-major's, or 'hf' (all logits)
 
 
 def contender_env(spec: str, base: Optional[dict] = None) -> dict:
@@ -490,7 +491,10 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     ``every``); ``reshard=off``: ``schedule.reshard_after_forward=false``, each unit gathered once per step.
     ``prefetch=K`` (every contender but DeepSpeed): ``schedule.forward_prefetch``, units unsharded ahead in forward,
     instead of ``--prefetch``. ``order=ascending`` (speedloader contenders): ``schedule.alternate_sub_batches=false``,
-    every loop over the sub-batches 0 .. N-1 (the default alternates)."""
+    every loop over the sub-batches 0 .. N-1 (the default alternates). ``loss`` (FSDP2 and DeepSpeed contenders): the
+    head's logits for ``SpeedLoaderOptions.loss_chunk_tokens`` tokens at a time, as layer-major's
+    (``chunked``, the default: ``models.chunked_loss``), or ``hf``: the model's own loss, every logit of a
+    micro-batch at once (what these peers ran before that existed)."""
     from fsdp_speedloader.app.config import OptimConfig
     from fsdp_speedloader.kernels import FLOAT8_RECIPES, SDPA_BACKENDS
 
@@ -503,7 +507,7 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     sdpa, liger, fp8 = "auto", False, None
     states, threads, slots, adamw, dev = "fp32", 0, OptimConfig().grad_slots_in_flight, "local", 0
     recompute, sync, reshard, nice, affinity, env, prefetch, ascending = True, None, True, 0, False, [], None, False
-    recompute_every = 1
+    recompute_every, loss = 1, "chunked"
     fsdp2 = name in ("ondevice", "fsdp2-offload", "fsdp2-offload-rs")
     kernels_ok = name != "deepspeed-offload"
     for option in options:
@@ -553,6 +557,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             prefetch = int(value)
         elif key == "order" and value in ("alternate", "ascending") and name.startswith("speedloader"):
             ascending = value == "ascending"
+        elif key == "loss" and value in ("chunked", "hf") and (fsdp2 or name == "deepspeed-offload"):
+            loss = value
         else:
             raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
                              "(speedloader contenders), ':compile' or ':eager' (every contender but "
@@ -566,10 +572,18 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
                              "':reshard=on|off' (ondevice and "
                              "fsdp2-offload contenders), ':prefetch=K' (every contender but deepspeed-offload: "
                              "units unsharded ahead in forward), ':order=alternate|ascending' (speedloader "
-                             "contenders: the sub-batch order of their loops), ':env=NAME=VALUE' (every contender)")
+                             "contenders: the sub-batch order of their loops), ':loss=chunked|hf' (FSDP2 and "
+                             "DeepSpeed contenders: the head's loss), ':env=NAME=VALUE' (every contender)")
     return Contender(name, shape, transfer, compiled, root_on_device, cap, keep, sdpa, liger, fp8, states, threads,
                      slots, adamw, dev, recompute, sync, reshard, nice, affinity, tuple(env), prefetch, ascending,
-                     recompute_every)
+                     recompute_every, loss)
+
+
+def head_loss_chunk(contender: Contender) -> int:
+    """Tokens per chunk of a canonical or DeepSpeed contender's head loss (0: the model's own, every logit at once)."""
+    from fsdp_speedloader import SpeedLoaderOptions
+
+    return SpeedLoaderOptions().loss_chunk_tokens if contender.loss == "chunked" else 0
 
 
 def _positive_float(text: str) -> bool:
@@ -649,7 +663,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     if name == "deepspeed-offload":  # a peer with its own engine and launcher environment
         from bench_deepspeed import run_deepspeed
 
-        return {**run_deepspeed(args, sub_batch, num_sub), "contender_spec": args.worker, "max_gpu_memory_gib": cap}
+        return {**run_deepspeed(args, sub_batch, num_sub, head_loss_chunk(contender)), "contender_spec": args.worker,
+                "max_gpu_memory_gib": cap, "head_loss_chunk_tokens": head_loss_chunk(contender)}
     cuda = args.device == "cuda"
     maybe_init_process_group(args.device)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -725,7 +740,8 @@ def run_worker(args: argparse.Namespace) -> dict:
             return loss.detach()
         return canonical_forward_backward(model, input_ids, input_ids, sub_batch_size=sub_batch,
                                           num_tokens=num_tokens, gradient_sync=gradient_sync,
-                                          reshard_after_forward=reshard, scope=scope)
+                                          reshard_after_forward=reshard, scope=scope,
+                                          loss_chunk_tokens=head_loss_chunk(contender))
 
     overlap_stats: list = []  # speedloader-overlap: each step's optimizer_busy_s / optimizer_wait_s
 
@@ -762,6 +778,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         "root_on_device": root_on_device, "device_units": contender.dev, "sub_batch_size": sub_batch,
         "num_sub_batches": num_sub, "max_gpu_memory_gib": cap, "experts_implementation": experts,
         "sdpa_backend": contender.sdpa, "liger_kernels": contender.liger, "float8_training": contender.fp8,
+        "head_loss_chunk_tokens": None if layer_major else head_loss_chunk(contender),
         "num_fsdp_units": len(units), "blocks_per_fsdp_unit": blocks_per_fsdp_unit, "forward_prefetch": args.prefetch,
         "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
         **protocol.step_figures(fb_times, opt_times, losses, tokens=ids.numel(),

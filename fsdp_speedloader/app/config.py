@@ -248,7 +248,9 @@ class ScheduleConfig:
     forward_prefetch: int = 1
     """FSDP units whose all-gather is issued ahead in forward (0 = FSDP's default only)."""
     loss_chunk_tokens: int = 4096
-    """Tokens per chunk of the chunked cross-entropy (bounds the logits kept in memory)."""
+    """Tokens per chunk of the chunked cross-entropy (bounds the logits kept in memory). The canonical schedule
+    chunks its head the same way (``models.chunked_loss``), or with 0 leaves it to the model's own loss (every
+    logit of a micro-batch at once)."""
     compile_blocks: bool = False
     """torch.compile the transformer blocks' forward (one compiled function shared by every block; training only)."""
     alternate_sub_batches: bool = True
@@ -291,7 +293,7 @@ class ScheduleConfig:
               f"does not keep: set schedule.keep_activations instead); got schedule.name={self.name!r}, "
               f"activation_checkpointing={self.activation_checkpointing}")
         check_positive(self.forward_prefetch, "schedule.forward_prefetch", allow_zero=True)
-        check_positive(self.loss_chunk_tokens, "schedule.loss_chunk_tokens")
+        check_positive(self.loss_chunk_tokens, "schedule.loss_chunk_tokens", allow_zero=self.name == "canonical")
         check_positive(self.keep_activations, "schedule.keep_activations", allow_zero=True)
         for name in ("gpu_memory_budget_gib", "host_memory_budget_gib"):
             value = getattr(self, name)

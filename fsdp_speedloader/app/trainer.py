@@ -59,6 +59,7 @@ from fsdp_speedloader.app.launch import rank as launch_rank
 from fsdp_speedloader.app.logger import MetricLogger, StepProgress, build_logger, check_wandb_credentials, \
     logged_model, progress_bar_enabled
 from fsdp_speedloader.kernels import KernelScope, apply_kernels
+from fsdp_speedloader.models.chunked_loss import causal_lm_loss
 from fsdp_speedloader.app.metrics import StepMetrics, num_block_params, recompute_flops_per_token
 from fsdp_speedloader.models import build_hf_config, build_model, get_adapter, materialize_model, \
     position_ids_model_classes
@@ -193,9 +194,10 @@ def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, 
                                sub_batch_size: int, num_tokens: int, gradient_sync: str = "every",
                                reshard_after_forward: bool = True,
                                scope: KernelScope = contextlib.nullcontext,
-                               position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               position_ids: Optional[torch.Tensor] = None, loss_chunk_tokens: int = 0) -> torch.Tensor:
     """The canonical schedule's step (FSDP2 gradient accumulation): one forward and backward per micro-batch of
-    ``sub_batch_size``; returns the effective-batch mean loss, detached. ``gradient_sync='last'`` reduce-scatters
+    ``sub_batch_size``; returns the effective-batch mean loss, detached. ``loss_chunk_tokens`` > 0: the head's logits
+    exist for that many tokens at a time, as layer-major's (``models.chunked_loss``; 0: the model's own loss). ``gradient_sync='last'`` reduce-scatters
     only after the last micro-batch (unsharded gradients accumulate on the device meanwhile).
     ``reshard_after_forward=False`` (the model sharded so, ``schedule.reshard_after_forward``) also keeps the
     parameters unsharded between micro-batches: each unit is all-gathered once per step. ``scope``
@@ -211,8 +213,8 @@ def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, 
             model.set_reshard_after_backward(last)
         # Token sum / T of the whole batch: the micro-batch losses add up to the batch mean.
         with scope():
-            loss = model(input_ids=ids, labels=lab, num_items_in_batch=num_tokens, use_cache=False,
-                         position_ids=pos).loss
+            loss = causal_lm_loss(model, ids, lab, num_tokens=num_tokens, chunk_tokens=loss_chunk_tokens,
+                                  position_ids=pos)
             loss.backward()
         total += loss.detach()
     return total
@@ -466,7 +468,7 @@ class Trainer:
         return canonical_forward_backward(self.model, input_ids, labels, sub_batch_size=sched.sub_batch_size,
                                           num_tokens=num_tokens, gradient_sync=sched.gradient_sync,
                                           reshard_after_forward=sched.reshard_after_forward, scope=self.kernel_scope,
-                                          position_ids=position_ids)
+                                          position_ids=position_ids, loss_chunk_tokens=sched.loss_chunk_tokens)
 
     def _device_batch(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
         """(input_ids, labels, position_ids or None, label tokens) of a loader's batch, on the device; packed
@@ -610,14 +612,11 @@ class Trainer:
         pieces = [(input_ids, labels, position_ids)] if sched.name == "speedloader" else \
             micro_batches(input_ids, labels, position_ids, sched.sub_batch_size)
         total = torch.zeros((), device=input_ids.device)
+        chunk = 0 if sched.name == "speedloader" else sched.loss_chunk_tokens  # the engine chunks its own
         for ids, lab, pos in pieces:
-            with self.kernel_scope():
-                out = self.model(input_ids=ids, labels=lab, position_ids=pos, num_items_in_batch=num_tokens,
-                                 use_cache=False)
-            loss = out.loss
-            if getattr(out, "aux_loss", None) is not None:  # MoE: the router's load-balancing term is no token loss
-                loss = loss - self.model.config.router_aux_loss_coef * out.aux_loss.to(loss.device)
-            total += loss
+            with self.kernel_scope():  # MoE: the router's load-balancing term is no token loss
+                total += causal_lm_loss(self.model, ids, lab, num_tokens=num_tokens, chunk_tokens=chunk,
+                                        position_ids=pos, router_loss=False)
         return total
 
     def _evaluation_due(self, *, last: bool) -> bool:

@@ -30,6 +30,7 @@ from torch import nn
 from fsdp_speedloader.engine.activation_store import ActivationStore, for_each_sub_batch, grad_slot
 from fsdp_speedloader.engine.router_loss import RouterLoss
 from fsdp_speedloader.models import BlockInputs, ModelAdapter
+from fsdp_speedloader.models.chunked_loss import token_chunks
 from fsdp_speedloader.fsdp2 import fold_unsharded_grads, fsdp_params_of
 
 
@@ -288,11 +289,6 @@ class UnitFunction(torch.autograd.Function):
         return torch.zeros_like(grad_placeholder), None, None
 
 
-def _chunks(num_tokens: int, chunk: int) -> Iterator[slice]:
-    for start in range(0, num_tokens, chunk):
-        yield slice(start, min(start + chunk, num_tokens))
-
-
 def _chunk_loss(adapter: ModelAdapter, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy of one chunk. x (t, h), labels (t,) -> scalar fp32."""
     logits = adapter.logits(x).float()  # (t, V), soft-capped where the family does: the only full-vocabulary tensor
@@ -316,7 +312,7 @@ class HeadLossFunction(torch.autograd.Function):
 
         def add_loss(i: int, x: torch.Tensor) -> None:
             x, labels = x.flatten(0, 1), state.shift_labels[i]
-            for c in _chunks(x.shape[0], state.loss_chunk_tokens):
+            for c in token_chunks(x.shape[0], state.loss_chunk_tokens):
                 total.add_(_chunk_loss(state.adapter, x[c], labels[c]))
 
         for_each_sub_batch(store, last, state.num_sub_batches, add_loss, reverse=state.next_reversed())
@@ -337,7 +333,7 @@ class HeadLossFunction(torch.autograd.Function):
         def backprop(i: int, x_i: torch.Tensor) -> None:
             x, labels = x_i.flatten(0, 1), state.shift_labels[i]
             grad = torch.empty_like(x)  # every row is written by its chunk below
-            for c in _chunks(x.shape[0], state.loss_chunk_tokens):
+            for c in token_chunks(x.shape[0], state.loss_chunk_tokens):
                 xc = x[c].detach().requires_grad_(True)
                 with torch.enable_grad():
                     loss = _chunk_loss(state.adapter, xc, labels[c]) * scale
