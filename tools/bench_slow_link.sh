@@ -62,10 +62,12 @@ model=${FSL_SLOW_LINK_MODEL:-llama2_7b}
 # each peer's 8 x 8 first (an out-of-memory point costs a start: DeepSpeed's 16 x 4, 76 s) and 4 x 16 after it; a
 # 4 x 16 that its 8 x 8 beat is only a longer run, so drop it with FSL_SLOW_LINK_CONTENDERS once the 8 x 8 is known to
 # fit. FSDP2 offload keeps its root on the GPU as layer-major does (`:root=device`, the protocol's same allowance;
-# the 8531464 records ran it without).
+# the 8531464 records ran it without). Those records' peers held every logit of a micro-batch at once; with
+# layer-major's chunked head (the peers' default since e2a292b) both fit 16 x 4 at 2 layers (16.0 and 16.5 GiB) and
+# neither 32 x 2, so the capped list starts at 16 x 4 and steps down to 8 x 8.
 f=fsdp2-offload
 uncapped=speedloader:compile:root=device,deepspeed-offload:32x2,$f:32x2:compile:root=device,$f:16x4:compile:root=device,deepspeed-offload:16x4,$f:8x8:compile:root=device
-capped=speedloader:compile:root=device,$f:8x8:compile:root=device,deepspeed-offload:8x8,$f:4x16:compile:root=device,deepspeed-offload:4x16
+capped=speedloader:compile:root=device,$f:16x4:compile:root=device,deepspeed-offload:16x4,$f:8x8:compile:root=device,deepspeed-offload:8x8
 contenders=${FSL_SLOW_LINK_CONTENDERS:-$([ -n "${FSL_SLOW_LINK_CAP_GIB:-}" ] && echo "$capped" || echo "$uncapped")}
 if [ "$dry" != 1 ]; then
   python3 tools/slow_link.py cleanup  # what a command killed on this machine before may have left
