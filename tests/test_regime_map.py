@@ -18,8 +18,10 @@ LM24, FSDP24, DS24 = "speedloader-overlap:2x4:root=device:dev=1:keep=11", "fsdp2
 
 
 def _row(spec: str, tokens_per_s: float, n: int, status: str = "ok", **fields) -> dict:
-    return {"spec": spec, "family": bench_fair.family_of(spec), "status": status, "tokens_per_s": tokens_per_s,
-            "sub_batch_size": n, "num_sub_batches": 8 // n, "mfu": 0.4, **fields}
+    family = bench_fair.family_of(spec)
+    head = {} if family == "layer-major" else {"head_loss_chunk_tokens": 4096}  # the peers' chunked head (e2a292b on)
+    return {"spec": spec, "family": family, "status": status, "tokens_per_s": tokens_per_s,
+            "sub_batch_size": n, "num_sub_batches": 8 // n, "mfu": 0.4, **head, **fields}
 
 
 def _record(table: str, sweep: list, invocations: list, *, device: str = "NVIDIA H200", busy: int = 0) -> dict:
@@ -70,6 +72,19 @@ def test_without_a_repeat_the_best_sweep_points_stand_and_the_status_says_so():
     point = regime_map.map_point(_record("map_7b_L8_b8_cap24", [r for r in sweep if r["family"] != "fsdp2-offload"],
                                          []))
     assert point["best_peer"] == "deepspeed-offload" and point["target"] == 1.0
+
+
+def test_a_point_says_whether_its_peers_held_every_logit_at_once():
+    # rows without head_loss_chunk_tokens predate the peers' chunked head: the point and its table line say so
+    before = [{k: v for k, v in r.items() if k != "head_loss_chunk_tokens"} for r in SWEEP24]
+    old = regime_map.map_point(_record("map_7b_L8_b8_cap24", before, []))
+    assert old["peer_head"] == "own" and "every logit at once" in regime_map.markdown([old])
+    new = regime_map.map_point(_record("map_7b_L8_b8_cap24", SWEEP24, []))
+    assert new["peer_head"] == "chunked" and "logit" not in regime_map.markdown([new])
+    both = regime_map.map_point(_record("map_7b_L8_b8_cap24", before, [[_row(FSDP24, 26_000.0, 1)]]))
+    assert both["peer_head"] == "mixed"
+    hf = regime_map.map_point(_record("map_7b_L8_b8_cap24", [dict(r, head_loss_chunk_tokens=0) for r in SWEEP24], []))
+    assert hf["peer_head"] == "own"  # ':loss=hf' rows: the model's own loss again
 
 
 def test_a_point_without_a_peer_is_incomplete_and_says_who_did_not_run():

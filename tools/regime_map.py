@@ -11,6 +11,11 @@ best sweep point, and the point says so (``status``):
   repeat k/3   a repeat part ran, fewer than 3 invocations so far (``--partial``)
   sweep only   no repeat: one sweep invocation of each best point
 
+``peer_head`` says how the peers computed their loss: ``chunked`` (layer-major's head, 4096 tokens of logits at a
+time: every peer row since e2a292b, whose ``head_loss_chunk_tokens`` is > 0) or ``own`` (the model's own loss,
+every logit of a micro-batch at once: rows without the field predate it, and their peers' micro-batches were held
+smaller by that memory); ``mixed`` where the record holds both.
+
 ``target`` is the issue's ratio for the point (2x where the best peer's micro-batch is an eighth of the batch or
 less, 1.3x where the cap binds it, else 1x: not slower); ``bound`` the most any schedule of the same kernels could
 reach over that peer (the ceiling's forward+backward rate, where the record has the ceiling). Families that never
@@ -53,6 +58,14 @@ def family_figure(record: dict, summary: dict, table: bench_fair.Table, family: 
             "source": "sweep"}
 
 
+def peer_head(record: dict) -> Optional[str]:
+    """How the record's peer rows (those that ran) computed their loss: 'chunked', 'own', 'mixed' (None: no peer ran)."""
+    rows = [*record.get("sweep", []), *(r for inv in record.get("invocations", []) for r in inv["rows"])]
+    heads = {"chunked" if (r.get("head_loss_chunk_tokens") or 0) > 0 else "own"
+             for r in rows if r.get("family") in PEERS and r.get("status") == "ok"}
+    return None if not heads else heads.pop() if len(heads) == 1 else "mixed"
+
+
 def map_point(record: dict) -> dict:
     """The point of one record: layer-major, the best peer, their ratio, the target and bound, and the status."""
     table = bench_fair.TABLES[record["table"]["name"]]
@@ -61,7 +74,8 @@ def map_point(record: dict) -> dict:
     point = {"table": table.name, "model": table.model, "layers": table.layers, "seq_len": table.seq_len,
              "batch": table.batch, "cap_gib": table.cap_gib, "device": record["device"], "families": figures,
              "not_run": [f for f in (LAYER_MAJOR, *PEERS) if f not in figures],
-             "sweep_pending": {f: left for f, left in summary["sweep_pending"].items() if f in (LAYER_MAJOR, *PEERS)}}
+             "sweep_pending": {f: left for f, left in summary["sweep_pending"].items() if f in (LAYER_MAJOR, *PEERS)},
+             "peer_head": peer_head(record)}
     ours = figures.get(LAYER_MAJOR)
     peers = [(figures[p]["tokens_per_s"], p) for p in PEERS if p in figures]
     if ours is None or not peers:
@@ -129,6 +143,8 @@ def markdown(points: Sequence[dict]) -> str:
         missing = f"; not run: {', '.join(p['not_run'])}" if p["not_run"] else ""
         missing += "".join(f"; {f}'s sweep partial ({len(left)} micro-batch{'es' if len(left) > 1 else ''} to run)"
                            for f, left in p.get("sweep_pending", {}).items())
+        if p.get("peer_head") in ("own", "mixed"):
+            missing += f"; peers' loss: {'every logit at once' if p['peer_head'] == 'own' else 'mixed'} (before e2a292b)"
         lines.append(f"| {_label(p)} | {_figure(p['families'].get(LAYER_MAJOR))} | {peer_text} | {ratio} | {target} "
                      f"| {p['status']}{missing} |")
     return "\n".join(lines)
