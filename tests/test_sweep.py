@@ -206,6 +206,28 @@ def test_summary_of_a_plain_hydra_multirun(tmp_path):
         report_main([str(tmp_path / "nowhere")])
 
 
+def test_a_hydra_multirun_stopped_by_a_failing_point_reports_the_points_it_never_ran(tmp_path):
+    # Hydra's basic launcher stops at the first failing point; the report names the failure and the points left
+    # (from the multirun's multirun.yaml), instead of "the points do not differ"
+    sweep_dir = tmp_path / "mr"
+    cmd = [sys.executable, "-m", "fsdp_speedloader.app.train", "-m", *TINY_OVERRIDES, "steps=1",
+           "schedule.sub_batch_size=0,1,2", f"hydra.sweep.dir={sweep_dir}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "schedule.sub_batch_size: got 0" in proc.stderr
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.name.isdigit()) == ["0"]
+    summary = summary_from_hydra_multirun(sweep_dir)
+    assert summary["axes"] == ["schedule.sub_batch_size"]
+    assert [(p["params"], p["status"]) for p in summary["points"]] == [
+        ({"schedule.sub_batch_size": "0"}, "failed"), ({"schedule.sub_batch_size": "1"}, "not run"),
+        ({"schedule.sub_batch_size": "2"}, "not run")]
+    assert "got 0; must be >= 1" in summary["points"][0]["error"]
+    report = subprocess.run([sys.executable, "-m", "fsdp_speedloader.app.sweep_report", str(sweep_dir)],
+                            env=clean_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert "2 of 3 points did not run" in report.stderr and "fsdp_speedloader.app.sweep" in report.stderr
+    assert "Not run: #1, #2" in report.stdout
+
+
 def test_progress_bar_over_the_points_with_the_lines_above_it(tmp_path, monkeypatch, capfd):
     """The driver shows a bar over the points (terminal only, or ``FSDP_SPEEDLOADER_PROGRESS=1``) and prints a first
     line before Hydra composes; the per-point lines still go to stdout."""

@@ -11,7 +11,9 @@ Re-render a sweep (e.g. on a machine with matplotlib) or summarise a plain Hydra
     python -m fsdp_speedloader.app.sweep_report multirun/DATE/TIME
 
 Point statuses: ``ok``; ``oom`` (nonzero exit with an out-of-memory error in its output);
-``failed`` (any other nonzero exit); ``timeout``. matplotlib is optional: without it the heatmap
+``failed`` (any other nonzero exit); ``timeout``; ``not run`` (a Hydra multirun's point after the one that
+failed: Hydra's basic launcher stops a multirun at its first failing point; the points it was asked for are read
+from its ``multirun.yaml``). matplotlib is optional: without it the heatmap
 is skipped with a message, and everything else is written.
 """
 
@@ -32,7 +34,9 @@ SUMMARY_MD = "summary.md"
 HEATMAP_PNG = "heatmap.png"
 METRICS_FILE = "metrics.jsonl"  # fsdp_speedloader.app.logger.METRICS_FILE (not imported: no torch needed here)
 ROW_KEY, COLUMN_KEY = "schedule.sub_batch_size", "schedule.num_sub_batches"
-STATUSES = ("ok", "oom", "failed", "timeout")
+STATUSES = ("ok", "oom", "failed", "timeout", "not run")
+MULTIRUN_YAML = "multirun.yaml"  # what Hydra writes in a multirun's sweep directory: its config and command line
+HYDRA_JOB_LOG = "train.log"  # Hydra's log of a point (<job name>.log): the entry point writes a user error there
 # What PyTorch's allocators (and the CUDA runtime and cuBLAS below them) print when memory runs out.
 OOM_PATTERN = re.compile(
     r"OutOfMemoryError"  # torch.OutOfMemoryError (torch.cuda.OutOfMemoryError): the caching allocators
@@ -138,13 +142,16 @@ def render_markdown(summary: dict) -> str:
     if summary.get("command"):
         out += ["```", " ".join(summary["command"]), "```", ""]
     out += [markdown_table(points, axes), ""]
-    failed = [p for p in points if p["status"] != "ok"]
+    failed = [p for p in points if p["status"] not in ("ok", "not run")]
     if failed:
         out += ["Failed points (last lines of their output):", ""]
         for p in failed:
-            out.append(f"- #{p['index']} ({p['status']}, exit {p.get('returncode')}): "
-                       f"`{(p.get('error') or '').strip()[-300:]}`")
+            code = f", exit {p['returncode']}" if p.get("returncode") is not None else ""
+            out.append(f"- #{p['index']} ({p['status']}{code}): `{(p.get('error') or '').strip()[-300:]}`")
         out.append("")
+    not_run = [str(p["index"]) for p in points if p["status"] == "not run"]
+    if not_run:
+        out += [f"Not run: #{', #'.join(not_run)} (Hydra stops a multirun at its first failing point).", ""]
     return "\n".join(out)
 
 
@@ -246,11 +253,35 @@ def write_report(summary: dict, sweep_dir: str | Path, *, heatmap: bool = True) 
 # ---------------------------------------------------------------------------------------------
 
 
+def planned_points(sweep_dir: str | Path) -> Optional[list[dict[str, str]]]:
+    """The points a Hydra multirun was asked for, in Hydra's order, from its ``multirun.yaml``
+    (``hydra.sweeper.params`` and the command line's comma lists, as ``app.sweep`` expands them); None without it."""
+    path = Path(sweep_dir) / MULTIRUN_YAML
+    if not path.is_file():
+        return None
+    import yaml  # PyYAML comes with hydra-core / omegaconf
+
+    from fsdp_speedloader.app.sweep import expand_points, split_overrides, sweep_axes  # imports this module
+
+    hydra = (yaml.safe_load(path.read_text()) or {}).get("hydra") or {}
+    fixed, swept = split_overrides((hydra.get("overrides") or {}).get("task") or [])
+    return expand_points(sweep_axes((hydra.get("sweeper") or {}).get("params") or {}, swept, fixed))
+
+
+def _point_error(run_dir: Path) -> str:
+    """The last ``error: ...`` line of a point's Hydra log (what the entry point printed), else ''."""
+    log = run_dir / HYDRA_JOB_LOG
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    return next((line[line.index("error: "):] for line in reversed(lines) if "error: " in line), "")
+
+
 def summary_from_hydra_multirun(sweep_dir: str | Path) -> dict:
     """A summary of a Hydra multirun directory (points ``N/`` with ``.hydra/overrides.yaml``).
 
-    Hydra keeps no exit status: a point counts as ``ok`` when it logged metrics, else ``failed``.
-    Swept keys are the override keys whose value differs between points.
+    Hydra keeps no exit status: a point counts as ``ok`` when it logged metrics, else ``oom`` or ``failed`` (from
+    the error its log ends with). Points the multirun was asked for (``multirun.yaml``) that have no directory are
+    ``not run``: Hydra stopped at a failing point before them. Swept keys are the override keys whose value differs
+    between points.
     """
     import yaml  # PyYAML comes with hydra-core / omegaconf
 
@@ -260,8 +291,18 @@ def summary_from_hydra_multirun(sweep_dir: str | Path) -> dict:
         overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else []
         params = dict(o.split("=", 1) for o in overrides if "=" in o)
         metrics = summarize_metrics(read_metrics(run_dir))
-        points.append({"index": int(run_dir.name), "params": params, "status": "ok" if metrics else "failed",
-                       "returncode": None, "run_dir": str(run_dir), "metrics": metrics})
+        error = "" if metrics else _point_error(run_dir)
+        points.append({"index": int(run_dir.name), "params": params,
+                       "status": "ok" if metrics else classify(1, error), "returncode": None,
+                       "run_dir": str(run_dir), "metrics": metrics, "error": error})
+    planned = planned_points(sweep_dir) or []
+    ran = {p["index"] for p in points}
+    fixed = points[0]["params"] if points else {}
+    for index, swept in enumerate(planned):
+        if index not in ran:
+            points.append({"index": index, "params": {**fixed, **swept}, "status": "not run", "returncode": None,
+                           "run_dir": None, "metrics": {}, "error": ""})
+    points.sort(key=lambda p: p["index"])
     keys = list(dict.fromkeys(k for p in points for k in p["params"]))
     axes = [k for k in keys if len({p["params"].get(k) for p in points}) > 1]
     for p in points:
@@ -291,6 +332,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     paths = write_report(summary, sweep_dir)
     print(render_markdown(summary))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+    not_run = [p for p in summary["points"] if p["status"] == "not run"]
+    if not_run:
+        stopped = max((p for p in summary["points"] if p["status"] != "not run"), key=lambda p: p["index"])
+        print(f"sweep_report: {len(not_run)} of {len(summary['points'])} points did not run: Hydra stops a multirun "
+              f"at its first failing point (#{stopped['index']}, {stopped['status']}"
+              f"{': ' + stopped['error'] if stopped.get('error') else ''}). `python -m fsdp_speedloader.app.sweep` "
+              "with the same overrides runs every point in its own process and goes on past a failure",
+              file=sys.stderr)
     return 0
 
 
