@@ -210,6 +210,8 @@ def test_the_eager_ratio_beside_deepspeed():
 
 def _row(spec, value, n=None, status="ok"):
     row = {"spec": spec, "status": status, "tokens_per_s": value, "mfu": (value or 0) / 1e5, "peak_hbm_gib": 30.0}
+    if not spec.startswith("speedloader"):  # bench_train's rows of the peers and the ceiling since e2a292b
+        row["head_loss_chunk_tokens"] = 4096
     if n:
         row.update(sub_batch_size=n, num_sub_batches=8 // n)
     return row
@@ -280,6 +282,35 @@ def test_a_record_of_another_gpu_model_is_not_extended(tmp_path):
         bench_fair.load_record(table, args, path)
     path.write_text(json.dumps(record))
     assert len(bench_fair.load_record(table, args, path)["commands"]) == 2  # same machine: appended
+
+
+def test_rows_of_peers_that_held_every_logit_do_not_mix_with_chunked_ones(tmp_path, monkeypatch):
+    """Records from before the peers' chunked head (their rows lack head_loss_chunk_tokens) are not extended, and
+    their peers' points are not taken; layer-major's points of such a record still are."""
+    table = bench_fair.TABLES["cpu_check"]
+    path = tmp_path / "fair_cpu_check.json"
+    args = _args(quick=True, invocations=3)
+    record = bench_fair.load_record(table, args, path)
+    before = ("head_loss_chunk_tokens",)  # rows from before e2a292b lack the field
+    old_peer = {k: v for k, v in _row("fsdp2-offload:2x1", 2.0).items() if k not in before} | {"family": "fsdp2-offload"}
+    lm = {**_row("speedloader-overlap:1x2", 3.0), "family": "layer-major"}
+    path.write_text(json.dumps({**record, "sweep": [lm, old_peer]}))
+    with pytest.raises(SystemExit, match="every logit of a micro-batch at once"):
+        bench_fair.load_record(table, args, path)
+    ceiling = {**old_peer, "spec": "ondevice:2x1", "family": "ceiling"}  # the ceiling's own head counts too
+    path.write_text(json.dumps({**record, "sweep": [lm, ceiling]}))
+    with pytest.raises(SystemExit, match="use another --out-dir"):
+        bench_fair.load_record(table, args, path)
+    path.write_text(json.dumps({**record, "sweep": [lm, {**old_peer, "head_loss_chunk_tokens": 4096}]}))
+    assert len(bench_fair.load_record(table, args, path)["commands"]) == 2  # chunked peers: appended
+    source = {"table": bench_fair.dataclasses.asdict(table), "device": "NVIDIA H200", "commit": "abc",
+              "sweep": [lm, old_peer]}
+    (tmp_path / "src.json").write_text(json.dumps(source))
+    fresh = {"sweep": []}
+    bench_fair.take_points(fresh, table, ["layer-major"], tmp_path / "src.json")
+    assert [r["family"] for r in fresh["sweep"]] == ["layer-major"]
+    with pytest.raises(SystemExit, match="every logit"):
+        bench_fair.take_points({"sweep": []}, table, ["fsdp2-offload"], tmp_path / "src.json")
 
 
 def test_points_from_another_record_are_marked_and_repeated(tmp_path, monkeypatch):

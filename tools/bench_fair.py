@@ -485,6 +485,25 @@ def same_table(recorded: dict, table: Table) -> bool:
     return json.loads(json.dumps({**defaults, **recorded})) == json.loads(json.dumps(dataclasses.asdict(table)))
 
 
+def peer_head(record: dict, families: Sequence[str] = PEERS) -> Optional[str]:
+    """How a record's rows of ``families`` (the peers) that ran computed their loss: 'chunked' (layer-major's head: rows since e2a292b,
+    whose ``head_loss_chunk_tokens`` is > 0), 'own' (the model's own loss, every logit of a micro-batch at once:
+    rows without the field predate it, or ':loss=hf'), 'mixed'; None where no peer ran."""
+    rows = [*record.get("sweep", []), *(r for inv in record.get("invocations", []) for r in inv["rows"])]
+    heads = {"chunked" if (r.get("head_loss_chunk_tokens") or 0) > 0 else "own"
+             for r in rows if r.get("family") in families and r.get("status") == "ok"}
+    return None if not heads else heads.pop() if len(heads) == 1 else "mixed"
+
+
+def check_peers_chunked(record: dict, source: Path) -> None:
+    """SystemExit where ``record``'s peers held every logit at once: rows run now (the peers chunk their head) would
+    sit beside rows whose micro-batches that memory held smaller, and their best points would not be theirs now."""
+    if peer_head(record, (*PEERS, "ceiling")) in ("own", "mixed"):
+        raise SystemExit(f"{source}: its peers computed their loss from every logit of a micro-batch at once (before "
+                         "e2a292b); the peers now chunk their head as layer-major does, so their rows do not mix: use "
+                         "another --out-dir (a new record) and sweep again")
+
+
 def take_points(record: dict, table: Table, families: Sequence[str], source: Path) -> None:
     """The sweep rows of ``families`` from another record of the same table (another GPU model, say), marked with
     where they came from: the repeat then runs their best points here without a sweep of its own."""
@@ -495,6 +514,7 @@ def take_points(record: dict, table: Table, families: Sequence[str], source: Pat
     have = {r["family"] for r in record["sweep"]}
     taken = [{**r, "from_record": {"path": str(source), "device": other["device"], "commit": other["commit"]}}
              for r in other["sweep"] if r["family"] in families and r["family"] not in have]
+    check_peers_chunked({"sweep": taken}, source)  # layer-major's points of an older record still apply
     record["sweep"].extend(taken)
     record.setdefault("points_from", []).append({"path": str(source), "device": other["device"]})
 
@@ -670,6 +690,7 @@ def load_record(table: Table, args: argparse.Namespace, path: Path) -> dict:
         if record["device"] != header["device"] and not args.dry_run:
             raise SystemExit(f"{path} was measured on {record['device']}, this machine is {header['device']}: the rows "
                              "of one table come from one GPU model (docs/benchmarking.md); use another --out-dir")
+        check_peers_chunked(record, path)
         record["commands"].append({k: header[k] for k in COMMAND_KEYS})
         return record
     return {**header, "commands": [{k: header[k] for k in COMMAND_KEYS}],

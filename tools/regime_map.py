@@ -58,14 +58,6 @@ def family_figure(record: dict, summary: dict, table: bench_fair.Table, family: 
             "source": "sweep"}
 
 
-def peer_head(record: dict) -> Optional[str]:
-    """How the record's peer rows (those that ran) computed their loss: 'chunked', 'own', 'mixed' (None: no peer ran)."""
-    rows = [*record.get("sweep", []), *(r for inv in record.get("invocations", []) for r in inv["rows"])]
-    heads = {"chunked" if (r.get("head_loss_chunk_tokens") or 0) > 0 else "own"
-             for r in rows if r.get("family") in PEERS and r.get("status") == "ok"}
-    return None if not heads else heads.pop() if len(heads) == 1 else "mixed"
-
-
 def map_point(record: dict) -> dict:
     """The point of one record: layer-major, the best peer, their ratio, the target and bound, and the status."""
     table = bench_fair.TABLES[record["table"]["name"]]
@@ -75,7 +67,7 @@ def map_point(record: dict) -> dict:
              "batch": table.batch, "cap_gib": table.cap_gib, "device": record["device"], "families": figures,
              "not_run": [f for f in (LAYER_MAJOR, *PEERS) if f not in figures],
              "sweep_pending": {f: left for f, left in summary["sweep_pending"].items() if f in (LAYER_MAJOR, *PEERS)},
-             "peer_head": peer_head(record)}
+             "peer_head": bench_fair.peer_head(record)}
     ours = figures.get(LAYER_MAJOR)
     peers = [(figures[p]["tokens_per_s"], p) for p in PEERS if p in figures]
     if ours is None or not peers:
