@@ -59,10 +59,10 @@ from fsdp_speedloader.app.launch import rank as launch_rank
 from fsdp_speedloader.app.logger import MetricLogger, StepProgress, build_logger, check_wandb_credentials, \
     logged_model, progress_bar_enabled
 from fsdp_speedloader.kernels import KernelScope, apply_kernels
-from fsdp_speedloader.models.chunked_loss import causal_lm_loss
 from fsdp_speedloader.app.metrics import StepMetrics, num_block_params, recompute_flops_per_token
 from fsdp_speedloader.models import build_hf_config, build_model, get_adapter, materialize_model, \
     position_ids_model_classes
+from fsdp_speedloader.models.chunked_loss import causal_lm_loss
 from fsdp_speedloader.app.optim import build_lr_scheduler, build_optimizer
 from fsdp_speedloader.app.planning import planned_config, tune_train_config
 from fsdp_speedloader.app.runtime import DTYPES, maybe_cap_gpu_memory, resolve_device_type, resolve_param_dtype, \
@@ -197,8 +197,9 @@ def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, 
                                position_ids: Optional[torch.Tensor] = None, loss_chunk_tokens: int = 0) -> torch.Tensor:
     """The canonical schedule's step (FSDP2 gradient accumulation): one forward and backward per micro-batch of
     ``sub_batch_size``; returns the effective-batch mean loss, detached. ``loss_chunk_tokens`` > 0: the head's logits
-    exist for that many tokens at a time, as layer-major's (``models.chunked_loss``; 0: the model's own loss). ``gradient_sync='last'`` reduce-scatters
-    only after the last micro-batch (unsharded gradients accumulate on the device meanwhile).
+    exist for that many tokens at a time, as layer-major's (``models.chunked_loss``; 0: the model's own loss).
+    ``gradient_sync='last'`` reduce-scatters only after the last micro-batch (unsharded gradients accumulate on the
+    device meanwhile).
     ``reshard_after_forward=False`` (the model sharded so, ``schedule.reshard_after_forward``) also keeps the
     parameters unsharded between micro-batches: each unit is all-gathered once per step. ``scope``
     (``apply_schedule``'s) covers the backward too: activation checkpointing recomputes the blocks there.
