@@ -619,6 +619,24 @@ def test_cli_reads_prompts_with_the_pretrained_checkpoints_own_tokenizer(tmp_pat
     assert [(r["prompt"], r["prompt_tokens"]) for r in lines] == [("hello world", [2, 3]), ("the cat", [4, 5])]
 
 
+def test_another_tokenizer_than_the_models_own_is_named_before_generating(tmp_path, caplog):
+    """tokenizer= naming another vocabulary than the model's own (model.path's here; a checkpoint's alike) runs, as
+    every id fits the model, but says so: its prompts and completions would read as noise. The model's own, given
+    explicitly, and random weights (no tokenizer of their own) say nothing."""
+    from fsdp_speedloader.app.generate import other_than_trained_with
+
+    hf = _pretrained_dir(tmp_path / "hf", ["[UNK]", "<eos>", "hello", "world", "the", "cat"])
+    other = _pretrained_dir(tmp_path / "other", ["<eos>", "[UNK]", "hello", "world"])  # 4 tokens, EOS 0
+    why = other_than_trained_with(str(other), str(hf))
+    assert why.startswith(f"tokenizer '{other}' (4 tokens, EOS 0) is not the model's own ('{hf}': 6 tokens, EOS 1)")
+    assert other_than_trained_with(str(hf), str(hf)) is None and other_than_trained_with("bytes", "bytes") is None
+    assert other_than_trained_with(str(other), str(tmp_path / "moved")) is None  # nothing here to compare with
+    lines = _generate_cli(tmp_path, f"model.path={hf}", f"tokenizer={other}", "prompts.text=[hello world]",
+                          "max_new_tokens=2")
+    assert lines[0]["prompt_tokens"] == [2, 3]  # the other tokenizer's ids, as asked
+    assert "(4 tokens, EOS 0) is not the model's own" in (tmp_path / "run" / "generate.log").read_text()
+
+
 def test_cli_stops_at_every_eos_id_of_the_models_generation_config(tmp_path):
     """An instruct model's generation_config.json lists end tokens beside the tokenizer's EOS (Llama-3's <|eot_id|>):
     a sequence stops at any of them, as in Hugging Face's generate; it ran on to max_new_tokens."""

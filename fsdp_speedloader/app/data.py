@@ -424,18 +424,27 @@ def check_prepared_with(cfg: DataConfig) -> None:
                 "(data.tokenizer=null takes it from the data where it can be loaded here)")
 
 
+def tokenizer_difference(name: str, reference: str) -> Optional[tuple[tuple[int, int], tuple[int, int]]]:
+    """((tokens, EOS id) of ``name``, the same of ``reference``) where the two tokenizers differ in either, else None:
+    what a model's ids are checked by (:func:`check_prepared_with` compares the same two numbers)."""
+    if name == reference or (name != "bytes" and reference != "bytes"
+                             and Path(name).resolve() == Path(reference).resolve()):
+        return None
+    ours, theirs = build_tokenizer(name), build_tokenizer(reference)
+    ours_id, theirs_id = (len(ours), int(ours.eos_token_id)), (len(theirs), int(theirs.eos_token_id))
+    return None if ours_id == theirs_id else (ours_id, theirs_id)
+
+
 def other_than_models_own(cfg: DataConfig, model_path: Optional[str]) -> Optional[str]:
     """Why ``data.tokenizer`` is not ``model_path``'s own tokenizer (another vocabulary size or EOS), if it is not
     and the checkpoint has one: a pretrained model trained on another tokenizer's ids learns new meanings for its
     ids, rarely what was meant. None otherwise."""
     own = default_tokenizer(model_path)
-    if not model_path or own != model_path or Path(cfg.tokenizer).resolve() == Path(own).resolve():
+    if not model_path or own != model_path or (diff := tokenizer_difference(cfg.tokenizer, own)) is None:
         return None
-    ours, theirs = build_tokenizer(cfg.tokenizer), build_tokenizer(own)
-    if (len(ours), ours.eos_token_id) == (len(theirs), theirs.eos_token_id):
-        return None
-    return (f"data.tokenizer {cfg.tokenizer!r} ({len(ours)} tokens, EOS {ours.eos_token_id}) is not model.path's own "
-            f"tokenizer ({len(theirs)} tokens, EOS {theirs.eos_token_id}): the pretrained model learns new meanings "
+    (tokens, eos), (own_tokens, own_eos) = diff
+    return (f"data.tokenizer {cfg.tokenizer!r} ({tokens} tokens, EOS {eos}) is not model.path's own "
+            f"tokenizer ({own_tokens} tokens, EOS {own_eos}): the pretrained model learns new meanings "
             f"for its ids, and the checkpoint and its export carry {cfg.tokenizer!r}")
 
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_speedloader import parallel
 from fsdp_speedloader.app.config import LoggerConfig, OffloadConfig, default_tokenizer
-from fsdp_speedloader.app.data import build_tokenizer
+from fsdp_speedloader.app.data import build_tokenizer, tokenizer_difference
 from fsdp_speedloader.app.export import checkpoint_path_overrides, open_checkpoint, special_generation_config, \
     special_token_ids
 from fsdp_speedloader.app.jsonl import JsonLineError, json_line_text
@@ -405,6 +405,24 @@ def check_host_weights(model: torch.nn.Module, cfg: GenerateConfig, dtype: torch
                      f"reports, set host_memory_limit_gib (or {LIMIT_ENV})")
 
 
+def other_than_trained_with(name: str, models_own: Optional[str]) -> Optional[str]:
+    """Why ``tokenizer=name`` is not the one the model's ids mean (the checkpoint's, or model.path's own), if it is
+    not: prompts encoded and completions decoded with another vocabulary read as noise, though every id may fit the
+    model. None where they agree, or where the model's own cannot be read here (a checkpoint's moved tokenizer)."""
+    if not models_own:
+        return None
+    try:
+        diff = tokenizer_difference(name, models_own)
+    except ValueError:  # the model's own tokenizer directory is not here: nothing to compare against
+        return None
+    if diff is None:
+        return None
+    (tokens, eos), (own_tokens, own_eos) = diff
+    return (f"tokenizer {name!r} ({tokens} tokens, EOS {eos}) is not the model's own ({models_own!r}: {own_tokens} "
+            f"tokens, EOS {own_eos}): the prompts are encoded and the completions decoded with another vocabulary "
+            "than the model was trained on; tokenizer=null uses the model's own")
+
+
 def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     """Builds the model, generates every prompt (each rank its share), writes the jsonl; returns the figures.
 
@@ -422,8 +440,11 @@ def run(cfg: GenerateConfig, run_config: Optional[dict] = None) -> dict:
     checkpoint = open_checkpoint(cfg.checkpoint_path) if cfg.checkpoint_path is not None else None
     model_cfg = checkpoint.model if checkpoint is not None else cfg.model
     hf_config = build_hf_config(model_cfg)
-    tokenizer = build_tokenizer(cfg.tokenizer or (checkpoint.tokenizer if checkpoint is not None else
-                                                  default_tokenizer(cfg.model.path)))
+    models_own = checkpoint.tokenizer if checkpoint is not None else default_tokenizer(cfg.model.path)
+    tokenizer = build_tokenizer(cfg.tokenizer or models_own)
+    trained = checkpoint is not None or models_own == cfg.model.path  # random weights have no tokenizer of their own
+    if first and cfg.tokenizer and trained and (why := other_than_trained_with(cfg.tokenizer, models_own)):
+        log.warning("%s", why)
     texts, tokens = build_prompts(cfg, tokenizer, hf_config.vocab_size)
     top = max((max(t) for t in tokens if t), default=-1)
     if top >= hf_config.vocab_size:  # before the model is built (it failed at the first forward)
