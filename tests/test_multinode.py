@@ -326,7 +326,8 @@ def test_bench_scale_link_per_step_and_the_bound():
 
 def test_bench_scale_invocations_alternate_and_append(tmp_path):
     """--invocations 2 runs every (contender, case) twice, the order reversed the second time; a later command with
-    the same work appends a third invocation to the same record; other settings are refused, not merged."""
+    the same work appends a third invocation to the same record, and one of some contenders only; other settings are
+    refused, not merged."""
     fake = tmp_path / "fake_worker.py"
     fake.write_text(FAKE_WORKER)
     base = [sys.executable, str(TOOLS / "bench_scale.py"), "--device", "cpu", "--worker-script", str(fake),
@@ -352,6 +353,13 @@ def test_bench_scale_invocations_alternate_and_append(tmp_path):
     assert record["targets"]["repeats"]["speedloader 2x1-ethernet"]["n"] == 3
     proc = bench("--invocations", "1", "--shape", "2x4")
     assert proc.returncode != 0 and "holds another measurement" in proc.stderr and "shape" in proc.stderr
+    # one contender in a command of its own (a slow peer that fills a command): appended, the record's list kept
+    proc = bench("--invocations", "1", "--contenders", "fsdp2-offload")
+    assert proc.returncode == 0, tail(proc.stdout + proc.stderr)
+    record = json.loads((tmp_path / "results" / "rep.json").read_text())
+    assert record["config"]["contenders"] == "speedloader,fsdp2-offload" and len(record["commands"]) == 3
+    assert [(r["invocation"], r["contender"]) for r in record["results"]][6:] == [(3, "fsdp2-offload")]
+    assert record["targets"]["repeats"]["fsdp2-offload 2x1-ethernet"]["n"] == 4
 
 
 @pytest.mark.slow

@@ -412,23 +412,29 @@ def plot(record: dict, path: Path) -> Optional[Path]:
     return harness.save_figure(fig, path)
 
 
-# What may differ between the commands that append to one record: the budget, limits and where it is written.
+# What may differ between the commands that append to one record: the budget, limits and where it is written, and
+# which contenders run (a peer whose steps over a slow link fill a command runs in a command of its own; the
+# record's contenders are then all that any of its commands ran).
 RESUME_FREE = ("budget_s", "timeout", "invocations", "out_dir", "name", "dry_run")
+MERGED = ("contenders",)
 
 
 def resumed(record: dict, path: Path) -> dict:
     """``record``, or the one already at ``path`` when it measured the same work on the same machine kind: its
-    results kept, this command appended (the next invocations continue its numbering). Anything else is refused."""
+    results kept, this command appended (the next invocations continue its numbering), its contenders joined to the
+    record's. Anything else is refused."""
     if not path.is_file():
         return {**record, "commands": [{k: record[k] for k in ("command", "commit", "timestamp")}]}
     old = json.loads(path.read_text())
-    mine = {k: v for k, v in record["config"].items() if k not in RESUME_FREE}
-    theirs = {k: v for k, v in old["config"].items() if k not in RESUME_FREE}
+    mine = {k: v for k, v in record["config"].items() if k not in RESUME_FREE + MERGED}
+    theirs = {k: v for k, v in old["config"].items() if k not in RESUME_FREE + MERGED}
     if old["device"] != record["device"] or mine != theirs:
         diff = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
         raise SystemExit(f"{path} holds another measurement (device {old['device']!r}, settings {diff} differ): "
                          "use another --name or --out-dir")
     old.setdefault("commands", []).append({k: record[k] for k in ("command", "commit", "timestamp")})
+    joined = [c for spec in (old["config"]["contenders"], record["config"]["contenders"]) for c in spec.split(",") if c]
+    old["config"]["contenders"] = ",".join(dict.fromkeys(joined))
     return old
 
 

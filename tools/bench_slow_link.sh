@@ -36,7 +36,8 @@
 # under a cap) its shapes (the record's name says which); FSL_SLOW_LINK_TIMEOUT (default 240 s) each contender's
 # limit: under the cap a peer's step over 10 Gbit/s takes about 29 s at 4 layers (DeepSpeed 4 x 16 did not finish its
 # 7 steps in 240 s at d239093), so a capped run with DeepSpeed wants 2 layers or a longer limit. A part run again with the
-# same settings appends its invocations to the same record (the protocol's 3 over several device commands).
+# same settings appends its invocations to the same record (the protocol's 3 over several device commands); its
+# FSL_SLOW_LINK_CONTENDERS may name some of the record's contenders only (a slow peer in a command of its own).
 # NCCL_* variables set by the caller reach every run.
 # Carry .wheels (tools/device_wheels.sh: hydra, wandb) and .whl (tools/build_deepspeed_wheels.sh: DeepSpeed), and
 # .iproute2 (tools/fetch_iproute2.sh) for a machine without `ip`/`tc`: the lent 2-GPU H100 machine had neither on
