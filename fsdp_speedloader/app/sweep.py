@@ -34,7 +34,6 @@ DIR`` summarises its directory. This driver is the robust way, and the only one 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import shlex
 import subprocess
@@ -50,44 +49,11 @@ from fsdp_speedloader.app.cli import check_overrides
 from fsdp_speedloader.app.config import LoggerConfig
 from fsdp_speedloader.app.launch import fail
 from fsdp_speedloader.app.logger import StepProgress, progress_bar_enabled
+from fsdp_speedloader.app.sweep_points import expand_points, split_overrides, sweep_axes
 from fsdp_speedloader.app.sweep_report import classify, read_metrics, summarize_metrics, write_report
 
 RUN_LOG = "console.log"
 _MULTIRUN_FLAGS = ("-m", "--multirun")
-
-
-def split_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
-    """(fixed overrides, {swept key: its values}) of a command line, parsed as Hydra parses it."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    fixed, swept = [], {}
-    for text, parsed in zip(overrides, OverridesParser.create().parse_overrides(list(overrides))):
-        if parsed.is_sweep_override():
-            swept[parsed.get_key_element()] = list(parsed.sweep_string_iterator())
-        else:
-            fixed.append(text)
-    return fixed, swept
-
-
-def sweep_axes(config_params: dict, cli_swept: dict[str, list[str]],
-               cli_fixed: Sequence[str] = ()) -> dict[str, list[str]]:
-    """The swept keys and values: ``hydra.sweeper.params`` of the config, then the command line's.
-
-    The command line wins, as in Hydra: a key given one value there (``cli_fixed``) is not swept.
-    """
-    _, axes = split_overrides([f"{k}={v}" for k, v in config_params.items()])
-    for key in {o.split("=", 1)[0].lstrip("+~") for o in cli_fixed}:
-        axes.pop(key, None)
-    for key, values in cli_swept.items():
-        axes.pop(key, None)  # the command line wins, and goes last (varies fastest), as in Hydra
-        axes[key] = values
-    return axes
-
-
-def expand_points(axes: dict[str, list[str]]) -> list[dict[str, str]]:
-    """The cartesian product of the axes, the last key varying fastest (Hydra's basic sweeper order)."""
-    keys = list(axes)
-    return [dict(zip(keys, values)) for values in itertools.product(*(axes[k] for k in keys))]
 
 
 def point_label(point: dict[str, str]) -> str:

@@ -261,7 +261,7 @@ def planned_points(sweep_dir: str | Path) -> Optional[list[dict[str, str]]]:
         return None
     import yaml  # PyYAML comes with hydra-core / omegaconf
 
-    from fsdp_speedloader.app.sweep import expand_points, split_overrides, sweep_axes  # imports this module
+    from fsdp_speedloader.app.sweep_points import expand_points, split_overrides, sweep_axes
 
     hydra = (yaml.safe_load(path.read_text()) or {}).get("hydra") or {}
     fixed, swept = split_overrides((hydra.get("overrides") or {}).get("task") or [])
