@@ -663,8 +663,9 @@ def run_worker(args: argparse.Namespace) -> dict:
     if name == "deepspeed-offload":  # a peer with its own engine and launcher environment
         from bench_deepspeed import run_deepspeed
 
-        return {**run_deepspeed(args, sub_batch, num_sub, head_loss_chunk(contender)), "contender_spec": args.worker,
-                "max_gpu_memory_gib": cap, "head_loss_chunk_tokens": head_loss_chunk(contender)}
+        chunk = head_loss_chunk(contender)
+        return {**run_deepspeed(args, sub_batch, num_sub, chunk), "contender_spec": args.worker,
+                "max_gpu_memory_gib": cap, "head_loss_chunk_tokens": chunk}
     cuda = args.device == "cuda"
     maybe_init_process_group(args.device)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
