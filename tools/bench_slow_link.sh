@@ -38,6 +38,9 @@
 # 7 steps in 240 s at d239093), so a capped run with DeepSpeed wants 2 layers or a longer limit. A part run again with the
 # same settings appends its invocations to the same record (the protocol's 3 over several device commands); its
 # FSL_SLOW_LINK_CONTENDERS may name some of the record's contenders only (a slow peer in a command of its own).
+# FSL_SLOW_LINK_GPUS_PER_NODE (default 1) gives each emulated node that many GPUs (a 4-GPU machine: 2 nodes x 2 GPUs,
+# NVLink within a node, both GPUs of a node sharing its link; HSDP then shards over a node's GPUs and replicates
+# across the link); the record's name gets _nodes2xG.
 # NCCL_* variables set by the caller reach every run.
 # Carry .wheels (tools/device_wheels.sh: hydra, wandb) and .whl (tools/build_deepspeed_wheels.sh: DeepSpeed), and
 # .iproute2 (tools/fetch_iproute2.sh) for a machine without `ip`/`tc`: the lent 2-GPU H100 machine had neither on
@@ -52,6 +55,9 @@ shape=${FSL_SLOW_LINK_SHAPE:-2x32}
 steps=${FSL_SLOW_LINK_STEPS:-5}; warmup=${FSL_SLOW_LINK_WARMUP:-2}  # the protocol's minimums (docs/benchmarking.md)
 layers=${FSL_SLOW_LINK_LAYERS:-4}; limit=${FSL_SLOW_LINK_TIMEOUT:-240}
 model=${FSL_SLOW_LINK_MODEL:-llama2_7b}
+per_node=${FSL_SLOW_LINK_GPUS_PER_NODE:-1}
+gpu_ids=$(seq -s, 0 $((2 * per_node - 1)))
+nodes_tag=$([ "$per_node" = 1 ] || echo "_nodes2x$per_node")
 # Layer-major at its best (compiled, root on the GPU); the peers at their largest micro-batch first: over a slow link
 # each micro-batch gathers every layer again, so the fewest micro-batches that fit win (DeepSpeed 32 x 2 beat 16 x 4
 # over emulated Ethernet on 4 GPUs, bench/results/scale_llama2_7b_L4_s4096_64seq_micro_batches_eager.json), then
@@ -89,10 +95,10 @@ bw 25 slow_link_allreduce_25g_4x4 NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4
 bw 1000 slow_link_allreduce_ceiling
 
 train() {  # train PART RATE DP_REPLICATE NAME: one bench_scale invocation in what is left of the budget
-  local key=$1 rate=$2 replicate=$3 name=$4${FSL_SLOW_LINK_CAP_GIB:+_cap$FSL_SLOW_LINK_CAP_GIB}
+  local key=$1 rate=$2 replicate=$3 name=$4${FSL_SLOW_LINK_CAP_GIB:+_cap$FSL_SLOW_LINK_CAP_GIB}$nodes_tag
   local left=$((budget - SECONDS - 20))
   bench_run "$key" "$name" 60 0 python3 tools/bench_scale.py --model "$model" --layers "$layers" --seq-len 4096 \
-    --shape "$shape" --gpus '' --ethernet 2x1 --gpu-ids 0,1 --dp-replicate "$replicate" --link-gbit "$rate" \
+    --shape "$shape" --gpus '' --ethernet "2x$per_node" --gpu-ids "$gpu_ids" --dp-replicate "$replicate" --link-gbit "$rate" \
     --link-modes "$modes" --contenders "$contenders" --steps "$steps" --warmup "$warmup" \
     --invocations "${FSL_SLOW_LINK_INVOCATIONS:-1}" --timeout "$limit" --budget-s "$left" \
     ${FSL_SLOW_LINK_CAP_GIB:+--max-gpu-memory-gib "$FSL_SLOW_LINK_CAP_GIB"} \
