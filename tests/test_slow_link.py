@@ -96,6 +96,24 @@ def test_bench_scale_over_a_link_dry_run(capsys):
     assert "give a positive rate" in capsys.readouterr().err
 
 
+def test_bench_slow_link_nodes_of_two_gpus_dry_run(tmp_path):
+    """FSL_SLOW_LINK_GPUS_PER_NODE=2: the HSDP part runs 2 nodes x 2 GPUs on GPUs 0-3, and its record says so in
+    its name (a 2 x 1 record of the same point must not be appended to)."""
+    env = dict(os.environ, FSL_BENCH_DRY_RUN="1", FSL_SLOW_LINK_GPUS_PER_NODE="2", FSL_SLOW_LINK_CAP_GIB="24",
+               FSL_SLOW_LINK_LAYERS="2")
+    out = subprocess.run(["bash", str(TOOLS / "bench_slow_link.sh"), str(tmp_path), "hsdp"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    launch = next(line for line in out.stdout.splitlines() if "bench_scale.py" in line)
+    assert "--ethernet 2x2 --gpu-ids 0,1,2,3 --dp-replicate 2" in launch
+    assert "--name slow_link_hsdp_10g_llama2_7b_L2_s4096_2x32_cap24_nodes2x2 " in launch
+    env.pop("FSL_SLOW_LINK_GPUS_PER_NODE")
+    out = subprocess.run(["bash", str(TOOLS / "bench_slow_link.sh"), str(tmp_path), "hsdp"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    launch = next(line for line in out.stdout.splitlines() if "bench_scale.py" in line)
+    assert "--ethernet 2x1 --gpu-ids 0,1 " in launch and "--name slow_link_hsdp_10g_llama2_7b_L2_s4096_2x32_cap24 " in launch
+
+
 def test_refusals(capsys):
     with pytest.raises(slow_link.LinkUnavailable, match="sockets: cannot add a delay without tc"):
         slow_link.build_link(10, 5.0, modes=("sockets",))
