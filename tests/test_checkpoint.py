@@ -56,6 +56,32 @@ def test_resume_equals_uninterrupted(tmp_path, schedule):
     _check_resume(*_resume_runs(tmp_path, schedule))
 
 
+def test_a_resume_reads_no_weights_from_model_path(tmp_path):
+    # A resume read all of model.path's safetensors (a 70B's 140 GB) and then overwrote them with the checkpoint's;
+    # with the weights gone from model.path (its config.json kept) it failed. It now reads the checkpoint only.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 vocab_size=320, max_position_embeddings=64)).save_pretrained(hf)
+
+    def config(out: str, **checkpoint):
+        return tiny_config(tmp_path / out, steps=4, model={"path": str(hf)}, schedule={"name": "speedloader"},
+                           checkpoint={"every": 2, "dir": str(tmp_path / f"{out}_ckpt"), "save_final": False,
+                                       **checkpoint})
+
+    uninterrupted = Trainer(config("a")).train()
+    Trainer(config("b")).train(max_steps=2)
+    for weights in hf.glob("*.safetensors"):
+        weights.unlink()
+    resumed = Trainer(dataclasses.replace(config("b", resume="auto"), output_dir=str(tmp_path / "c"))).train()
+    assert [m["step"] for m in resumed] == [3, 4]
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in resumed] == pytest.approx([m[key] for m in uninterrupted[2:]], rel=1e-6), key
+    with pytest.raises(ValueError, match="safetensors"):  # a fresh run does need them
+        Trainer(config("d"))
+
+
 def test_tokens_count_on_from_the_checkpoint_after_a_resume_with_another_batch(tmp_path):
     # step x this run's tokens per step counted the steps before the resume at the new batch size
     Trainer(_config(tmp_path / "b", tmp_path / "ckpt", "speedloader")).train(max_steps=3)

@@ -118,9 +118,8 @@ class TrainingCheckpoint:
     def materialize(self, model: nn.Module, *, device: torch.device,
                     param_device: Optional[torch.device] = None) -> None:
         """``materialize_model`` for a (sharded) model built on ``meta`` from ``self.model``, then the trained
-        weights (the seeded initialisation that allocates the shards is overwritten)."""
-        materialize_model(model, dataclasses.replace(self.model, path=None), device=device, seed=0,
-                          param_device=param_device)
+        weights (allocated only: the strict load overwrites every parameter)."""
+        materialize_model(model, self.model, device=device, seed=0, param_device=param_device, fill=False)
         self.load_weights(model)
 
     def build_model(self, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:

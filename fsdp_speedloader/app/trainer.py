@@ -363,7 +363,9 @@ class Trainer:
         # before the shards take host memory
         check_host_memory_plan(model, cfg, self.mesh, param_dtype=param_dtype, device=self.device)
         param_device = torch.device("cpu") if cfg.offload.params else self.device
-        materialize_model(model, cfg.model, device=self.device, seed=cfg.seed, param_device=param_device)
+        # a resume takes every weight from its checkpoint: model.path's are not read (only its config.json)
+        materialize_model(model, cfg.model, device=self.device, seed=cfg.seed, param_device=param_device,
+                          fill=resume_path is None)
         self.model = model
 
         # 4. Optimizer, LR schedule, data, metrics, logging, checkpoints.

@@ -114,12 +114,13 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str = "meta", seed: 
 
 
 def materialize_model(model: nn.Module, cfg: ModelConfig, *, device: torch.device, seed: int,
-                      param_device: Optional[torch.device] = None) -> None:
+                      param_device: Optional[torch.device] = None, fill: bool = True) -> None:
     """Allocates the (sharded) parameters and fills them: from ``cfg.path`` if set, else seeded init.
 
     ``param_device`` is where offloaded parameters live (the host); parameters of FSDP groups that do not
     offload (``offload_root=False``'s root) and buffers such as the rotary frequencies go to the compute
-    ``device``.
+    ``device``. ``fill=False`` allocates only: a resume's checkpoint overwrites every parameter next (its load
+    is strict), so reading ``cfg.path``'s weights or initialising them first would be time spent for nothing.
     """
     model.to_empty(device=param_device or device)
     if param_device is not None and param_device != device:  # groups that keep their states on the device
@@ -127,6 +128,8 @@ def materialize_model(model: nn.Module, cfg: ModelConfig, *, device: torch.devic
 
         move_unoffloaded_shards(model, device)
     _rebuild_buffers(model, device)
+    if not fill:
+        return
     if cfg.path is not None:
         load_safetensors(model, cfg.path)
     else:
