@@ -322,6 +322,23 @@ def test_bench_scale_link_per_step_and_the_bound():
     assert bound["peer_link_share"] == pytest.approx(8.3 / 9.445)  # the peer bound by the link
     assert bound["speedloader_link_share"] == pytest.approx(2.05 / 3.525)
     assert "deepspeed-offload" not in t["ethernet_bound"]  # not run: no bound
+    assert "ethernet_eager_speedloader_over_deepspeed" not in t
+
+
+def test_bench_scale_eager_layer_major_beside_deepspeed():
+    """DeepSpeed runs eager: the targets give layer-major's fastest eager variant over DeepSpeed's fastest beside the
+    compiled ratio (the protocol's like-for-like pair)."""
+    def run(contender, tps):
+        return {"contender": contender, "case": "2x1-ethernet", "status": "ok", "tokens_per_s": tps,
+                "tokens_per_s_per_gpu": tps / 2}
+
+    results = [run("speedloader:compile:root=device", 150.0), run("speedloader:root=device", 120.0),
+               run("speedloader", 110.0), run("deepspeed-offload:16x4", 80.0), run("deepspeed-offload:8x8", 40.0)]
+    t = bench_scale.targets(results)
+    assert t["ethernet_speedloader_over"]["deepspeed-offload"] == pytest.approx(150 / 80)
+    assert t["ethernet_eager_speedloader_over_deepspeed"] == {
+        "speedloader": "speedloader:root=device", "deepspeed-offload": "deepspeed-offload:16x4",
+        "ratio": pytest.approx(120 / 80)}
 
 
 def test_bench_scale_invocations_alternate_and_append(tmp_path):

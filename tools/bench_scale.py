@@ -328,6 +328,14 @@ def targets(results: Sequence[dict]) -> dict:
             if case.endswith("-ethernet") and family(contender) != "speedloader"}
         out["ethernet_bound"] = {name: ethernet_bound(fastest["speedloader"], fastest[name])
                                  for name in CONTENDERS[1:] if name in fastest}
+    # DeepSpeed runs eager: the protocol's like-for-like ratio is layer-major's fastest eager variant over it.
+    eager = [r for (contender, case), r in ok.items() if case.endswith("-ethernet")
+             and family(contender) == "speedloader" and "compile" not in contender.split(":")[1:]]
+    if eager and "deepspeed-offload" in fastest:
+        best_eager = max(eager, key=lambda r: r["tokens_per_s"])
+        out["ethernet_eager_speedloader_over_deepspeed"] = {
+            "speedloader": best_eager["contender"], "deepspeed-offload": fastest["deepspeed-offload"]["contender"],
+            "ratio": best_eager["tokens_per_s"] / fastest["deepspeed-offload"]["tokens_per_s"]}
     out["goals"] = {"weak_scaling_per_gpu_4_over_1 (speedloader)": ">= 0.95 (issue 43; 8 GPUs: >= 0.93)",
                     "ethernet_speedloader_over fsdp2-offload": ">= 4 over 10 Gbit/s, each at its best micro-batch",
                     "ethernet_speedloader_over deepspeed-offload": ">= 4 over 10 Gbit/s, each at its best micro-batch"}

@@ -73,8 +73,10 @@ nodes_tag=$([ "$per_node" = 1 ] || echo "_nodes2x$per_node")
 # layer-major's chunked head (the peers' default since e2a292b) both fit 16 x 4 at 2 layers (16.0 and 16.5 GiB) and
 # neither 32 x 2, so the capped list starts at 16 x 4 and steps down to 8 x 8.
 f=fsdp2-offload
-uncapped=speedloader:compile:root=device,deepspeed-offload:32x2,$f:32x2:compile:root=device,$f:16x4:compile:root=device,deepspeed-offload:16x4,$f:8x8:compile:root=device
-capped=speedloader:compile:root=device,$f:16x4:compile:root=device,deepspeed-offload:16x4,$f:8x8:compile:root=device,deepspeed-offload:8x8
+# DeepSpeed runs eager (its engine does not take our compiled blocks), so the protocol wants layer-major eager beside
+# it (`speedloader:root=device`); it comes right after the peers' first points.
+uncapped=speedloader:compile:root=device,deepspeed-offload:32x2,$f:32x2:compile:root=device,speedloader:root=device,$f:16x4:compile:root=device,deepspeed-offload:16x4,$f:8x8:compile:root=device
+capped=speedloader:compile:root=device,$f:16x4:compile:root=device,deepspeed-offload:16x4,speedloader:root=device,$f:8x8:compile:root=device,deepspeed-offload:8x8
 contenders=${FSL_SLOW_LINK_CONTENDERS:-$([ -n "${FSL_SLOW_LINK_CAP_GIB:-}" ] && echo "$capped" || echo "$uncapped")}
 if [ "$dry" != 1 ]; then
   python3 tools/slow_link.py cleanup  # what a command killed on this machine before may have left
