@@ -111,7 +111,8 @@ def test_bench_slow_link_nodes_of_two_gpus_dry_run(tmp_path):
     out = subprocess.run(["bash", str(TOOLS / "bench_slow_link.sh"), str(tmp_path), "hsdp"], env=env,
                          capture_output=True, text=True, timeout=120)
     launch = next(line for line in out.stdout.splitlines() if "bench_scale.py" in line)
-    assert "--ethernet 2x1 --gpu-ids 0,1 " in launch and "--name slow_link_hsdp_10g_llama2_7b_L2_s4096_2x32_cap24 " in launch
+    assert "--ethernet 2x1 --gpu-ids 0,1 " in launch
+    assert "--name slow_link_hsdp_10g_llama2_7b_L2_s4096_2x32_cap24 " in launch
 
 
 def test_refusals(capsys):
