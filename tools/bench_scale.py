@@ -411,8 +411,8 @@ def plot(record: dict, path: Path) -> Optional[Path]:
         over = (f"a {link['gbit']:g} Gbit/s link ({link['mode']})" if link and link.get("gbit")
                 else f"a link ({link['mode']})" if link else "TCP sockets")
         mesh = "HSDP, " if record["config"].get("dp_replicate", 1) > 1 else ""
-        right.set_title(f"{eth[0]['nodes']} nodes x {eth[0]['gpus_per_node']} GPUs, {mesh}NCCL over {over}"
-                        if "nodes" in eth[0] else "emulated Ethernet")
+        right.set_title(f"{eth[0]['nodes']} nodes x {eth[0]['gpus_per_node']} GPUs, {mesh}NCCL\nover {over}"
+                        if "nodes" in eth[0] else "emulated Ethernet", fontsize=10)
     cfg = record["config"]
     cap = f", GPU memory capped at {cfg['max_gpu_memory_gib']:g} GiB" if cfg.get("max_gpu_memory_gib") else ""
     fig.suptitle(f"{cfg['model']} x {cfg['layers']} layers, seq {cfg['seq_len']}, n x N = {cfg['shape']} per GPU "
