@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -93,6 +94,19 @@ def test_user_error_is_one_line_and_nonzero_exit(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "data.path" in errors[0] and "missing.txt" in errors[0], proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_user_error_under_torchrun_is_named_in_torchrun_s_summary(tmp_path):
+    # torchrun ends a failed job with its own traceback and a summary per rank, the last lines a user sees; they said
+    # "To enable traceback see: ..." and the one line that names the cause scrolled away above them.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "fsdp_speedloader.app.train", *TINY_OVERRIDES, "logger=none", "data=text",
+           f"data.path={tmp_path / 'missing.txt'}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    summary = proc.stderr[proc.stderr.rindex("Root Cause"):]
+    assert re.search(r"traceback : error: data\.path: .*missing\.txt", summary), proc.stderr[-4000:]
+    assert "To enable traceback see" not in proc.stderr
 
 
 @pytest.mark.parametrize("entry", ["train", "tune"])

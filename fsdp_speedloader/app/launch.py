@@ -9,18 +9,21 @@ Hydra's logging set up off (warnings still reach stderr). Setting ``FSDP_SPEEDLO
 the run directory.
 
 User errors (a ``ValueError`` raised while a run is set up, or a :class:`UserError` raised later) end the process
-with ONE line on stderr, ``error: ...``, and exit code 2: :func:`fail`. ``FSDP_SPEEDLOADER_TRACEBACK=1`` prints their
+with ONE line on stderr, ``error: ...``, and exit code 2: :func:`fail` (under torchrun the same line goes to its
+per-worker error file, so its failure summary names the cause). ``FSDP_SPEEDLOADER_TRACEBACK=1`` prints their
 traceback too. A run stopped by SIGTERM/SIGINT saves a checkpoint and exits with 128 + the signal number
 (:class:`TrainingInterrupted`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from datetime import datetime
 from pathlib import Path
@@ -159,6 +162,7 @@ def fail(error: ValueError) -> NoReturn:
     if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
         traceback.print_exception(error, file=sys.stderr)
     print(f"error: {error}", file=sys.stderr, flush=True)
+    _tell_torchrun(f"error: {error}")
     # the run's log file (Hydra's <entry point>.log in the run directory) says why the run ended too
     record = logging.LogRecord(__name__, logging.ERROR, __file__, 0, "error: %s", (error,), None)
     for handler in logging.getLogger().handlers:
@@ -167,6 +171,21 @@ def fail(error: ValueError) -> NoReturn:
     if dist.is_initialized():
         dist.destroy_process_group()  # no barrier: other ranks may have failed differently
     sys.exit(2)
+
+
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun, ``line`` in the worker's error file (``$TORCHELASTIC_ERROR_FILE``, the format of torch's
+    ``ErrorHandler.record_exception``): torchrun's failure summary, the last thing its console shows, then names the
+    cause instead of "To enable traceback see: ..."."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # the summary then says what it said before; the line above is on stderr anyway
+        pass
 
 
 def launch(hydra_main: Callable[[], None], config_name: Optional[str] = None) -> None:
