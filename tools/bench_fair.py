@@ -486,9 +486,9 @@ def same_table(recorded: dict, table: Table) -> bool:
 
 
 def peer_head(record: dict, families: Sequence[str] = PEERS) -> Optional[str]:
-    """How a record's rows of ``families`` (the peers) that ran computed their loss: 'chunked' (layer-major's head: rows since e2a292b,
-    whose ``head_loss_chunk_tokens`` is > 0), 'own' (the model's own loss, every logit of a micro-batch at once:
-    rows without the field predate it, or ':loss=hf'), 'mixed'; None where no peer ran."""
+    """How a record's rows of ``families`` (the peers) that ran computed their loss: 'chunked' (layer-major's head:
+    rows since e2a292b, whose ``head_loss_chunk_tokens`` is > 0), 'own' (the model's own loss, every logit of a
+    micro-batch at once: rows without the field predate it, or ':loss=hf'), 'mixed'; None where no peer ran."""
     rows = [*record.get("sweep", []), *(r for inv in record.get("invocations", []) for r in inv["rows"])]
     heads = {"chunked" if (r.get("head_loss_chunk_tokens") or 0) > 0 else "own"
              for r in rows if r.get("family") in families and r.get("status") == "ok"}
