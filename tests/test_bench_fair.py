@@ -563,3 +563,8 @@ def test_families_sweep_side_by_side_on_their_own_slots(tmp_path):
     shape = bench_fair.Shape.of(table)
     first_tiers = {ladder[0][0] for f in table.families for ladder in bench_fair.train_ladders(table, f, shape)}
     assert first_tiers <= {r["spec"] for r in record["sweep"]}  # every ladder's first point was tried
+    # the repeat under --gpus 2: one worker at a time, each on the first slot (the share a sweep point had)
+    assert bench_fair.main([*argv[:-1], "repeat", "--invocations", "1", "--gpus", "2"]) == 0
+    rows = json.loads((tmp_path / "fair_cpu_check.json").read_text())["invocations"][0]["rows"]
+    assert {r["family"] for r in rows} == set(table.families)
+    assert all(r["status"] == "ok" and r["gpu_slot"] == 0 and r["worker_cpus"] == sizes[0] for r in rows), rows

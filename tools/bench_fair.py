@@ -525,10 +525,13 @@ def repeat(table: Table, families: Sequence[str], args: argparse.Namespace, reco
         raise SystemExit(f"{table.name}: no sweep point ran in {path}; run --part sweep first, or name the settings "
                          "to repeat with --also")
     specs = list(best.values()) + [spec for spec in args.also if spec not in best.values()]
+    # one worker at a time; under --gpus N each on the first slot, so it sees the share of the machine a sweep point
+    # saw (a one-GPU machine's cores on a machine of N), not the whole host
+    slot = slots(args.gpus)[0] if args.gpus > 1 else None
     first = len(record["invocations"])
     for i in range(first, first + args.invocations):
         order = protocol.run_order(specs, i)
-        rows = [run_point(table, spec, args, invocation=i) for spec in order]
+        rows = [run_point(table, spec, args, slot, invocation=i) for spec in order]
         record["invocations"].append({"index": i, "order": order, "rows": rows, "boot_id": harness.boot_id()})
         write(record, path, table, args)
 
@@ -717,8 +720,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--host-copy", type=int, default=0, help="memory-copy processes beside every worker")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per worker")
     parser.add_argument("--gpus", type=int, default=1,
-                        help="sweep: run up to this many families' sweeps at once, each on its own GPU and an equal "
-                             "share of the host's cores (the repeat always runs one worker at a time)")
+                        help="split the machine into this many slots (a GPU and an equal share of the host's "
+                             "cores each): the sweep runs up to this many families' sweeps at once, one per slot; the "
+                             "repeat runs one worker at a time on the first slot, the share a sweep point had")
     parser.add_argument("--also", action="append", default=[], metavar="SPEC",
                         help="repeat: another setting beside the best points (a lever's A/B), its own summary row")
     parser.add_argument("--points-from", action="append", default=[], metavar="RECORD",
