@@ -236,9 +236,10 @@ def test_summary_ratios_medians_overlap_and_binding_caps():
     assert "bound" not in r  # no ceiling in this table: no bound
 
 
-def test_the_bound_from_the_ceilings_forward_backward_and_the_targets():
-    """A peer's ratio carries the issue's target for its case and the bound: the ceiling's forward+backward rate
-    (median over its invocations) over the peer's median; a target above the bound is flagged out of reach."""
+def test_the_bound_from_the_fastest_forward_backward_and_the_targets():
+    """A peer's ratio carries the issue's target for its case and the bound: the fastest forward+backward rate of the
+    table's contenders (median over its invocations; here the ceiling's, then a peer's) over the peer's median; a
+    target above the bound is flagged out of reach."""
     lm, fs, ds, ce = ("speedloader-overlap:4x2", "fsdp2-offload:1x8", "deepspeed-offload:2x4", "ondevice:1x8")
     invocations = [{"index": i, "rows": [_row(lm, 350.0, 4), _row(fs, 250.0, 1), _row(ds, 100.0, 2),
                                          {**_row(ce, 400.0, 1), "tokens_per_s_fwd_bwd": rate}]}
@@ -250,6 +251,13 @@ def test_the_bound_from_the_ceilings_forward_backward_and_the_targets():
     assert ds_["binds"] and not ds_["eighth_or_less"] and ds_["target"] == 1.3
     assert ds_["bound"] == pytest.approx(4.2) and ds_["target_within_bound"] is True
     assert bench_fair.peer_target(False, False) == 1.0
+    # the ceiling's allocator retrying under the cap: a peer's forward+backward faster than its is the bound
+    for inv in invocations:
+        inv["rows"][1]["tokens_per_s_fwd_bwd"] = 500.0
+    r = bench_fair.summarize({"invocations": invocations}, T40)["ratios"]
+    assert r["layer-major/fsdp2-offload"]["bound"] == pytest.approx(2.0)
+    assert r["layer-major/deepspeed-offload"]["bound"] == pytest.approx(5.0)
+    assert bench_fair.fastest_fwd_bwd({"fsdp2-offload": {"tokens_per_s_fwd_bwd_median": 500.0}}) is None  # no ceiling
 
 
 def test_another_setting_has_its_own_summary_row_with_its_phases():

@@ -26,8 +26,9 @@ be separate device commands; a record is never extended on another GPU model (``
 points to a record of the same table elsewhere; ``--also`` repeats another setting beside them). The record's ``summary`` holds, per family, the median and min-max over the repeat
 invocations and ``ratios`` layer-major over every other family (median over median, ``overlap`` where the ranges
 meet, ``binds`` where the peer's best micro-batch is smaller than the batch, ``target`` the issue's ratio for that case,
-``bound`` what the ratio would be if layer-major's whole step took the ceiling's forward+backward: the most any
-schedule of the same kernels can reach, from measured rates; a target above it is out of reach at that point). ``--host-busy K`` / ``--host-copy M``
+``bound`` what the ratio would be if layer-major's whole step took the fastest forward+backward any contender of the
+table measured (usually the ceiling's): the most a schedule of the same kernels reaches, from measured rates; a
+target above it is out of reach at that point). ``--host-busy K`` / ``--host-copy M``
 run K busy-loop and M memory-copy processes beside every worker (tools/host_load.py): the busy-host curve.
 
 Workers are tools/bench_train.py and tools/bench_infer.py (``--worker SPEC``), each in its own process with a fresh
@@ -527,11 +528,11 @@ def repeat(table: Table, families: Sequence[str], args: argparse.Namespace, reco
     specs = list(best.values()) + [spec for spec in args.also if spec not in best.values()]
     # one worker at a time; under --gpus N each on the first slot, so it sees the share of the machine a sweep point
     # saw (a one-GPU machine's cores on a machine of N), not the whole host
-    slot = slots(args.gpus)[0] if args.gpus > 1 else None
+    on_slot = {"slot": slots(args.gpus)[0]} if args.gpus > 1 else {}
     first = len(record["invocations"])
     for i in range(first, first + args.invocations):
         order = protocol.run_order(specs, i)
-        rows = [run_point(table, spec, args, slot, invocation=i) for spec in order]
+        rows = [run_point(table, spec, args, invocation=i, **on_slot) for spec in order]
         record["invocations"].append({"index": i, "order": order, "rows": rows, "boot_id": harness.boot_id()})
         write(record, path, table, args)
 
@@ -576,6 +577,16 @@ def sweep_pending(record: dict, table: Table) -> dict[str, list[str]]:
     return pending
 
 
+def fastest_fwd_bwd(families: dict) -> Optional[float]:
+    """The bound's rate: the fastest forward+backward (tokens/s, median; optimizer set aside) any contender of the
+    table measured. Usually the ceiling's (no recompute, nothing moved); but under a cap the ceiling's allocator may
+    retry, and a peer holding fewer states on the GPU may then run the same kernels faster. None without the
+    ceiling's: the others' alone (their recompute and transfers inside) bound nothing."""
+    if not families.get("ceiling", {}).get("tokens_per_s_fwd_bwd_median"):
+        return None
+    return max(f["tokens_per_s_fwd_bwd_median"] for f in families.values() if f.get("tokens_per_s_fwd_bwd_median"))
+
+
 def summarize(record: dict, table: Table) -> dict:
     """Per family: the spread of its best point over the repeat invocations; ratios of layer-major (and of the
     int4 generation row) over every other family, median over median, with overlap and whether the cap binds
@@ -607,9 +618,7 @@ def summarize(record: dict, table: Table) -> dict:
     ours_name = LAYER_MAJOR if table.kind == "train" else "speedloader-int4"
     ratios = {}
     ours = families.get(ours_name)
-    # No schedule of the same kernels computes faster than the ceiling's forward+backward (no recompute, no transfer,
-    # its optimizer set aside): over a peer, layer-major can reach at most that rate over the peer's.
-    fastest = families.get("ceiling", {}).get("tokens_per_s_fwd_bwd_median")
+    fastest = fastest_fwd_bwd(families)
     if ours and ours["median"]:
         for name, theirs in families.items():
             if name == ours_name or not theirs["median"]:

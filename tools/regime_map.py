@@ -18,7 +18,8 @@ smaller by that memory); ``mixed`` where the record holds both.
 
 ``target`` is the issue's ratio for the point (2x where the best peer's micro-batch is an eighth of the batch or
 less, 1.3x where the cap binds it, else 1x: not slower); ``bound`` the most any schedule of the same kernels could
-reach over that peer (the ceiling's forward+backward rate, where the record has the ceiling). Families that never
+reach over that peer (where the record has the ceiling: the fastest forward+backward rate of its repeated
+contenders, usually the ceiling's). Families that never
 ran at the point are listed under ``not_run``; a sweep stopped part-way (micro-batches of a family not run yet, where
 its best point may lie) under ``sweep_pending``. Records under a host load (``--host-busy``) are refused, as are
 records of two GPU models in one map. With several records of one table the one with the most repeat invocations
@@ -84,7 +85,7 @@ def map_point(record: dict) -> dict:
                        if n else "sweep only")
     if theirs.get("sub_batch_size"):
         point["target"] = bench_fair.peer_case(table, theirs["sub_batch_size"])["target"]
-    fastest = summary["families"].get("ceiling", {}).get("tokens_per_s_fwd_bwd_median")
+    fastest = bench_fair.fastest_fwd_bwd(summary["families"])
     if fastest:
         point["bound"] = fastest / theirs["tokens_per_s"]
     return point
