@@ -79,6 +79,7 @@ def test_a_point_says_whether_its_peers_held_every_logit_at_once():
     before = [{k: v for k, v in r.items() if k != "head_loss_chunk_tokens"} for r in SWEEP24]
     old = regime_map.map_point(_record("map_7b_L8_b8_cap24", before, []))
     assert old["peer_head"] == "own" and "every logit at once" in regime_map.markdown([old])
+    assert regime_map._cell(old)[1].endswith("peers: every logit at once")  # the plot's cell says it too
     new = regime_map.map_point(_record("map_7b_L8_b8_cap24", SWEEP24, []))
     assert new["peer_head"] == "chunked" and "logit" not in regime_map.markdown([new])
     both = regime_map.map_point(_record("map_7b_L8_b8_cap24", before, [[_row(FSDP24, 26_000.0, 1)]]))

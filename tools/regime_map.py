@@ -149,7 +149,9 @@ def _cell(point: Optional[dict]) -> tuple[Optional[float], str]:
     if "ratio" not in point:
         return None, "no " + " / ".join(point["not_run"])
     partial = any(f in point.get("sweep_pending", {}) for f in PEERS)
-    return point["ratio"], f"{point['ratio']:.2f}x\n{point['status']}" + ("\npeer sweep partial" if partial else "")
+    stale = point.get("peer_head") in ("own", "mixed")  # the peers' micro-batches held smaller by every logit at once
+    return point["ratio"], (f"{point['ratio']:.2f}x\n{point['status']}" + ("\npeer sweep partial" if partial else "")
+                            + ("\npeers: every logit at once" if stale else ""))
 
 
 def _on_grid(model: str, layers: Optional[int], seq_len: int) -> bool:
