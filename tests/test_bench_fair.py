@@ -545,7 +545,9 @@ def test_a_worker_takes_its_slots_cores_before_loading_anything():
 
 @pytest.mark.parametrize("extra, message", [(["--gpus", "0"], "use 1 or more"),
                                             (["--gpus", "2", "--host-busy", "1"], "its own host load"),
-                                            (["--gpus", "4096"], "cores for the workers")])
+                                            (["--gpus", "4096"], "cores for the workers"),
+                                            (["--sweep-steps", "1"], "--sweep-steps 1: at least 2"),
+                                            (["--sweep-warmup", "0"], "--sweep-warmup 0: at least 1")])
 def test_bad_gpus_settings_fail_before_any_worker(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit):
         bench_fair.main(["cpu_check", "--out-dir", str(tmp_path), "--device", "cpu", "--quick", *extra])
@@ -558,11 +560,13 @@ def test_families_sweep_side_by_side_on_their_own_slots(tmp_path):
     """--gpus 2 on the CPU: both families' sweeps run at once through real workers, each family's points on one slot
     (half the cores), the same points as one at a time."""
     argv = ["cpu_check", "--out-dir", str(tmp_path), "--device", "cpu", "--quick", "--steps", "1", "--warmup", "1",
-            "--timeout", "120", "--part", "sweep"]
+            "--timeout", "120", "--sweep-steps", "2", "--part", "sweep"]
     assert bench_fair.main([*argv, "--gpus", "2"]) == 0
     record = json.loads((tmp_path / "fair_cpu_check.json").read_text())
     ran = [r for r in record["sweep"] if r["status"] != "skipped"]
     assert all(r["status"] == "ok" for r in ran), [r.get("error") for r in ran]
+    # --sweep-steps: every sweep point timed 2 steps and says so (the repeat below times --steps, 1)
+    assert all(r["steps"] == 2 and r["warmup"] == 1 and len(r["step_times_s"]) == 2 for r in ran)
     by_family = {f: {r["gpu_slot"] for r in ran if r["family"] == f} for f in ("layer-major", "fsdp2-offload")}
     assert all(len(s) == 1 for s in by_family.values()) and set.union(*by_family.values()) <= {0, 1}, by_family
     sizes = {s.gpu: len(s.cpus) for s in bench_fair.slots(2)}
@@ -576,3 +580,18 @@ def test_families_sweep_side_by_side_on_their_own_slots(tmp_path):
     rows = json.loads((tmp_path / "fair_cpu_check.json").read_text())["invocations"][0]["rows"]
     assert {r["family"] for r in rows} == set(table.families)
     assert all(r["status"] == "ok" and r["gpu_slot"] == 0 and r["worker_cpus"] == sizes[0] for r in rows), rows
+    assert all("steps" not in r and len(r["step_times_s"]) == 1 for r in rows)
+
+
+def test_sweep_points_may_run_fewer_steps_than_the_repeat(tmp_path, capsys):
+    """--sweep-steps / --sweep-warmup: the sweep's workers time fewer steps (their rows say how many), the repeat's
+    keep --steps / --warmup."""
+    argv = [T40.name, "--out-dir", str(tmp_path), "--family", "fsdp2-offload", "--dry-run"]
+    assert bench_fair.main([*argv, "--part", "sweep", "--sweep-steps", "2", "--sweep-warmup", "1"]) == 0
+    commands = [line for line in capsys.readouterr().out.splitlines() if "bench_train.py" in line]
+    assert commands and all(line.endswith("--steps 2 --warmup 1 --device cuda --compile") for line in commands)
+    args = argparse.Namespace(steps=5, warmup=2, sweep_steps=2, sweep_warmup=None, device="cuda", profile=False)
+    repeat_cmd = bench_fair.worker_command(T40, "fsdp2-offload:4x2", args)
+    assert repeat_cmd[repeat_cmd.index("--steps") + 1] == "5" and repeat_cmd[repeat_cmd.index("--warmup") + 1] == "2"
+    sweep_cmd = bench_fair.worker_command(T40, "fsdp2-offload:4x2", args, sweep=True)
+    assert sweep_cmd[sweep_cmd.index("--steps") + 1] == "2" and sweep_cmd[sweep_cmd.index("--warmup") + 1] == "2"

@@ -13,7 +13,9 @@ family has its own knobs, swept under the same cap (:func:`train_ladders`, :func
            micro-batch n that divides the batch, tiers tried in order from the fastest-if-it-fits setting down
            (no recompute and units gathered once, then one of the two, then neither; layer-major: as many kept
            (unit, sub-batch) pairs as the cap's memory holds, then fewer); a ladder stops at the first tier with a
-           point that fits. Every tried point, out-of-memory ones included, stays in the record.
+           point that fits. Every tried point, out-of-memory ones included, stays in the record. The sweep only
+           ranks; --sweep-steps / --sweep-warmup (default: the repeat's) shorten its training points where a step
+           takes many seconds (a batch of 128), each row saying its steps.
   repeat   each family's best sweep point (:func:`protocol.best_point`), in at least 3 invocations with the order
            of contenders alternated (:func:`protocol.run_order`); with DeepSpeed in the table (eager: its engine
            does not run our compiled blocks), layer-major's best eager point beside it (its ladders are swept
@@ -307,12 +309,14 @@ def family_of(spec: str) -> str:
 # --- running workers ----------------------------------------------------------------------------------
 
 
-def worker_command(table: Table, spec: str, args: argparse.Namespace) -> list[str]:
+def worker_command(table: Table, spec: str, args: argparse.Namespace, sweep: bool = False) -> list[str]:
+    """The worker's command line; a sweep point's training worker runs ``--sweep-steps`` after ``--sweep-warmup``."""
     if table.kind == "train":
+        steps, warmup = sweep_steps(args) if sweep else (args.steps, args.warmup)
         layers = table.layers or harness.model_config(table.model).num_layers
         cmd = [sys.executable, str(REPO / "tools" / "bench_train.py"), "--worker", spec, "--model", table.model,
                "--layers", str(layers), "--seq-len", str(table.seq_len), "--max-gpu-memory-gib",
-               f"{table.cap_gib:g}", "--steps", str(args.steps), "--warmup", str(args.warmup),
+               f"{table.cap_gib:g}", "--steps", str(steps), "--warmup", str(warmup),
                "--device", args.device]
         return cmd + (["--compile"] if table.compiled else []) + (["--profile"] if args.profile else [])
     cmd = [sys.executable, str(REPO / "tools" / "bench_infer.py"), "--worker", spec, "--model", table.model,
@@ -346,9 +350,18 @@ def slots(n: int) -> list[Slot]:
     return [Slot(i, tuple(cpus[bounds[i]:bounds[i + 1]])) for i in range(n)]
 
 
-def run_point(table: Table, spec: str, args: argparse.Namespace, slot: Optional[Slot] = None, **fields) -> dict:
-    """One worker in its own process (beside the host load, if any; held to ``slot`` if given): its record row."""
-    cmd = worker_command(table, spec, args)
+def sweep_steps(args: argparse.Namespace) -> tuple[int, int]:
+    """(timed, warm-up) steps of a sweep point: ``--sweep-steps`` / ``--sweep-warmup``, else the repeat's."""
+    return (args.sweep_steps or args.steps, args.sweep_warmup or args.warmup)
+
+
+def run_point(table: Table, spec: str, args: argparse.Namespace, slot: Optional[Slot] = None, sweep: bool = False,
+              **fields) -> dict:
+    """One worker in its own process (beside the host load, if any; held to ``slot`` if given): its record row. A
+    sweep point's row says its timed and warm-up steps (they may be fewer than the repeat's)."""
+    cmd = worker_command(table, spec, args, sweep)
+    if sweep and table.kind == "train":
+        fields = {**fields, "steps": sweep_steps(args)[0], "warmup": sweep_steps(args)[1]}
     if args.dry_run:
         print(" ".join(cmd), flush=True)
         return {"spec": spec, "family": family_of(spec), **fields, "status": "dry-run"}
@@ -424,7 +437,8 @@ def sweep_family(table: Table, family: str, args: argparse.Namespace, record: di
                 with lock:
                     done = {r["spec"]: r for r in record["sweep"] if r["status"] in ("ok", "oom")}
                 on_slot = {"slot": slot} if slot is not None else {}
-                rows = [done.get(spec) or run_point(table, spec, args, ladder=ladder_index, tier=tier_index, **on_slot)
+                rows = [done.get(spec) or run_point(table, spec, args, sweep=True, ladder=ladder_index, tier=tier_index,
+                                                    **on_slot)
                         for spec in tier]
                 if stop is not None and stop.is_set():  # the command was stopped: a stopped worker is no point
                     return
@@ -690,6 +704,10 @@ def record_path(table: Table, args: argparse.Namespace) -> Path:
     return Path(args.out_dir, f"fair_{table.name}{load}.json")
 
 
+# A sweep point only ranks a family's settings (the repeat measures the best one under the protocol): at large
+# batches, where one step takes many seconds, fewer timed steps halve the sweep.
+MIN_SWEEP_STEPS, MIN_SWEEP_WARMUP = 2, 1
+
 COMMAND_KEYS = ("command", "commit", "device", "timestamp", "boot_id")  # each command that appended to a record
 
 
@@ -721,6 +739,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--invocations", type=int, default=protocol.MIN_INVOCATIONS)
     parser.add_argument("--steps", type=int, default=protocol.MIN_TIMED_STEPS)
     parser.add_argument("--warmup", type=int, default=protocol.MIN_WARMUP_STEPS)
+    parser.add_argument("--sweep-steps", type=int, default=None,
+                        help="training sweep points: this many timed steps (default --steps); the sweep chooses each "
+                             "family's best point, the repeat measures it with --steps; at least %d" % MIN_SWEEP_STEPS)
+    parser.add_argument("--sweep-warmup", type=int, default=None,
+                        help="training sweep points: this many warm-up steps (default --warmup; at least %d: the "
+                             "compile)" % MIN_SWEEP_WARMUP)
     parser.add_argument("--quick", action="store_true", help="allow fewer than the protocol's minimums (marked)")
     parser.add_argument("--partial", action="store_true",
                         help="repeat: fewer invocations than the minimum now, a later command (another start of the "
@@ -754,6 +778,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     table = TABLES[args.table]
     if args.gpus < 1:
         parser.error(f"--gpus {args.gpus}: use 1 or more")
+    for flag, value, least in (("--sweep-steps", args.sweep_steps, MIN_SWEEP_STEPS),
+                               ("--sweep-warmup", args.sweep_warmup, MIN_SWEEP_WARMUP)):
+        if value is not None and value < least:
+            parser.error(f"{flag} {value}: at least {least} (a sweep point still has to time a step after the "
+                         "compiling one)")
     if args.gpus > 1 and (args.host_busy or args.host_copy):
         parser.error("--gpus runs workers side by side, which is its own host load: drop --host-busy/--host-copy, or "
                      "--gpus")
