@@ -80,6 +80,14 @@ def test_a_resume_reads_no_weights_from_model_path(tmp_path):
         assert [m[key] for m in resumed] == pytest.approx([m[key] for m in uninterrupted[2:]], rel=1e-6), key
     with pytest.raises(ValueError, match="safetensors"):  # a fresh run does need them
         Trainer(config("d"))
+    # model.path gone altogether: the error says how to resume without it (the step's own config.json), and that works
+    shutil.rmtree(hf)
+    step = dict(list_checkpoints(tmp_path / "b_ckpt"))[2]  # the resume above went on to save step 4 there too
+    again = config("e", resume=str(step))
+    with pytest.raises(ValueError, match=f"has no config.json.*model.path={step} resumes without"):
+        Trainer(again)
+    resumed = Trainer(dataclasses.replace(again, model=dataclasses.replace(again.model, path=str(step)))).train()
+    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in uninterrupted[2:]], rel=1e-6)
 
 
 def test_tokens_count_on_from_the_checkpoint_after_a_resume_with_another_batch(tmp_path):

@@ -45,8 +45,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_speedloader import openmp_wait, parallel
-from fsdp_speedloader.app.checkpoint import Checkpointer, check_checkpoint_fits, check_not_a_step_dir, \
-    claim_checkpoint_dir, resolve_resume_path
+from fsdp_speedloader.app.checkpoint import TOKENIZER_DIR, Checkpointer, check_checkpoint_fits, \
+    check_not_a_step_dir, claim_checkpoint_dir, resolve_resume_path
 from fsdp_speedloader.app.checkpoint_extra import EXTRA_FILE, read_extra
 from fsdp_speedloader.app.checkpoint_lock import CheckpointDirLock
 from fsdp_speedloader.app.config import TrainConfig
@@ -226,6 +226,22 @@ def canonical_forward_backward(model: torch.nn.Module, input_ids: torch.Tensor, 
 # ---------------------------------------------------------------------------------------------
 
 
+def _resume_without_model_path(cfg: TrainConfig) -> str:
+    """For an error about model.path on a resume: how to resume without it (a resume reads no weights from model.path,
+    only its config.json, which every step directory holds too); '' where this is no resume."""
+    if cfg.checkpoint.resume is None or cfg.model.path is None or (Path(cfg.model.path) / "config.json").is_file():
+        return ""
+    try:
+        step = resolve_resume_path(cfg.checkpoint, cfg.checkpoint.dir or Path(cfg.output_dir) / "checkpoints")
+    except ValueError:
+        return ""
+    if step is None:
+        return ""
+    tokenizer = (f" data.tokenizer={step / TOKENIZER_DIR}" if (step / TOKENIZER_DIR).is_dir() else "")
+    return (f". A resume reads only the config.json of model.path, and the step it resumes holds the same one: "
+            f"model.path={step}{tokenizer} resumes without the original directory")
+
+
 class Trainer:
     """Builds everything from ``cfg`` in the constructor; ``train()`` runs the steps.
 
@@ -257,7 +273,10 @@ class Trainer:
             log.info("setting up: model %s, tokenizer %s, schedule %s, %d steps, run directory %s",
                      cfg.model.path or cfg.model.name, cfg.data.tokenizer, sched.name, cfg.steps, cfg.output_dir)
         device_type = resolve_device_type(cfg.device)
-        hf_config = build_hf_config(cfg.model)
+        try:
+            hf_config = build_hf_config(cfg.model)
+        except ValueError as e:
+            raise ValueError(f"{e}{_resume_without_model_path(cfg)}") from None
         vocab_size = hf_config.vocab_size
         positions = getattr(hf_config, "max_position_embeddings", None)  # model.path's: its config.json holds them
         if cfg.model.path and positions is not None and cfg.data.seq_len > positions:
