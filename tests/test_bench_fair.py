@@ -595,3 +595,39 @@ def test_sweep_points_may_run_fewer_steps_than_the_repeat(tmp_path, capsys):
     assert repeat_cmd[repeat_cmd.index("--steps") + 1] == "5" and repeat_cmd[repeat_cmd.index("--warmup") + 1] == "2"
     sweep_cmd = bench_fair.worker_command(T40, "fsdp2-offload:4x2", args, sweep=True)
     assert sweep_cmd[sweep_cmd.index("--steps") + 1] == "2" and sweep_cmd[sweep_cmd.index("--warmup") + 1] == "2"
+
+
+def test_a_budget_starts_a_worker_only_where_its_expected_wall_time_fits():
+    lm, fs = "speedloader-overlap:4x2", "fsdp2-offload:4x2"
+    record = {"sweep": [{"spec": lm, "family": "layer-major", "wall_s": 30.0},
+                        {"spec": "speedloader-overlap:2x4", "family": "layer-major", "wall_s": 50.0}],
+              "invocations": [{"rows": [{"spec": lm, "family": "layer-major", "wall_s": 40.0}]}]}
+    assert bench_fair.expected_wall_s(record, lm) == pytest.approx(44.0)  # its own longest run, a tenth more
+    assert bench_fair.expected_wall_s(record, "speedloader-overlap:1x8") == pytest.approx(55.0)  # its family's
+    assert bench_fair.expected_wall_s(record, fs) == pytest.approx(55.0)  # any worker's
+    assert bench_fair.expected_wall_s({}, fs) == pytest.approx(1.1 * bench_fair.DEFAULT_WALL_S)
+    budget = bench_fair.Budget(95.0)
+    assert budget.allows(record, [lm, lm]) and not budget.stopped_before  # 88 s
+    assert not budget.allows(record, [lm, fs]) and budget.stopped_before == [lm]  # 99 s
+    assert bench_fair.Budget(None).allows(record, [fs] * 100)
+
+
+@pytest.mark.slow
+def test_a_budget_splits_a_table_over_commands_run_again_until_complete(tmp_path, capsys):
+    """--budget-s: a command starts no worker that would not end in time, and the same command run again goes on;
+    --invocations is then the record's total, so a complete table runs nothing more."""
+    argv = ["cpu_check", "--out-dir", str(tmp_path), "--device", "cpu", "--quick", "--steps", "1", "--warmup", "1",
+            "--timeout", "120", "--invocations", "2"]
+    path = tmp_path / "fair_cpu_check.json"
+    assert bench_fair.main([*argv, "--budget-s", "1"]) == 0  # no worker fits: none starts, the record is begun
+    assert "run the same command again to go on" in capsys.readouterr().out
+    assert json.loads(path.read_text())["sweep"] == [] and json.loads(path.read_text())["invocations"] == []
+    assert bench_fair.main([*argv, "--budget-s", "900"]) == 0
+    record = json.loads(path.read_text())
+    assert "go on" not in capsys.readouterr().out
+    assert record["sweep"] and len(record["invocations"]) == 2 and record["summary"]["sweep_pending"] == {}
+    assert bench_fair.main([*argv, "--budget-s", "900"]) == 0  # complete: nothing more runs
+    assert json.loads(path.read_text())["invocations"] == record["invocations"]
+    with pytest.raises(SystemExit):
+        bench_fair.main([*argv, "--budget-s", "900", "--part", "repeat", "--partial"])
+    assert "drop --partial" in capsys.readouterr().err

@@ -5,6 +5,7 @@ repeated, with its spread.
     python tools/bench_fair.py TABLE --out-dir DIR [--part sweep|repeat|all] [--family F ...]
     python tools/bench_fair.py TABLE --out-dir DIR --dry-run           # the worker commands, nothing launched
     python tools/bench_fair.py TABLE --out-dir DIR --part repeat --points-from RECORD [--also SPEC] [--profile]
+    python tools/bench_fair.py TABLE --out-dir DIR --budget-s 540      # a part per device command: run it again
 
 A table fixes the work (model shape, depth, sequence length, effective batch, GPU-memory cap); each contender
 family has its own knobs, swept under the same cap (:func:`train_ladders`, :func:`infer_ladders`):
@@ -47,6 +48,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,6 +386,39 @@ def run_point(table: Table, spec: str, args: argparse.Namespace, slot: Optional[
 MONOTONE = ("fsdp2-offload", "ceiling", "deepspeed-offload")
 
 
+class Budget:
+    """``--budget-s``: this command's wall-clock allowance. A worker starts only where its expected wall time still
+    fits (:func:`expected_wall_s`); the record keeps what finished, and the same command run again goes on from
+    there (the sweep skips the points it has, the repeat runs the invocations still missing)."""
+
+    def __init__(self, seconds: Optional[float]) -> None:
+        self.seconds, self.began = seconds, time.monotonic()
+        self.stopped_before: list[str] = []  # the first setting of each place that stopped (a family, the repeat)
+
+    def allows(self, record: dict, specs: Sequence[str]) -> bool:
+        if self.seconds is None:
+            return True
+        need = sum(expected_wall_s(record, spec) for spec in specs)
+        if time.monotonic() - self.began + need <= self.seconds:
+            return True
+        self.stopped_before.append(specs[0])
+        return False
+
+
+DEFAULT_WALL_S = 90.0  # a worker's wall time before the record holds any: a compiled 8-layer point with its start
+
+
+def expected_wall_s(record: dict, spec: str) -> float:
+    """How long a worker of ``spec`` is expected to take: the longest run of that setting in the record, else of its
+    family, else of any worker, else :data:`DEFAULT_WALL_S`; a tenth more, for the spread."""
+    rows = [*record.get("sweep", []), *(r for inv in record.get("invocations", []) for r in inv["rows"])]
+    walls = {key: [r["wall_s"] for r in rows if r.get("wall_s") and match(r)] for key, match in
+             (("spec", lambda r: r.get("spec") == spec), ("family", lambda r: r.get("family") == family_of(spec)),
+              ("any", lambda r: True))}
+    seen = walls["spec"] or walls["family"] or walls["any"]
+    return 1.1 * (max(seen) if seen else DEFAULT_WALL_S)
+
+
 def sweep(table: Table, families: Sequence[str], args: argparse.Namespace, record: dict, path: Path) -> None:
     """Every family's ladders. With ``--gpus N`` the families' sweeps run side by side, each on a free slot
     (:func:`slots`), a family's own points one after another as without it (its ladders' rules read its earlier
@@ -418,6 +453,11 @@ def sweep(table: Table, families: Sequence[str], args: argparse.Namespace, recor
             raise
 
 
+def budget_of(args: argparse.Namespace) -> Budget:
+    """The command's :class:`Budget` (none for a namespace built by hand)."""
+    return getattr(args, "budget", None) or Budget(None)
+
+
 def sweep_family(table: Table, family: str, args: argparse.Namespace, record: dict, path: Path,
                  lock: threading.Lock, slot: Optional[Slot] = None, stop: Optional[threading.Event] = None) -> None:
     shape = Shape.of(table) if table.kind == "train" else None
@@ -436,6 +476,9 @@ def sweep_family(table: Table, family: str, args: argparse.Namespace, record: di
             else:  # a point an earlier part of this record already ran is not run again
                 with lock:
                     done = {r["spec"]: r for r in record["sweep"] if r["status"] in ("ok", "oom")}
+                    to_run = [spec for spec in tier if spec not in done]
+                    if to_run and not budget_of(args).allows(record, to_run):
+                        return  # this family's sweep goes on in the next command
                 on_slot = {"slot": slot} if slot is not None else {}
                 rows = [done.get(spec) or run_point(table, spec, args, sweep=True, ladder=ladder_index, tier=tier_index,
                                                     **on_slot)
@@ -544,7 +587,12 @@ def repeat(table: Table, families: Sequence[str], args: argparse.Namespace, reco
     # saw (a one-GPU machine's cores on a machine of N), not the whole host
     on_slot = {"slot": slots(args.gpus)[0]} if args.gpus > 1 else {}
     first = len(record["invocations"])
-    for i in range(first, first + args.invocations):
+    count = args.invocations
+    if getattr(args, "budget_s", None) is not None:  # then --invocations is the record's total of these settings
+        count -= sum(1 for inv in record["invocations"] if set(specs) <= set(inv["order"]))
+    for i in range(first, first + count):
+        if not budget_of(args).allows(record, specs):
+            return
         order = protocol.run_order(specs, i)
         rows = [run_point(table, spec, args, invocation=i, **on_slot) for spec in order]
         record["invocations"].append({"index": i, "order": order, "rows": rows, "boot_id": harness.boot_id()})
@@ -745,6 +793,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--sweep-warmup", type=int, default=None,
                         help="training sweep points: this many warm-up steps (default --warmup; at least %d: the "
                              "compile)" % MIN_SWEEP_WARMUP)
+    parser.add_argument("--budget-s", type=float, default=None, metavar="S",
+                        help="start no worker that would end after S seconds (by the record's wall times): a part of "
+                             "a table per device command; run the same command again until it says the table is "
+                             "complete. The repeat then counts --invocations as the total the record should hold")
     parser.add_argument("--quick", action="store_true", help="allow fewer than the protocol's minimums (marked)")
     parser.add_argument("--partial", action="store_true",
                         help="repeat: fewer invocations than the minimum now, a later command (another start of the "
@@ -805,9 +857,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     path = record_path(table, args)
     record = load_record(table, args, path)
+    if args.partial and args.budget_s is not None:
+        parser.error("--partial with --budget-s: drop --partial (under a budget --invocations is the record's total, "
+                     "reached over as many commands as it takes)")
     if not args.quick:
         # A repeat may continue a record (another start of the GPU machine): its invocations count toward the minimum.
-        done = len(record["invocations"])
+        done = len(record["invocations"]) if args.budget_s is None else 0  # with a budget: the total, not more
         if args.partial and args.part != "repeat":
             parser.error("--partial is for --part repeat (the sweep runs once)")
         try:
@@ -818,15 +873,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(str(e))
     if args.quick:
         record["protocol"] = False
+    args.budget = Budget(args.budget_s)
     for source in args.points_from:
         take_points(record, table, with_eager(table, families), Path(source))
     if args.part in ("sweep", "all"):
         sweep(table, with_eager(table, families), args, record, path)
-    if args.part in ("repeat", "all") and not args.dry_run:
+    if args.part in ("repeat", "all") and not args.dry_run and not args.budget.stopped_before:
         repeat(table, families, args, record, path)
     write(record, path, table, args)
     if not args.dry_run:
         print(markdown(record, table))
+    if args.budget.stopped_before:
+        print(f"budget: {time.monotonic() - args.budget.began:.0f} of {args.budget_s:g} s used; not started: "
+              f"{', '.join(args.budget.stopped_before)}; run the same command again to go on", flush=True)
     return 0
 
 
