@@ -733,7 +733,8 @@ def markdown(record: dict, table: Table) -> str:
                                                               if r["overlap"] else ""))
     missing = record["summary"]["invocations_missing"]
     lines.append(f"- {len(record['invocations'])} invocations on {record['summary']['machine_starts']} start(s) of the "
-                 "machine" + (f"; {missing} more to come (--partial)" if missing else ""))
+                 "machine" + (f"; {missing} more to come (a later --partial repeat, or the same --budget-s command)"
+                                 if missing else ""))
     for peer, best in record["summary"].get("peers_not_repeated", {}).items():
         lines.append(f"- {peer}: swept, not repeated: its best point {best['spec']} ran at {best[table.figure]:,.1f}")
     for family, left in record["summary"].get("sweep_pending", {}).items():
