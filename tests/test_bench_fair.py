@@ -462,22 +462,33 @@ def test_host_load_runs_and_stops():
 
 
 @pytest.mark.slow
-def test_a_whole_table_on_the_cpu(tmp_path):
+def test_a_whole_table_on_the_cpu(tmp_path, capsys):
     """cpu_check through real worker processes (tools/bench_train.py --worker): the sweep, two repeat invocations in
-    alternating order, the record's summary; a second part appends to the same record."""
+    alternating order, the record's summary; a second part appends to the same record. Under --budget-s a command
+    starts no worker that would not end in time and says to run it again; --invocations is then the record's total,
+    so the same command on a complete table runs nothing more."""
     argv = ["cpu_check", "--out-dir", str(tmp_path), "--device", "cpu", "--quick", "--steps", "2", "--warmup", "1",
             "--invocations", "2", "--timeout", "120"]
-    assert bench_fair.main([*argv, "--part", "sweep"]) == 0
     path = tmp_path / "fair_cpu_check.json"
+    assert bench_fair.main([*argv, "--part", "sweep", "--budget-s", "1"]) == 0  # no worker fits: none starts
+    assert "run the same command again to go on" in capsys.readouterr().out
+    assert json.loads(path.read_text())["sweep"] == []
+    assert bench_fair.main([*argv, "--part", "sweep"]) == 0
     record = json.loads(path.read_text())
     assert record["protocol"] is False and record["table"]["name"] == "cpu_check"
     specs = [r["spec"] for r in record["sweep"]]
     assert specs[0].startswith("speedloader-overlap:1x2") and any(s.startswith("fsdp2-offload:2x1") for s in specs)
     assert all(r["status"] == "ok" for r in record["sweep"]), [r.get("error") for r in record["sweep"]]
     best = bench_fair.best_specs(record, bench_fair.TABLES["cpu_check"], ["layer-major"])["layer-major"]
-    assert bench_fair.main([*argv, "--part", "repeat", "--also", best + ":threads=1"]) == 0
+    repeat = [*argv, "--part", "repeat", "--also", best + ":threads=1", "--budget-s", "900"]
+    assert bench_fair.main(repeat) == 0
     record = json.loads(path.read_text())
-    assert len(record["commands"]) == 2 and len(record["invocations"]) == 2
+    assert len(record["commands"]) == 3 and len(record["invocations"]) == 2
+    assert bench_fair.main(repeat) == 0  # the table is complete: nothing more runs
+    assert json.loads(path.read_text())["invocations"] == record["invocations"]
+    with pytest.raises(SystemExit):
+        bench_fair.main([*repeat, "--partial"])
+    assert "drop --partial" in capsys.readouterr().err
     first, second = (inv["order"] for inv in record["invocations"])
     assert second == list(reversed(first)) and len(first) == 3
     fam = record["summary"]["families"]
@@ -610,24 +621,3 @@ def test_a_budget_starts_a_worker_only_where_its_expected_wall_time_fits():
     assert budget.allows(record, [lm, lm]) and not budget.stopped_before  # 88 s
     assert not budget.allows(record, [lm, fs]) and budget.stopped_before == [lm]  # 99 s
     assert bench_fair.Budget(None).allows(record, [fs] * 100)
-
-
-@pytest.mark.slow
-def test_a_budget_splits_a_table_over_commands_run_again_until_complete(tmp_path, capsys):
-    """--budget-s: a command starts no worker that would not end in time, and the same command run again goes on;
-    --invocations is then the record's total, so a complete table runs nothing more."""
-    argv = ["cpu_check", "--out-dir", str(tmp_path), "--device", "cpu", "--quick", "--steps", "1", "--warmup", "1",
-            "--timeout", "120", "--invocations", "2"]
-    path = tmp_path / "fair_cpu_check.json"
-    assert bench_fair.main([*argv, "--budget-s", "1"]) == 0  # no worker fits: none starts, the record is begun
-    assert "run the same command again to go on" in capsys.readouterr().out
-    assert json.loads(path.read_text())["sweep"] == [] and json.loads(path.read_text())["invocations"] == []
-    assert bench_fair.main([*argv, "--budget-s", "900"]) == 0
-    record = json.loads(path.read_text())
-    assert "go on" not in capsys.readouterr().out
-    assert record["sweep"] and len(record["invocations"]) == 2 and record["summary"]["sweep_pending"] == {}
-    assert bench_fair.main([*argv, "--budget-s", "900"]) == 0  # complete: nothing more runs
-    assert json.loads(path.read_text())["invocations"] == record["invocations"]
-    with pytest.raises(SystemExit):
-        bench_fair.main([*argv, "--budget-s", "900", "--part", "repeat", "--partial"])
-    assert "drop --partial" in capsys.readouterr().err
