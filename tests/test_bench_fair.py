@@ -621,3 +621,17 @@ def test_a_budget_starts_a_worker_only_where_its_expected_wall_time_fits():
     assert budget.allows(record, [lm, lm]) and not budget.stopped_before  # 88 s
     assert not budget.allows(record, [lm, fs]) and budget.stopped_before == [lm]  # 99 s
     assert bench_fair.Budget(None).allows(record, [fs] * 100)
+
+
+def test_a_family_whose_package_is_missing_stops_before_its_first_worker(tmp_path):
+    """DeepSpeed not installed: the first DeepSpeed point stops the command with what to install, before a worker
+    starts (each would fail after its start); the points that ran before it stay in the record."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("DeepSpeed is installed here")
+    args = argparse.Namespace(steps=5, warmup=2, sweep_steps=None, sweep_warmup=None, device="cpu", profile=False,
+                              dry_run=False, host_busy=0, host_copy=0, timeout=10)
+    with pytest.raises(SystemExit, match="deepspeed-offload: its workers import deepspeed, which is not installed"):
+        bench_fair.run_point(T40, "deepspeed-offload:8x1", args, sweep=True)
+    bench_fair.check_installed("fsdp2-offload")  # the project's own dependencies: nothing to check

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import queue
@@ -357,6 +358,22 @@ def sweep_steps(args: argparse.Namespace) -> tuple[int, int]:
     return (args.sweep_steps or args.steps, args.sweep_warmup or args.warmup)
 
 
+# What a family's workers import beyond the project's own dependencies (FlexGen comes from its carried wheel).
+FAMILY_NEEDS = {"deepspeed-offload": "deepspeed", "zero-inference-q4": "deepspeed", "zero-inference-bf16": "deepspeed",
+                "accelerate": "accelerate"}
+
+
+def check_installed(family: str) -> None:
+    """SystemExit naming the package ``family``'s workers import where it is missing here: every worker of the family
+    would fail after its start (half a minute of device time each), and the ladders would try one after another."""
+    module = FAMILY_NEEDS.get(family)
+    if module is not None and importlib.util.find_spec(module) is None:
+        get = ("from the carried .whl as tools/bench_lib.sh's `bench_install deepspeed` does (deepspeed==0.19.8)"
+               if module == "deepspeed" else f"pip install {module}")
+        raise SystemExit(f"{family}: its workers import {module}, which is not installed in this environment; install "
+                         f"it ({get}), or leave the family out (--family names the ones to run)")
+
+
 def run_point(table: Table, spec: str, args: argparse.Namespace, slot: Optional[Slot] = None, sweep: bool = False,
               **fields) -> dict:
     """One worker in its own process (beside the host load, if any; held to ``slot`` if given): its record row. A
@@ -367,6 +384,7 @@ def run_point(table: Table, spec: str, args: argparse.Namespace, slot: Optional[
     if args.dry_run:
         print(" ".join(cmd), flush=True)
         return {"spec": spec, "family": family_of(spec), **fields, "status": "dry-run"}
+    check_installed(family_of(spec))
     env = contender_env(spec)
     if slot is not None:
         env = slot.env(env)
