@@ -635,3 +635,20 @@ def test_a_family_whose_package_is_missing_stops_before_its_first_worker(tmp_pat
     with pytest.raises(SystemExit, match="deepspeed-offload: its workers import deepspeed, which is not installed"):
         bench_fair.run_point(T40, "deepspeed-offload:8x1", args, sweep=True)
     bench_fair.check_installed("fsdp2-offload")  # the project's own dependencies: nothing to check
+
+
+def test_a_ratio_of_rows_from_separate_invocations_is_flagged():
+    """Families repeated by separate commands (DeepSpeed's rows after the others'): their ratio says it divides rows
+    of separate invocations, which the protocol never does; rows of the same invocations are not flagged."""
+    lm, fs, ds = "speedloader-overlap:4x2", "fsdp2-offload:4x2", "deepspeed-offload:8x1"
+    invocations = [{"index": i, "order": [lm, fs], "rows": [_row(lm, 300.0, 4), _row(fs, 200.0, 4)]}
+                   for i in range(3)]
+    invocations += [{"index": i, "order": [ds], "rows": [_row(ds, 100.0, 8)]} for i in range(3, 6)]
+    s = bench_fair.summarize({"invocations": invocations}, T40)
+    assert s["families"]["deepspeed-offload"]["invocations"] == [3, 4, 5]
+    assert s["ratios"]["layer-major/deepspeed-offload"]["separate_invocations"] is True
+    assert s["ratios"]["layer-major/fsdp2-offload"]["separate_invocations"] is False
+    record = {"invocations": invocations, "summary": s, "device": "cpu", "commit": "x", "sweep": []}
+    text = bench_fair.markdown(record, T40)
+    assert "layer-major/deepspeed-offload: **3.00x** (rows of separate invocations" in text
+    assert "layer-major/fsdp2-offload: **1.50x**\n" in text

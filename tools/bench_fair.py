@@ -380,7 +380,8 @@ def run_point(table: Table, spec: str, args: argparse.Namespace, slot: Optional[
     sweep point's row says its timed and warm-up steps (they may be fewer than the repeat's)."""
     cmd = worker_command(table, spec, args, sweep)
     if sweep and table.kind == "train":
-        fields = {**fields, "steps": sweep_steps(args)[0], "warmup": sweep_steps(args)[1]}
+        steps, warmup = sweep_steps(args)
+        fields = {**fields, "steps": steps, "warmup": warmup}
     if args.dry_run:
         print(" ".join(cmd), flush=True)
         return {"spec": spec, "family": family_of(spec), **fields, "status": "dry-run"}
@@ -667,20 +668,29 @@ def fastest_fwd_bwd(families: dict) -> Optional[float]:
     return max(f["tokens_per_s_fwd_bwd_median"] for f in families.values() if f.get("tokens_per_s_fwd_bwd_median"))
 
 
+def ratio_of(ours: dict, theirs: dict) -> dict:
+    """:func:`protocol.ratio` of two summary rows, with ``separate_invocations`` where they did not run in the same
+    invocations (families repeated by separate commands): the protocol divides only rows of the same invocations, so
+    such a ratio is not one of its figures until the rows run together."""
+    return {**protocol.ratio(ours, theirs), "separate_invocations": ours["invocations"] != theirs["invocations"]}
+
+
 def summarize(record: dict, table: Table) -> dict:
     """Per family: the spread of its best point over the repeat invocations; ratios of layer-major (and of the
     int4 generation row) over every other family, median over median, with overlap and whether the cap binds
     (the peer's best micro-batch smaller than the batch)."""
     by_spec: dict[str, list] = {}
+    ran_in: dict[str, list[int]] = {}  # the invocations each setting ran in
     for inv in record["invocations"]:
         for row in inv["rows"]:
             by_spec.setdefault(row["spec"], []).append(row)
+            ran_in.setdefault(row["spec"], []).append(inv["index"])
     best = best_specs(record, table, table.families)
     families = {}
     for spec, rows in by_spec.items():
         stats = protocol.summarize(rows, key=table.figure)
         ok = [r for r in rows if r.get("status") == "ok"]
-        entry = {"spec": spec, **stats}
+        entry = {"spec": spec, **stats, "invocations": ran_in[spec]}
         if ok and table.kind == "train":
             entry.update(sub_batch_size=ok[0].get("sub_batch_size"), num_sub_batches=ok[0].get("num_sub_batches"),
                          mfu_median=protocol.spread(r["mfu"] for r in ok)["median"],
@@ -703,7 +713,7 @@ def summarize(record: dict, table: Table) -> dict:
         for name, theirs in families.items():
             if name == ours_name or not theirs["median"]:
                 continue
-            r = protocol.ratio(ours, theirs)
+            r = ratio_of(ours, theirs)
             if table.kind == "train" and name in PEERS and theirs.get("sub_batch_size"):
                 r.update(peer_case(table, theirs["sub_batch_size"]))
                 if fastest:
@@ -716,7 +726,7 @@ def summarize(record: dict, table: Table) -> dict:
     # DeepSpeed runs eager: beside it, layer-major eager too (the like-for-like ratio; the compiled one above).
     eager, deepspeed = families.get(EAGER), families.get("deepspeed-offload")
     if eager and eager["median"] and deepspeed and deepspeed["median"]:
-        ratios[f"{EAGER}/deepspeed-offload"] = protocol.ratio(eager, deepspeed)
+        ratios[f"{EAGER}/deepspeed-offload"] = ratio_of(eager, deepspeed)
     starts = {inv.get("boot_id") or f"unknown {inv['index']}" for inv in record["invocations"]}
     missing = max(0, protocol.MIN_INVOCATIONS - len(record["invocations"])) if record.get("protocol", True) else 0
     # a peer swept but not repeated is no row above; its best sweep point says whether it may be the best peer
@@ -748,7 +758,9 @@ def markdown(record: dict, table: Table) -> str:
     for name, r in record["summary"]["ratios"].items():
         if isinstance(r, dict):
             lines.append(f"- {name}: **{r['ratio']:.2f}x**" + (" (ranges overlap: no measurable difference)"
-                                                              if r["overlap"] else ""))
+                                                              if r["overlap"] else "")
+                         + (" (rows of separate invocations: not a protocol ratio until they run together)"
+                            if r.get("separate_invocations") else ""))
     missing = record["summary"]["invocations_missing"]
     lines.append(f"- {len(record['invocations'])} invocations on {record['summary']['machine_starts']} start(s) of the "
                  "machine" + (f"; {missing} more to come (a later --partial repeat, or the same --budget-s command)"
