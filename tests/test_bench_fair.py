@@ -652,3 +652,22 @@ def test_a_ratio_of_rows_from_separate_invocations_is_flagged():
     text = bench_fair.markdown(record, T40)
     assert "layer-major/deepspeed-offload: **3.00x** (rows of separate invocations" in text
     assert "layer-major/fsdp2-offload: **1.50x**\n" in text
+
+
+def test_a_ratio_divides_medians_over_the_invocations_both_rows_ran_in():
+    """Layer-major repeated again beside DeepSpeed by a later command (invocations 3-5, a faster start): its ratio
+    over DeepSpeed takes layer-major's median over 3-5 only, not over all six; over FSDP2 offload, over 0-2."""
+    lm, fs, ds = "speedloader-overlap:4x2", "fsdp2-offload:4x2", "deepspeed-offload:8x1"
+    invocations = [{"index": i, "order": [lm, fs], "rows": [_row(lm, 300.0, 4), _row(fs, 200.0, 4)]}
+                   for i in range(3)]
+    invocations += [{"index": i, "order": [lm, ds], "rows": [_row(lm, 400.0, 4), _row(ds, 100.0, 8)]}
+                    for i in range(3, 6)]
+    s = bench_fair.summarize({"invocations": invocations}, T40)
+    assert s["families"]["layer-major"]["invocations"] == [0, 1, 2, 3, 4, 5]
+    over_ds, over_fs = s["ratios"]["layer-major/deepspeed-offload"], s["ratios"]["layer-major/fsdp2-offload"]
+    assert over_ds["ratio"] == pytest.approx(4.0) and over_ds["invocations"] == [3, 4, 5]
+    assert over_fs["ratio"] == pytest.approx(1.5) and over_fs["invocations"] == [0, 1, 2]
+    assert not over_ds["separate_invocations"] and not over_fs["separate_invocations"]
+    record = {"invocations": invocations, "summary": s, "device": "cpu", "commit": "x", "sweep": []}
+    assert "layer-major/deepspeed-offload: **4.00x** (over the invocations both ran in: 3, 4, 5)" in (
+        bench_fair.markdown(record, T40))

@@ -148,3 +148,16 @@ def test_the_command_prints_the_table_and_writes_the_points_and_the_map(tmp_path
     points = json.loads((tmp_path / "map.json").read_text())["points"]
     assert points[0]["record"] == str(path) and points[0]["best_peer"] == "fsdp2-offload"
     assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_point_divides_medians_over_the_invocations_both_ran_in_and_flags_separate_ones():
+    """Layer-major repeated in six invocations, the faster peer in the last three only: the point's ratio takes
+    layer-major's median over those three; a peer that never ran beside it leaves the point flagged, not 'protocol'."""
+    first = [[_row(LM24, 30_000.0, 2), _row(FSDP24, 20_000.0, 1)] for _ in range(3)]
+    beside = [[_row(LM24, 36_000.0, 2), _row(DS24, 24_000.0, 8)] for _ in range(3)]
+    point = regime_map.map_point(_record("map_7b_L8_b8_cap24", SWEEP24, first + beside))
+    assert point["best_peer"] == "deepspeed-offload" and point["invocations"] == [3, 4, 5]
+    assert point["ratio"] == pytest.approx(1.5) and point["status"] == "protocol"
+    record = _record("map_7b_L8_b8_cap24", SWEEP24, first + [[_row(DS24, 24_000.0, 8)] for _ in range(3)])
+    point = regime_map.map_point(record)
+    assert point["separate_invocations"] is True and point["status"] == "separate invocations"

@@ -668,11 +668,21 @@ def fastest_fwd_bwd(families: dict) -> Optional[float]:
     return max(f["tokens_per_s_fwd_bwd_median"] for f in families.values() if f.get("tokens_per_s_fwd_bwd_median"))
 
 
-def ratio_of(ours: dict, theirs: dict) -> dict:
-    """:func:`protocol.ratio` of two summary rows, with ``separate_invocations`` where they did not run in the same
-    invocations (families repeated by separate commands): the protocol divides only rows of the same invocations, so
-    such a ratio is not one of its figures until the rows run together."""
-    return {**protocol.ratio(ours, theirs), "separate_invocations": ours["invocations"] != theirs["invocations"]}
+def ratio_of(ours: dict, theirs: dict, figures: dict[str, dict[int, float]]) -> dict:
+    """:func:`protocol.ratio` of two summary rows over the invocations both ran in: the protocol divides only rows
+    of the same invocations. Where one row also ran in others (a family repeated again by a later command), each
+    side is its median over the shared invocations (``invocations`` names them) when there are at least the
+    protocol's minimum of them; with fewer the ratio is of all their rows and flagged ``separate_invocations``:
+    not one of the protocol's figures until the rows run together. ``figures``: {spec: {invocation: figure}} of the
+    rows that ran."""
+    if ours["invocations"] == theirs["invocations"]:
+        return {**protocol.ratio(ours, theirs), "separate_invocations": False}
+    mine, other = figures.get(ours["spec"], {}), figures.get(theirs["spec"], {})
+    shared = sorted(set(mine) & set(other))
+    if len(shared) >= protocol.MIN_INVOCATIONS:
+        return {**protocol.ratio(protocol.spread(mine[i] for i in shared), protocol.spread(other[i] for i in shared)),
+                "separate_invocations": False, "invocations": shared}
+    return {**protocol.ratio(ours, theirs), "separate_invocations": True}
 
 
 def summarize(record: dict, table: Table) -> dict:
@@ -681,10 +691,13 @@ def summarize(record: dict, table: Table) -> dict:
     (the peer's best micro-batch smaller than the batch)."""
     by_spec: dict[str, list] = {}
     ran_in: dict[str, list[int]] = {}  # the invocations each setting ran in
+    figures: dict[str, dict[int, float]] = {}  # {spec: {invocation: figure}} of the rows that ran
     for inv in record["invocations"]:
         for row in inv["rows"]:
             by_spec.setdefault(row["spec"], []).append(row)
             ran_in.setdefault(row["spec"], []).append(inv["index"])
+            if row.get("status") == "ok" and row.get(table.figure) is not None:
+                figures.setdefault(row["spec"], {})[inv["index"]] = row[table.figure]
     best = best_specs(record, table, table.families)
     families = {}
     for spec, rows in by_spec.items():
@@ -713,7 +726,7 @@ def summarize(record: dict, table: Table) -> dict:
         for name, theirs in families.items():
             if name == ours_name or not theirs["median"]:
                 continue
-            r = ratio_of(ours, theirs)
+            r = ratio_of(ours, theirs, figures)
             if table.kind == "train" and name in PEERS and theirs.get("sub_batch_size"):
                 r.update(peer_case(table, theirs["sub_batch_size"]))
                 if fastest:
@@ -726,7 +739,7 @@ def summarize(record: dict, table: Table) -> dict:
     # DeepSpeed runs eager: beside it, layer-major eager too (the like-for-like ratio; the compiled one above).
     eager, deepspeed = families.get(EAGER), families.get("deepspeed-offload")
     if eager and eager["median"] and deepspeed and deepspeed["median"]:
-        ratios[f"{EAGER}/deepspeed-offload"] = ratio_of(eager, deepspeed)
+        ratios[f"{EAGER}/deepspeed-offload"] = ratio_of(eager, deepspeed, figures)
     starts = {inv.get("boot_id") or f"unknown {inv['index']}" for inv in record["invocations"]}
     missing = max(0, protocol.MIN_INVOCATIONS - len(record["invocations"])) if record.get("protocol", True) else 0
     # a peer swept but not repeated is no row above; its best sweep point says whether it may be the best peer
@@ -759,6 +772,8 @@ def markdown(record: dict, table: Table) -> str:
         if isinstance(r, dict):
             lines.append(f"- {name}: **{r['ratio']:.2f}x**" + (" (ranges overlap: no measurable difference)"
                                                               if r["overlap"] else "")
+                         + (f" (over the invocations both ran in: {', '.join(map(str, r['invocations']))})"
+                            if r.get("invocations") else "")
                          + (" (rows of separate invocations: not a protocol ratio until they run together)"
                             if r.get("separate_invocations") else ""))
     missing = record["summary"]["invocations_missing"]

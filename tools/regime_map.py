@@ -78,10 +78,15 @@ def map_point(record: dict) -> dict:
     theirs = figures[best]
     point["best_peer"] = best
     point["ratio"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
-    if ours["source"] == theirs["source"] == "repeat":
-        point["overlap"] = protocol.ranges_overlap(ours, theirs)
     n = min(ours["n"], theirs["n"])
-    point["status"] = ("protocol" if n >= protocol.MIN_INVOCATIONS else f"repeat {n}/{protocol.MIN_INVOCATIONS}"
+    if ours["source"] == theirs["source"] == "repeat":
+        # the record's ratio: medians over the invocations both ran in (bench_fair.ratio_of)
+        r = summary["ratios"][f"{LAYER_MAJOR}/{best}"]
+        point.update(ratio=r["ratio"], overlap=r["overlap"], separate_invocations=r["separate_invocations"])
+        if r.get("invocations"):
+            point["invocations"], n = r["invocations"], len(r["invocations"])
+    point["status"] = ("separate invocations" if point.get("separate_invocations") else "protocol"
+                       if n >= protocol.MIN_INVOCATIONS else f"repeat {n}/{protocol.MIN_INVOCATIONS}"
                        if n else "sweep only")
     if theirs.get("sub_batch_size"):
         point["target"] = bench_fair.peer_case(table, theirs["sub_batch_size"])["target"]
