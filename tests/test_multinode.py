@@ -338,7 +338,31 @@ def test_bench_scale_eager_layer_major_beside_deepspeed():
     assert t["ethernet_speedloader_over"]["deepspeed-offload"] == pytest.approx(150 / 80)
     assert t["ethernet_eager_speedloader_over_deepspeed"] == {
         "speedloader": "speedloader:root=device", "deepspeed-offload": "deepspeed-offload:16x4",
-        "ratio": pytest.approx(120 / 80)}
+        "ratio": pytest.approx(120 / 80), "invocations": None, "separate_invocations": False}
+
+
+def test_bench_scale_ratios_divide_runs_of_the_same_invocations():
+    """Eager layer-major run again beside DeepSpeed by a later command (invocations 3-5 of another start): its ratio
+    over DeepSpeed takes both medians over 3-5 only; a pair that never shared the protocol's three invocations is
+    flagged, not divided as if it had."""
+    def run(contender, tps, invocation):
+        return {"contender": contender, "case": "2x1-ethernet", "status": "ok", "tokens_per_s": tps,
+                "tokens_per_s_per_gpu": tps / 2, "invocation": invocation}
+
+    results = [run(c, t, i) for i in range(3) for c, t in (("speedloader:compile:root=device", 150.0),
+                                                            ("deepspeed-offload:16x4", 80.0))]
+    results += [run("speedloader:root=device", 120.0, i) for i in range(6, 9)]  # alone: another start
+    results += [run(c, t, i) for i in range(3, 6) for c, t in (("speedloader:root=device", 140.0),
+                                                               ("deepspeed-offload:16x4", 90.0))]
+    t = bench_scale.targets(results)
+    eager = t["ethernet_eager_speedloader_over_deepspeed"]
+    assert eager["ratio"] == pytest.approx(140 / 90) and eager["invocations"] == [3, 4, 5]
+    assert not eager["separate_invocations"]
+    assert t["ethernet_speedloader_over"]["deepspeed-offload"] == pytest.approx(150 / 80)  # invocations 0-2
+    assert t["ethernet_pairs"]["deepspeed-offload"]["invocations"] == [0, 1, 2]
+    alone = [r for r in results if r["invocation"] not in (3, 4, 5)]
+    flagged = bench_scale.targets(alone)["ethernet_eager_speedloader_over_deepspeed"]
+    assert flagged["separate_invocations"] and flagged["invocations"] == []
 
 
 def test_bench_scale_invocations_alternate_and_append(tmp_path):

@@ -287,6 +287,29 @@ def medians(results: Sequence[dict]) -> dict:
     return out
 
 
+def paired_ratio(results: Sequence[dict], ours: tuple[str, str], theirs: tuple[str, str]) -> dict:
+    """``ours`` over ``theirs`` (each a contender and its case), median over median of the invocations both ran in: the protocol divides
+    only rows of the same invocations. Where one also ran in other invocations (repeated again by a later command),
+    each side is its median over the shared ones when there are at least the protocol's minimum of them; with fewer,
+    the ratio is of all their runs and flagged ``separate_invocations``. Runs without an invocation number (older
+    records) count as one group."""
+    def runs(contender: str, case: str) -> list[dict]:
+        return [r for r in results if r.get("status") == "ok" and r["contender"] == contender and r["case"] == case]
+
+    mine, other = runs(*ours), runs(*theirs)
+    ratio = statistics.median(r["tokens_per_s"] for r in mine) / statistics.median(r["tokens_per_s"] for r in other)
+    ran_mine, ran_other = ({r.get("invocation") for r in rs} for rs in (mine, other))
+    if None in ran_mine | ran_other or ran_mine == ran_other:
+        return {"ratio": ratio, "invocations": None if None in ran_mine else sorted(ran_mine),
+                "separate_invocations": False}
+    shared = sorted(ran_mine & ran_other)
+    if len(shared) < protocol.MIN_INVOCATIONS:
+        return {"ratio": ratio, "invocations": shared, "separate_invocations": True}
+    return {"ratio": statistics.median(r["tokens_per_s"] for r in mine if r["invocation"] in shared)
+            / statistics.median(r["tokens_per_s"] for r in other if r["invocation"] in shared),
+            "invocations": shared, "separate_invocations": False}
+
+
 def ethernet_bound(speedloader: dict, peer: dict) -> dict:
     """How far the ratio over ``peer`` could go, from the measured runs: layer-major's step is no shorter than its
     forward+backward, so against the peer as measured the ratio is at most the peer's step over that; and what
@@ -318,13 +341,16 @@ def targets(results: Sequence[dict]) -> dict:
             fastest[name] = r
     out["ethernet_variants"] = {name: r["contender"] for name, r in fastest.items()}
     if "speedloader" in fastest:
-        best = fastest["speedloader"]["tokens_per_s"]
-        for name in CONTENDERS[1:]:
-            if name in fastest:
-                out["ethernet_speedloader_over"][name] = best / fastest[name]["tokens_per_s"]
+        best = fastest["speedloader"]
+
+        def over(peer: dict) -> dict:
+            return paired_ratio(results, (best["contender"], best["case"]), (peer["contender"], peer["case"]))
+
+        out["ethernet_pairs"] = {name: over(fastest[name]) for name in CONTENDERS[1:] if name in fastest}
+        out["ethernet_speedloader_over"] = {name: pair["ratio"] for name, pair in out["ethernet_pairs"].items()}
         # Against every variant too (e.g. each micro-batch of the same effective batch), not only the fastest.
         out["ethernet_speedloader_over_each"] = {
-            contender: best / r["tokens_per_s"] for (contender, case), r in ok.items()
+            contender: over(r)["ratio"] for (contender, case), r in ok.items()
             if case.endswith("-ethernet") and family(contender) != "speedloader"}
         out["ethernet_bound"] = {name: ethernet_bound(fastest["speedloader"], fastest[name])
                                  for name in CONTENDERS[1:] if name in fastest}
@@ -333,9 +359,10 @@ def targets(results: Sequence[dict]) -> dict:
              and family(contender) == "speedloader" and "compile" not in contender.split(":")[1:]]
     if eager and "deepspeed-offload" in fastest:
         best_eager = max(eager, key=lambda r: r["tokens_per_s"])
+        peer = fastest["deepspeed-offload"]
         out["ethernet_eager_speedloader_over_deepspeed"] = {
-            "speedloader": best_eager["contender"], "deepspeed-offload": fastest["deepspeed-offload"]["contender"],
-            "ratio": best_eager["tokens_per_s"] / fastest["deepspeed-offload"]["tokens_per_s"]}
+            "speedloader": best_eager["contender"], "deepspeed-offload": peer["contender"],
+            **paired_ratio(results, (best_eager["contender"], best_eager["case"]), (peer["contender"], peer["case"]))}
     out["goals"] = {"weak_scaling_per_gpu_4_over_1 (speedloader)": ">= 0.95 (issue 43; 8 GPUs: >= 0.93)",
                     "ethernet_speedloader_over fsdp2-offload": ">= 4 over 10 Gbit/s, each at its best micro-batch",
                     "ethernet_speedloader_over deepspeed-offload": ">= 4 over 10 Gbit/s, each at its best micro-batch"}
