@@ -288,11 +288,11 @@ def medians(results: Sequence[dict]) -> dict:
 
 
 def paired_ratio(results: Sequence[dict], ours: tuple[str, str], theirs: tuple[str, str]) -> dict:
-    """``ours`` over ``theirs`` (each a contender and its case), median over median of the invocations both ran in: the protocol divides
-    only rows of the same invocations. Where one also ran in other invocations (repeated again by a later command),
-    each side is its median over the shared ones when there are at least the protocol's minimum of them; with fewer,
-    the ratio is of all their runs and flagged ``separate_invocations``. Runs without an invocation number (older
-    records) count as one group."""
+    """``ours`` over ``theirs`` (each a contender and its case), median over median of the invocations both ran
+    in: the protocol divides only rows of the same invocations. Where one also ran in other invocations (repeated
+    again by a later command), each side is its median over the shared ones when there are at least the protocol's
+    minimum of them; with fewer, the ratio is of all their runs and flagged ``separate_invocations``. Runs without
+    an invocation number (older records) count as one group."""
     def runs(contender: str, case: str) -> list[dict]:
         return [r for r in results if r.get("status") == "ok" and r["contender"] == contender and r["case"] == case]
 
