@@ -106,3 +106,16 @@ def test_summarize_counts_only_runs_that_finished():
     s = protocol.summarize(runs)
     assert (s["median"], s["min"], s["max"], s["n"], s["not_ok"]) == (12.0, 10.0, 14.0, 3, ["oom"])
     assert protocol.summarize([{"status": "oom"}])["median"] is None
+
+
+def test_paired_ratio_over_the_invocations_both_ran_in():
+    """Rows as {invocation: figure}: the same invocations divide all; differing ones divide the shared ones (3 or
+    more) or are flagged."""
+    same = protocol.paired_ratio({0: 300.0, 1: 330.0, 2: 360.0}, {0: 100.0, 1: 110.0, 2: 120.0})
+    assert same["ratio"] == pytest.approx(3.0) and same["invocations"] is None and not same["separate_invocations"]
+    later = protocol.paired_ratio({0: 300.0, 1: 300.0, 2: 300.0, 3: 400.0, 4: 400.0, 5: 400.0},
+                                  {3: 100.0, 4: 100.0, 5: 100.0})
+    assert later["ratio"] == pytest.approx(4.0) and later["invocations"] == [3, 4, 5]
+    assert not later["separate_invocations"] and later["overlap"] is False
+    apart = protocol.paired_ratio({0: 300.0, 1: 300.0, 2: 300.0}, {2: 100.0, 3: 100.0, 4: 100.0})
+    assert apart["separate_invocations"] and apart["invocations"] == [2] and apart["ratio"] == pytest.approx(3.0)

@@ -669,20 +669,15 @@ def fastest_fwd_bwd(families: dict) -> Optional[float]:
 
 
 def ratio_of(ours: dict, theirs: dict, figures: dict[str, dict[int, float]]) -> dict:
-    """:func:`protocol.ratio` of two summary rows over the invocations both ran in: the protocol divides only rows
-    of the same invocations. Where one row also ran in others (a family repeated again by a later command), each
-    side is its median over the shared invocations (``invocations`` names them) when there are at least the
-    protocol's minimum of them; with fewer the ratio is of all their rows and flagged ``separate_invocations``:
-    not one of the protocol's figures until the rows run together. ``figures``: {spec: {invocation: figure}} of the
-    rows that ran."""
+    """:func:`protocol.ratio` of two summary rows; where they did not run in the same invocations (a family repeated
+    again by a later command), :func:`protocol.paired_ratio` of their figures (``figures``: {spec: {invocation:
+    figure}} of the rows that ran): over the invocations both ran in, or flagged ``separate_invocations``."""
     if ours["invocations"] == theirs["invocations"]:
         return {**protocol.ratio(ours, theirs), "separate_invocations": False}
-    mine, other = figures.get(ours["spec"], {}), figures.get(theirs["spec"], {})
-    shared = sorted(set(mine) & set(other))
-    if len(shared) >= protocol.MIN_INVOCATIONS:
-        return {**protocol.ratio(protocol.spread(mine[i] for i in shared), protocol.spread(other[i] for i in shared)),
-                "separate_invocations": False, "invocations": shared}
-    return {**protocol.ratio(ours, theirs), "separate_invocations": True}
+    r = protocol.paired_ratio(figures.get(ours["spec"], {}), figures.get(theirs["spec"], {}))
+    if r["separate_invocations"] or r["invocations"] is None:
+        del r["invocations"]  # named only where the ratio is taken over the shared ones
+    return r
 
 
 def summarize(record: dict, table: Table) -> dict:

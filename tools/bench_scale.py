@@ -288,26 +288,21 @@ def medians(results: Sequence[dict]) -> dict:
 
 
 def paired_ratio(results: Sequence[dict], ours: tuple[str, str], theirs: tuple[str, str]) -> dict:
-    """``ours`` over ``theirs`` (each a contender and its case), median over median of the invocations both ran
-    in: the protocol divides only rows of the same invocations. Where one also ran in other invocations (repeated
-    again by a later command), each side is its median over the shared ones when there are at least the protocol's
-    minimum of them; with fewer, the ratio is of all their runs and flagged ``separate_invocations``. Runs without
-    an invocation number (older records) count as one group."""
+    """``ours`` over ``theirs`` (each a contender and its case): :func:`protocol.paired_ratio` of their runs, median
+    over median of the invocations both ran in, flagged ``separate_invocations`` where fewer than the protocol's
+    minimum are shared. Runs without an invocation number (older records) count as one group."""
     def runs(contender: str, case: str) -> list[dict]:
         return [r for r in results if r.get("status") == "ok" and r["contender"] == contender and r["case"] == case]
 
     mine, other = runs(*ours), runs(*theirs)
-    ratio = statistics.median(r["tokens_per_s"] for r in mine) / statistics.median(r["tokens_per_s"] for r in other)
-    ran_mine, ran_other = ({r.get("invocation") for r in rs} for rs in (mine, other))
-    if None in ran_mine | ran_other or ran_mine == ran_other:
-        return {"ratio": ratio, "invocations": None if None in ran_mine else sorted(ran_mine),
+    if any(r.get("invocation") is None for r in (*mine, *other)):
+        return {"ratio": statistics.median(r["tokens_per_s"] for r in mine)
+                / statistics.median(r["tokens_per_s"] for r in other), "invocations": None,
                 "separate_invocations": False}
-    shared = sorted(ran_mine & ran_other)
-    if len(shared) < protocol.MIN_INVOCATIONS:
-        return {"ratio": ratio, "invocations": shared, "separate_invocations": True}
-    return {"ratio": statistics.median(r["tokens_per_s"] for r in mine if r["invocation"] in shared)
-            / statistics.median(r["tokens_per_s"] for r in other if r["invocation"] in shared),
-            "invocations": shared, "separate_invocations": False}
+    pair = protocol.paired_ratio({r["invocation"]: r["tokens_per_s"] for r in mine},
+                                 {r["invocation"]: r["tokens_per_s"] for r in other})
+    shared = pair["invocations"] if pair["invocations"] is not None else sorted(r["invocation"] for r in mine)
+    return {"ratio": pair["ratio"], "invocations": shared, "separate_invocations": pair["separate_invocations"]}
 
 
 def ethernet_bound(speedloader: dict, peer: dict) -> dict:

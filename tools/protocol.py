@@ -15,7 +15,7 @@ not halved for causality; PaLM appendix B), over the whole step, optimizer inclu
 from __future__ import annotations
 
 import statistics
-from typing import Iterable, Optional, Sequence
+from typing import Hashable, Iterable, Mapping, Optional, Sequence
 
 MIN_INVOCATIONS = 3
 MIN_TIMED_STEPS = 5
@@ -82,6 +82,21 @@ def ratio(ours: dict, theirs: dict) -> dict:
     """``ours`` over ``theirs`` (two spreads): median over median, and whether their ranges overlap."""
     return {"ratio": ours["median"] / theirs["median"], "overlap": ranges_overlap(ours, theirs),
             "ours": ours["median"], "theirs": theirs["median"]}
+
+
+def paired_ratio(ours: Mapping[Hashable, float], theirs: Mapping[Hashable, float]) -> dict:
+    """:func:`ratio` of two rows given as {invocation: figure}, over the invocations both ran in: the protocol
+    divides only rows of the same invocations. Where their invocations differ (one repeated again by a later
+    command), both medians are over the shared ones (``invocations`` names them) if there are at least
+    :data:`MIN_INVOCATIONS`; with fewer, of all their figures, flagged ``separate_invocations``: not a protocol
+    figure until they run together. ``invocations`` is None where both ran in the same ones."""
+    shared = sorted(set(ours) & set(theirs))
+    if set(ours) == set(theirs) or len(shared) < MIN_INVOCATIONS:
+        return {**ratio(spread(ours.values()), spread(theirs.values())),
+                "separate_invocations": set(ours) != set(theirs),
+                "invocations": None if set(ours) == set(theirs) else shared}
+    return {**ratio(spread(ours[i] for i in shared), spread(theirs[i] for i in shared)),
+            "separate_invocations": False, "invocations": shared}
 
 
 def best_point(rows: Sequence[dict], key: str = "tokens_per_s") -> Optional[dict]:
