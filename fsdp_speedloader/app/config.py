@@ -222,7 +222,8 @@ class ScheduleConfig:
     """How one effective batch of num_sub_batches x sub_batch_size sequences is processed."""
 
     name: str = "speedloader"
-    """'speedloader' (layer-major), 'canonical' (FSDP2 gradient accumulation) or 'auto' (layer-major, tuned)."""
+    """'speedloader' (layer-major), 'canonical' (FSDP2 gradient accumulation) or 'auto' (layer-major, tuned; or the
+    canonical schedule where it measured faster: canonical_candidate)."""
     sub_batch_size: int = 4
     """Sequences per sub-batch n (the micro-batch size of the canonical schedule)."""
     num_sub_batches: int = 2
@@ -270,6 +271,9 @@ class ScheduleConfig:
     leaves over goes to kept pairs (keep_activations) instead of longer sub-batches; null: as large as fits."""
     tune_blocks_per_unit: list = field(default_factory=list)
     """auto: more blocks_per_unit values to choose from (two trial steps each); empty: blocks_per_unit only."""
+    canonical_candidate: Optional[bool] = None
+    """auto: also measure the canonical schedule with the model gathered once and no recompute, and run it where it
+    steps the planned batch faster (app/schedule_choice.py); null: on CUDA only; false: layer-major's plan always."""
 
     def __post_init__(self) -> None:
         check_choice(self.name, "schedule.name", ("speedloader", "canonical", "auto"))
@@ -320,7 +324,7 @@ class ScheduleConfig:
 
 # ScheduleConfig's fields that only the tuner reads (schedule=auto, app.tune).
 AUTO_ONLY = ("gpu_memory_budget_gib", "host_memory_budget_gib", "target_batch_size", "max_sub_batch_size",
-             "tune_blocks_per_unit")
+             "tune_blocks_per_unit", "canonical_candidate")
 
 
 @dataclass

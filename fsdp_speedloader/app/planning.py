@@ -14,6 +14,7 @@ from fsdp_speedloader.app.config import AUTO_ONLY, ScheduleConfig, TrainConfig
 from fsdp_speedloader.app.host_memory import check_cpu_memory
 from fsdp_speedloader.app.optim import build_optimizer
 from fsdp_speedloader.app.runtime import speedloader_options
+from fsdp_speedloader.app.schedule_choice import canonical_config, choose_schedule
 from fsdp_speedloader.models import build_model
 from fsdp_speedloader.tuning.fit import GIB
 from fsdp_speedloader.tuning.plan import TunePlan
@@ -41,11 +42,21 @@ def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduc
         caps, configured = configured_caps(sched)
         cap_names.update(configured)
     options = speedloader_options(cfg, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    return tune(cfg.model, options, seq_len=cfg.data.seq_len, gpu_memory_budget_bytes=gib(gpu_budget),
+    plan = tune(cfg.model, options, seq_len=cfg.data.seq_len, gpu_memory_budget_bytes=gib(gpu_budget),
                 host_memory_budget_bytes=gib(sched.host_memory_budget_gib), **caps,
                 tune_blocks_per_unit=sched.tune_blocks_per_unit, mesh=mesh,
                 build_optimizer=lambda model: build_optimizer(model, cfg.optim, seed=cfg.seed), seed=cfg.seed,
                 budget_names=(gpu_name, "schedule.host_memory_budget_gib"), cap_names=cap_names)
+    try_canonical = sched.canonical_candidate if sched.canonical_candidate is not None else device_type == "cuda"
+    if try_canonical:
+        if mesh is None:  # as tune's
+            mesh = parallel.build_mesh(device_type)
+        choice = choose_schedule(cfg, plan, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                 max_micro_batch=caps.get("max_sub_batch_size"))
+        plan.schedule, plan.schedule_reason = choice.name, choice.reason
+        plan.canonical_sub_batch_size = choice.sub_batch_size
+        plan.speedloader_step_s, plan.canonical_step_s = choice.speedloader_step_s, choice.canonical_step_s
+    return plan
 
 
 CPU_NOTE = "as configured, on a CPU"
@@ -76,7 +87,10 @@ def configured_caps(sched: ScheduleConfig) -> tuple[dict[str, Optional[int]], di
 
 
 def planned_config(plan: TunePlan, cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` running the plan: its schedule (``planned_schedule``) and the units it keeps on the GPU."""
+    """``cfg`` running the plan: its schedule (``planned_schedule``) and the units it keeps on the GPU; or the
+    canonical schedule where ``schedule_choice`` measured it faster (``plan.schedule``)."""
+    if plan.schedule == "canonical":
+        return canonical_config(cfg, plan, plan.canonical_sub_batch_size)
     return dataclasses.replace(cfg, schedule=planned_schedule(plan, cfg.schedule),
                                offload=dataclasses.replace(cfg.offload, device_units=plan.device_units))
 

@@ -11,7 +11,8 @@ One optimizer step processes ``num_sub_batches x sub_batch_size`` sequences per 
   each micro-batch loss is a token sum divided by the label-token count T of the WHOLE effective
   batch (``num_items_in_batch``), so the summed losses are the effective-batch mean loss.
 - ``speedloader``: one layer-major forward/backward over the whole effective batch.
-- ``auto``: ``planning.tune_train_config`` first plans n and N from two trial steps, then ``speedloader`` runs.
+- ``auto``: ``planning.tune_train_config`` first plans n and N from two trial steps, then ``speedloader`` runs (or
+  ``canonical``, gathered once, where ``schedule_choice`` measured it faster on the planned batch).
 
 ``time_budget_s`` stops the loop after the first step that ends that many seconds after the loop
 began (the clock starts after the model, optimizer, data and logger are built); every step's
@@ -334,7 +335,7 @@ class Trainer:
         self.tune_plan = None
         self._warned_alloc_retries = False
         self._warned_host_step, self._host_step_shown = False, 0
-        if sched.name == "auto":  # two trial steps on a throw-away model, then the plan's layer-major schedule
+        if sched.name == "auto":  # trial steps on a throw-away model, then the plan (layer-major, or canonical)
             self._info("schedule=auto: tuning n and N from trial steps")
             self.tune_plan = tune_train_config(cfg, mesh=self.mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
             self._info("schedule=auto:\n%s", self.tune_plan.summary())

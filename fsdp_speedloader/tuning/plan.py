@@ -114,6 +114,17 @@ class TunePlan:
     trial_s: float = 0.0
     target_batch_size: Optional[int] = None
     """The target effective batch the plan was capped by (None: none given)."""
+    schedule: str = "speedloader"
+    """What runs: 'speedloader' (this plan) or 'canonical' (``app.schedule_choice``: gradient accumulation over
+    ``canonical_sub_batch_size``-sequence micro-batches of the same batch, the model gathered once, no recompute)."""
+    schedule_reason: str = ""
+    """Why (the two measured step times, or why the canonical candidate was not tried); '' if no choice was made."""
+    canonical_sub_batch_size: int = 0
+    """The canonical candidate's micro-batch m (0: none fitted, or none was tried)."""
+    speedloader_step_s: float = 0.0
+    """This plan's step of the whole batch, as the choice measured it (0: not measured)."""
+    canonical_step_s: float = 0.0
+    """The canonical candidate's step of the same batch (0: not measured)."""
 
     # --- the memory model ----------------------------------------------------------------------
     @property
@@ -162,16 +173,22 @@ class TunePlan:
 
     # --- using it --------------------------------------------------------------------------------
     def overrides(self) -> list[str]:
-        """The training overrides that run this plan without tuning again."""
+        """The training overrides that run this plan (or the canonical schedule chosen over it) without tuning again."""
+        units = [f"offload.device_units={self.device_units}"] if self.device_units else []
+        if self.schedule == "canonical":
+            m = self.canonical_sub_batch_size
+            return ["schedule=canonical", f"schedule.sub_batch_size={m}",
+                    f"schedule.num_sub_batches={self.batch_size // m}", f"schedule.blocks_per_unit={self.blocks_per_unit}",
+                    "schedule.activation_checkpointing=false", "schedule.gradient_sync=last",
+                    "schedule.reshard_after_forward=false", "optim.overlap_with_backward=false"] + units
         return ["schedule=speedloader", f"schedule.sub_batch_size={self.sub_batch_size}",
                 f"schedule.num_sub_batches={self.num_sub_batches}", f"schedule.blocks_per_unit={self.blocks_per_unit}",
-                f"schedule.keep_activations={self.keep_activations}"] + (
-                    [f"offload.device_units={self.device_units}"] if self.device_units else [])
+                f"schedule.keep_activations={self.keep_activations}"] + units
 
     def memory_error(self, error: BaseException) -> Optional[Exception]:
         """For a GPU out-of-memory error, or the arena's host budget error, raised while running this plan:
         an error that names the budget that was wrong and by how much. None for any other error."""
-        if isinstance(error, PlanMemoryError):
+        if isinstance(error, PlanMemoryError) or self.schedule != "speedloader":  # the canonical run's error as is
             return None
         if isinstance(error, torch.OutOfMemoryError):
             return self._gpu_error(error)
@@ -261,7 +278,7 @@ class TunePlan:
     def first_step_metrics(self, metrics: dict) -> dict:
         """The predicted peak next to the one the first real step measured (CUDA only), for the logger."""
         measured = metrics.get("peak_gpu_mem_allocated_gib")
-        if self.device != "cuda" or not measured:
+        if self.device != "cuda" or not measured or self.schedule != "speedloader":  # predicted for this plan only
             return {}
         predicted = gib(self.predicted_gpu_bytes)
         out = {"tune/predicted_gpu_peak_gib": predicted, "tune/measured_gpu_peak_gib": measured,
@@ -293,7 +310,9 @@ class TunePlan:
                "tune/predicted_host_gib": gib(self.predicted_host_bytes), "tune/trial_s": self.trial_s,
                "tune/keep_activations": self.keep_activations, "tune/kept_pair_gib": gib(self.kept_pair_bytes),
                "tune/device_units": self.device_units, "tune/device_unit_gib": gib(self.device_unit_bytes),
-               "tune/host_step_share": self.host_step_share}
+               "tune/host_step_share": self.host_step_share, "tune/canonical": int(self.schedule == "canonical"),
+               "tune/canonical_sub_batch_size": self.canonical_sub_batch_size,
+               "tune/speedloader_step_s": self.speedloader_step_s, "tune/canonical_step_s": self.canonical_step_s}
         fits = {"gpu": self.gpu_fit, "gpu_reserved": self.gpu_reserved_fit, "host": self.host_fit}
         for name, fit in fits.items():
             if fit is None:
@@ -345,6 +364,8 @@ class TunePlan:
             lines.append(f"| {k} | {m.sub_batch_size} | {m.num_sub_batches} | {m.blocks_per_unit} | "
                          f"{gib(m.gpu_peak_bytes):.3f} | {gib(fitted['gpu']):.3f} | {reserved} | "
                          f"{gib(m.host_bytes):.3f} | {gib(fitted['host']):.3f} | {m.step_s:.2f} |")
+        if self.schedule_reason:
+            lines.append(f"schedule: {self.schedule} ({self.schedule_reason})")
         lines.append("run it: " + " ".join(self.overrides()))
         return "\n".join(lines)
 

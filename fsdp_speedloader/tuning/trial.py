@@ -243,6 +243,19 @@ def profiled_peak_bytes(fn: Callable[[], None]) -> int:
     return peak
 
 
+def release_memory(device: torch.device) -> None:
+    """After a throw-away model is dropped: its memory back to the system (the GPU's cache, and the page-locked
+    host blocks of PyTorch's caching host allocator), so the next trial or the run starts from what it needs."""
+    gc.collect()  # FSDP's hooks make reference cycles
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        empty_host_cache = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+                            or getattr(torch._C, "_host_emptyCache", None))  # the name before torch 2.13
+        if empty_host_cache is not None:  # cached page-locked blocks (gradient copies) go back to the OS
+            empty_host_cache()
+
+
 def reduce_over_ranks(values: list[float], op=None) -> list[float]:
     """``values`` reduced over every rank (default: maximum); unchanged with one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -322,6 +335,12 @@ class TrialModel:
         self._sync()
         self._last_sub_batch_size = n
 
+    def step(self, n: int, seq_len: int) -> None:
+        """One training step at sub-batch size n, the GPU synchronized after it (``schedule_choice`` times it)."""
+        self._step(self._ids(n, seq_len))
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync()
+
     def _step(self, ids: torch.Tensor, marks: Optional[list] = None) -> None:
         loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -400,14 +419,7 @@ class TrialModel:
         for opt in self.optimizer:
             opt.state.clear()
         self.model = self.optimizer = None
-        gc.collect()  # FSDP's hooks make reference cycles
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            empty_host_cache = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-                                or getattr(torch._C, "_host_emptyCache", None))  # the name before torch 2.13
-            if empty_host_cache is not None:  # cached page-locked blocks (gradient copies) go back to the OS
-                empty_host_cache()
+        release_memory(self.device)
 
     def __enter__(self) -> "TrialModel":
         return self
