@@ -18,8 +18,8 @@ from engine_cases import (assert_grads_close, batch, count_collectives, cpu_mesh
                           tiny_model)
 from fsdp_speedloader import parallel
 from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
-from fsdp_speedloader.app.trainer import (Trainer, canonical_forward_backward, enable_activation_checkpointing,
-                                          num_label_tokens)
+from fsdp_speedloader.app.canonical import canonical_forward_backward, enable_activation_checkpointing
+from fsdp_speedloader.app.trainer import Trainer, num_label_tokens
 
 NUM_MICRO_BATCHES = 3
 LAYERS = 4  # one FSDP unit per block, plus the root

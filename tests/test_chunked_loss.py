@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine_cases import (FAMILY_CASES, SEQ_LEN, VOCAB, assert_grads_close, batch, cpu_mesh, reference_grads,
                           tiny_family_model, tiny_model)
 from fsdp_speedloader import parallel
-from fsdp_speedloader.app.trainer import canonical_forward_backward, num_label_tokens
+from fsdp_speedloader.app.canonical import canonical_forward_backward
+from fsdp_speedloader.app.trainer import num_label_tokens
 from fsdp_speedloader.models.chunked_loss import LinearCrossEntropy, causal_lm_loss, chunked_loss_unsupported
 
 CHUNK = 7  # does not divide the 2 x SEQ_LEN tokens of a batch

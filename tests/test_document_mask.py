@@ -18,7 +18,8 @@ import torch
 from engine_cases import VOCAB, assert_grads_close, cpu_mesh, tiny_family_model, tiny_model
 from fsdp_speedloader import apply_speedloader
 from fsdp_speedloader.app.data import apply_document_mask, document_position_ids
-from fsdp_speedloader.app.trainer import canonical_forward_backward, num_label_tokens
+from fsdp_speedloader.app.canonical import canonical_forward_backward
+from fsdp_speedloader.app.trainer import num_label_tokens
 from fsdp_speedloader.parallel import apply_fsdp
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

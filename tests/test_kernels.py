@@ -111,7 +111,7 @@ def test_sdpa_scope_covers_every_run_of_the_blocks(monkeypatch):
 
 
 def test_canonical_step_enters_the_scope_around_backward():
-    from fsdp_speedloader.app.trainer import canonical_forward_backward
+    from fsdp_speedloader.app.canonical import canonical_forward_backward
 
     model, entered = tiny_model("llama"), []
 

@@ -73,8 +73,8 @@ def test_no_trial_where_the_canonical_candidate_cannot_win_or_run(tmp_path):
     mesh = _cpu_mesh()
     cfg = _auto(tmp_path)
     plan = _plan(cfg)
-    choose = lambda c, p: choose_schedule(c, p, mesh=mesh, param_dtype=torch.float32,  # noqa: E731
-                                          reduce_dtype=torch.float32)
+    choose = lambda c, p: choose_schedule(c, p, planned_config(p, c), mesh=mesh,  # noqa: E731
+                                          param_dtype=torch.float32, reduce_dtype=torch.float32)
     one = dataclasses.replace(plan, sub_batch_size=plan.batch_size, num_sub_batches=1)
     assert choose(cfg, one).name == "speedloader" and choose(cfg, one).reason.startswith("N = 1")
     small = dataclasses.replace(plan, gpu_budget_bytes=1 << 16)  # 64 KiB: the model gathered does not fit

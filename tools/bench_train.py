@@ -46,8 +46,8 @@ flash, efficient, math) pins the blocks' attention backend, ``:liger`` binds Lig
 ``:fp8`` (or ``:fp8=rowwise``) makes the blocks' linears torchao float8 (MFU stays against the bf16 peak);
 tools/bench_fair.py's levers table gives them to every contender.
 The speedloader contenders are built from one ``SpeedLoaderOptions``; the FSDP2 contenders are the trainer's
-canonical schedule (``fsdp_speedloader.app.trainer.apply_schedule``), and their step is the trainer's own
-(``fsdp_speedloader.app.trainer.canonical_forward_backward``).
+canonical schedule (``fsdp_speedloader.app.canonical.apply_schedule``), and their step is the trainer's own
+(``fsdp_speedloader.app.canonical.canonical_forward_backward``).
 
 Writes bench/results/<name>.json (tools/harness.py's header: device, torch version, commit, command; then
 config and every figure; a contender out of memory is recorded as ``status: oom``) and prints a markdown table.
@@ -645,7 +645,8 @@ def run_worker(args: argparse.Namespace) -> dict:
 
     from fsdp_speedloader import SpeedLoaderOptions, apply_speedloader, fsdp2, speedloader_engine
     from fsdp_speedloader.app.config import KernelsConfig
-    from fsdp_speedloader.app.trainer import apply_schedule, canonical_forward_backward, num_label_tokens
+    from fsdp_speedloader.app.canonical import apply_schedule, canonical_forward_backward
+    from fsdp_speedloader.app.trainer import num_label_tokens
     from fsdp_speedloader.models import build_model, get_adapter, materialize_model
     from fsdp_speedloader.parallel import build_mesh, maybe_init_process_group
 

@@ -51,8 +51,8 @@ def tune_train_config(cfg: TrainConfig, *, mesh, param_dtype: torch.dtype, reduc
     if try_canonical:
         if mesh is None:  # as tune's
             mesh = parallel.build_mesh(device_type)
-        choice = choose_schedule(cfg, plan, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                 max_micro_batch=caps.get("max_sub_batch_size"))
+        choice = choose_schedule(cfg, plan, planned_config(plan, cfg), mesh=mesh, param_dtype=param_dtype,
+                                 reduce_dtype=reduce_dtype, max_micro_batch=caps.get("max_sub_batch_size"))
         plan.schedule, plan.schedule_reason = choice.name, choice.reason
         plan.canonical_sub_batch_size = choice.sub_batch_size
         plan.speedloader_step_s, plan.canonical_step_s = choice.speedloader_step_s, choice.canonical_step_s

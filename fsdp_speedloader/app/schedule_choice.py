@@ -104,11 +104,13 @@ def canonical_config(cfg: TrainConfig, plan: TunePlan, micro_batch: int) -> Trai
     return dataclasses.replace(cfg, schedule=schedule, optim=optim, offload=offload)
 
 
-def choose_schedule(cfg: TrainConfig, plan: TunePlan, *, mesh: DeviceMesh, param_dtype: torch.dtype,
-                    reduce_dtype: torch.dtype, max_micro_batch: Optional[int] = None) -> ScheduleChoice:
+def choose_schedule(cfg: TrainConfig, plan: TunePlan, planned: TrainConfig, *, mesh: DeviceMesh,
+                    param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                    max_micro_batch: Optional[int] = None) -> ScheduleChoice:
     """Layer-major's ``plan`` or the canonical candidate, whichever steps the plan's batch faster (module
-    docstring). ``cfg`` is the run's (``schedule.name=auto``); ``max_micro_batch`` caps m as the tuner's cap on n
-    capped the plan (``schedule.max_sub_batch_size``, or on a CPU the configured sub-batch)."""
+    docstring). ``cfg`` is the run's (``schedule.name=auto``), ``planned`` the same running the plan
+    (``planning.planned_config``); ``max_micro_batch`` caps m as the tuner's cap on n capped the plan
+    (``schedule.max_sub_batch_size``, or on a CPU the configured sub-batch)."""
     from fsdp_speedloader.models import build_model
 
     if plan.num_sub_batches == 1:
@@ -141,7 +143,7 @@ def choose_schedule(cfg: TrainConfig, plan: TunePlan, *, mesh: DeviceMesh, param
             canonical_s = _best_of_two(lambda: trial.step(m, plan.batch_size // m))
         finally:
             trial.close()
-        speedloader_s = _speedloader_step_s(cfg, plan, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        speedloader_s = _speedloader_step_s(planned, plan, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     name = faster(speedloader_s, canonical_s)
     log.info("schedule=auto: the whole batch (%d sequences) stepped in %.3f s layer-major (n=%d x N=%d), %.3f s "
              "canonical (%d x %d, gathered once, no recompute); %s runs (%.0f s of trials)", plan.batch_size,
@@ -166,7 +168,7 @@ class _CanonicalTrial:
                  reduce_dtype: torch.dtype) -> None:
         from fsdp_speedloader import parallel
         from fsdp_speedloader.app.optim import build_optimizer
-        from fsdp_speedloader.app.trainer import apply_schedule
+        from fsdp_speedloader.app.canonical import apply_schedule
         from fsdp_speedloader.models import build_model, materialize_model
 
         self.cfg = cfg
@@ -182,7 +184,7 @@ class _CanonicalTrial:
 
     def step(self, micro_batch: int, num_micro_batches: int) -> None:
         """One training step (forward and backward of every micro-batch, the optimizer step)."""
-        from fsdp_speedloader.app.trainer import canonical_forward_backward
+        from fsdp_speedloader.app.canonical import canonical_forward_backward
 
         shape = (micro_batch * num_micro_batches, self.cfg.data.seq_len)
         ids = torch.randint(0, self.model.config.vocab_size, shape, generator=self.generator).to(self.device)
@@ -229,15 +231,14 @@ def _best_of_two(step) -> float:
     return reduce_over_ranks([min(times)])[0]
 
 
-def _speedloader_step_s(cfg: TrainConfig, plan: TunePlan, mesh: DeviceMesh, *, param_dtype: torch.dtype,
+def _speedloader_step_s(run: TrainConfig, plan: TunePlan, mesh: DeviceMesh, *, param_dtype: torch.dtype,
                         reduce_dtype: torch.dtype) -> float:
-    """Layer-major's plan, built as the run builds it (``TrialModel``), stepping the plan's whole batch."""
+    """Layer-major's plan (``run``: the config running it), built as the run builds it (``TrialModel``), stepping the
+    plan's whole batch."""
     from fsdp_speedloader.app.optim import build_optimizer
-    from fsdp_speedloader.app.planning import planned_config
     from fsdp_speedloader.app.runtime import speedloader_options
     from fsdp_speedloader.tuning.trial import TrialModel
 
-    run = planned_config(plan, cfg)
     options = speedloader_options(run, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     with TrialModel(run.model, options, mesh=mesh, seed=run.seed,
                     build_optimizer=lambda model: build_optimizer(model, run.optim, seed=run.seed)) as trial:
