@@ -110,6 +110,24 @@ def test_auto_runs_the_schedule_it_measured_faster(tmp_path):
     assert records[0]["tune/canonical_step_s"] == pytest.approx(plan.canonical_step_s)
 
 
+def _auto_on_rank(rank: int, world_size: int, out_dir: str) -> dict:
+    trainer = Trainer(_auto(Path(out_dir), canonical_candidate=True))
+    plan = trainer.tune_plan
+    losses = [m["loss"] for m in trainer.train(max_steps=2)]
+    return {"schedule": (plan.schedule, trainer.cfg.schedule.name, plan.canonical_sub_batch_size),
+            "times": (plan.speedloader_step_s, plan.canonical_step_s), "losses": losses}
+
+
+def test_ranks_choose_alike(tmp_path):
+    """Two gloo ranks: the trials' times and peaks are maxima over the ranks, so both choose the same schedule and
+    train it together."""
+    from dist_utils import run_distributed
+
+    a, b = run_distributed(_auto_on_rank, 2, str(tmp_path))
+    assert a == b
+    assert a["schedule"][0] == faster(*a["times"]) and all(t > 0 for t in a["times"])
+
+
 def test_the_canonical_plan_as_overrides(tmp_path):
     cfg = _auto(tmp_path)
     plan = dataclasses.replace(_plan(cfg), schedule="canonical", canonical_sub_batch_size=2)
