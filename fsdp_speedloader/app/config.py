@@ -327,6 +327,12 @@ AUTO_ONLY = ("gpu_memory_budget_gib", "host_memory_budget_gib", "target_batch_si
              "tune_blocks_per_unit", "canonical_candidate")
 
 
+def auto_unset() -> dict:
+    """Those fields unset (a fresh list each call): a planned schedule (spent on the plan, which keeps them) carries
+    none, as a hand-set one must."""
+    return {name: [] if name == "tune_blocks_per_unit" else None for name in AUTO_ONLY}
+
+
 @dataclass
 class KernelsConfig:
     """Opt-in kernel levers of the training step (both schedules; docs/configuration.md, docs/design.md)."""

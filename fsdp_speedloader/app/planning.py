@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_speedloader import parallel
-from fsdp_speedloader.app.config import AUTO_ONLY, ScheduleConfig, TrainConfig
+from fsdp_speedloader.app.config import auto_unset, ScheduleConfig, TrainConfig
 from fsdp_speedloader.app.host_memory import check_cpu_memory
 from fsdp_speedloader.app.optim import build_optimizer
 from fsdp_speedloader.app.runtime import speedloader_options
@@ -98,7 +98,6 @@ def planned_config(plan: TunePlan, cfg: TrainConfig) -> TrainConfig:
 def planned_schedule(plan: TunePlan, base: ScheduleConfig) -> ScheduleConfig:
     """``base`` as a layer-major schedule with the plan's n, N, blocks_per_unit and keep_activations; the tuner's
     budgets and caps, spent on the plan (which keeps them), are unset: a hand-set schedule refuses them."""
-    spent = {name: [] if name == "tune_blocks_per_unit" else None for name in AUTO_ONLY}
     return dataclasses.replace(base, name="speedloader", sub_batch_size=plan.sub_batch_size,
                                num_sub_batches=plan.num_sub_batches, blocks_per_unit=plan.blocks_per_unit,
-                               keep_activations=plan.keep_activations, **spent)
+                               keep_activations=plan.keep_activations, **auto_unset())

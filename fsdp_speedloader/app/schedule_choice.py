@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_speedloader.app.config import AUTO_ONLY, TrainConfig
+from fsdp_speedloader.app.config import auto_unset, TrainConfig
 from fsdp_speedloader.tuning.fit import GIB
 from fsdp_speedloader.tuning.plan import TunePlan
 from fsdp_speedloader.tuning.trial import reduce_over_ranks, release_memory
@@ -94,11 +94,10 @@ def canonical_config(cfg: TrainConfig, plan: TunePlan, micro_batch: int) -> Trai
     recompute, the model gathered once per step, gradients reduce-scattered after the last micro-batch, the plan's
     GPU-resident units; the host optimizer steps after the backward (its overlap is layer-major's). Raises
     ValueError where a setting of ``cfg`` applies to layer-major only."""
-    spent = {name: [] if name == "tune_blocks_per_unit" else None for name in AUTO_ONLY}
     schedule = dataclasses.replace(
         cfg.schedule, name="canonical", sub_batch_size=micro_batch, num_sub_batches=plan.batch_size // micro_batch,
         blocks_per_unit=plan.blocks_per_unit, activation_checkpointing=False, activation_checkpointing_every=1,
-        gradient_sync="last", reshard_after_forward=False, keep_activations=0, **spent)
+        gradient_sync="last", reshard_after_forward=False, keep_activations=0, **auto_unset())
     optim = dataclasses.replace(cfg.optim, overlap_with_backward=False, worker_affinity=False)
     offload = dataclasses.replace(cfg.offload, device_units=plan.device_units)
     return dataclasses.replace(cfg, schedule=schedule, optim=optim, offload=offload)
