@@ -215,8 +215,10 @@ def test_plan_fills_gpu_then_host():
 def test_plan_caps():
     plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
                                   target_batch_size=64)
-    assert (plan.sub_batch_size, plan.num_sub_batches) == (22, 2)  # N = 64 // 22
-    assert plan.limited_by["num_sub_batches"] == "target_batch_size"
+    # 22 fits one sub-batch, but 22 x 2 is short of 64: the largest n dividing 64 whose N = 64 / n fits
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (16, 4) and plan.target_warning() is None
+    assert plan.limited_by == {"sub_batch_size": "target_batch_size (the largest n dividing it)",
+                               "num_sub_batches": "target_batch_size"}
     plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
                                   max_sub_batch_size=4, max_num_sub_batches=16)
     assert (plan.sub_batch_size, plan.num_sub_batches) == (4, 16)
@@ -228,7 +230,17 @@ def test_plan_caps():
     assert plan.whole_batch_fits() and plan.single_sub_batch_warning() is None and plan.target_warning() is None
     plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
                                   max_sub_batch_size=4, target_batch_size=10)
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (2, 5) and plan.target_warning() is None
+    # no smaller n that divides the target fits N = target / n (the cap on N): n x N falls short, and says so
+    plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
+                                  max_sub_batch_size=4, max_num_sub_batches=4, target_batch_size=10)
     assert (plan.sub_batch_size, plan.num_sub_batches) == (4, 2) and "e.g. 12" in plan.target_warning()
+    # N = 1 short of the target is the shortfall the other warning names too (what gives N >= 2)
+    plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
+                                  max_sub_batch_size=4, max_num_sub_batches=1, target_batch_size=10)
+    assert (plan.sub_batch_size, plan.num_sub_batches) == (4, 1) and "e.g. 12" in plan.target_warning()
+    assert "schedule.host_memory_budget_gib" in plan.single_sub_batch_warning(
+        ("schedule.gpu_memory_budget_gib", "schedule.host_memory_budget_gib"))
 
 
 def test_budget_boundaries_are_inclusive():
