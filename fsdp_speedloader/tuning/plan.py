@@ -214,8 +214,8 @@ class TunePlan:
         n = self.sub_batch_size
         return (f"{target_name}={self.target_batch_size} is not a multiple of the planned n={n}: the plan runs "
                 f"n x N = {n} x {self.num_sub_batches} = {self.batch_size} sequences (N = {self.target_batch_size} // "
-                f"{n}; no smaller n dividing it fits {self.target_batch_size} // n sub-batches); a multiple of {n} "
-                f"(e.g. {-(-self.target_batch_size // n) * n}) runs exactly that batch")
+                f"{n}; no smaller n that divides {self.target_batch_size} fits its {self.target_batch_size} / n "
+                f"sub-batches); a multiple of {n} (e.g. {-(-self.target_batch_size // n) * n}) runs exactly that batch")
 
     def single_sub_batch_warning(self, budget_names: tuple[str, str] = ("gpu_memory_budget_bytes",
                                                                         "host_memory_budget_bytes")) -> Optional[str]:
@@ -544,10 +544,11 @@ def _choose(plan: TunePlan, b: int, *, max_sub_batch_size: Optional[int], max_nu
     if n == HARD_CAP:
         raise ValueError("neither budget bounds the sub-batch size (no memory grows with it in the fits); "
                          "set target_batch_size or max_sub_batch_size")
-    def n_times(n: int) -> tuple[int, tuple[Optional[int], str]]:  # (the largest N that fits at n, N's cap)
+
+    def n_times(size: int) -> tuple[int, tuple[Optional[int], str]]:  # (the largest N that fits at n = size, N's cap)
         cap = _min_cap((max_num_sub_batches, names["max_num_sub_batches"]),
-                       (target_batch_size // n if target_batch_size else None, names["target_batch_size"]))
-        return _largest(lambda k: all(_fits(plan, n, k, b)), cap[0]), cap
+                       (target_batch_size // size if target_batch_size else None, names["target_batch_size"]))
+        return _largest(lambda k: all(_fits(plan, size, k, b)), cap[0]), cap
 
     def limit(value: int, cap: tuple[Optional[int], str], next_fits: tuple[bool, bool]) -> str:
         if cap[0] is not None and value >= cap[0]:
@@ -558,12 +559,12 @@ def _choose(plan: TunePlan, b: int, *, max_sub_batch_size: Optional[int], max_nu
     n_limit = limit(n, n_cap, _fits(plan, n + 1, 1, b))
     # A target the largest n does not divide (n x N short of it): the largest smaller n that divides it and whose N
     # fits the whole of it (8 x 4 rather than 13 x 2 for 32); none: n x N stays short (the plan's target_warning).
-    divisors = [k for k in range(n - 1, 0, -1) if target_batch_size and target_batch_size % k == 0]
-    for k in divisors if n * N < (target_batch_size or 0) else ():
-        K, K_cap = n_times(k)
-        if k * K == target_batch_size:
-            n, N, N_cap, n_limit = k, K, K_cap, f"{names['target_batch_size']} (the largest n dividing it)"
-            break
+    if target_batch_size and n * N < target_batch_size:
+        for k in (k for k in range(n - 1, 0, -1) if target_batch_size % k == 0):
+            K, K_cap = n_times(k)
+            if k * K == target_batch_size:
+                n, N, N_cap, n_limit = k, K, K_cap, f"{names['target_batch_size']} (the largest n dividing it)"
+                break
     limited = {"sub_batch_size": n_limit, "num_sub_batches": limit(N, N_cap, _fits(plan, n, N + 1, b))}
     return (N * n, n, -b), n, N, b, limited
 
