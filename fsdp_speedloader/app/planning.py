@@ -77,11 +77,11 @@ def configured_caps(sched: ScheduleConfig) -> tuple[dict[str, Optional[int]], di
     names = {"max_num_sub_batches": f"schedule.num_sub_batches {CPU_NOTE}"}
     if not sched.max_sub_batch_size:
         names["max_sub_batch_size"] = f"schedule.sub_batch_size {CPU_NOTE}"
-    batch = (f"{caps['max_sub_batch_size']} x {sched.num_sub_batches}" if not sched.target_batch_size else
-             f"at most {caps['max_sub_batch_size']} a sub-batch, {sched.target_batch_size} a step")
+    batch = (f"{caps['max_sub_batch_size']} x {sched.num_sub_batches} sequences" if not sched.target_batch_size else
+             f"at most {caps['max_sub_batch_size']} sequences a sub-batch, {sched.target_batch_size} a step")
     if not dist.is_initialized() or dist.get_rank() == 0:
-        log.info("on a CPU there is no GPU memory for the tuner to fill: the plan keeps the configured batch (%s "
-                 "sequences), checked against host memory; schedule.gpu_memory_budget_gib makes it fill a budget",
+        log.info("on a CPU there is no GPU memory for the tuner to fill: the plan keeps the configured batch (%s), "
+                 "checked against host memory; schedule.gpu_memory_budget_gib makes it fill a budget",
                  batch)
     return caps, names
 
