@@ -4,6 +4,7 @@ the best-point choice, the summary's ratios, and one whole table run on the CPU 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import bench_fair  # noqa: E402  (tools/ is not a package)
+import regime_map  # noqa: E402
 from host_load import HostLoad  # noqa: E402
 
 T40 = bench_fair.TABLES["train_7b_L8_b8_cap40"]
@@ -234,6 +236,30 @@ def test_summary_ratios_medians_overlap_and_binding_caps():
     assert not s["ratios"]["layer-major/deepspeed-offload"]["binds"]  # its best runs the whole batch at once
     assert s["ratios"]["best_peer"] == "fsdp2-offload"
     assert "bound" not in r  # no ceiling in this table: no bound
+
+
+def test_auto_is_one_point_with_the_tables_allowances_and_its_ratio_over_each_peer():
+    """--family auto: the trainer with schedule=auto given the batch alone (tools/bench_auto.py), the same GPU-resident
+    modules as the others; the summary divides its median by each canonical peer's over the invocations both ran in."""
+    import bench_train
+
+    assert bench_fair.train_ladders(T40, "auto", bench_fair.Shape.of(T40)) == [[["auto:8:root=device:dev=1"]]]
+    assert bench_fair.family_of("auto:8:root=device:dev=1") == "auto"
+    for bad in ("auto:2x4", "auto:8:keep=3", "auto:8:recompute=off"):
+        with pytest.raises(ValueError):
+            bench_train.parse_contender(bad, None)
+    lm, fs, auto = "speedloader-overlap:1x8:root=device:dev=1:keep=53", "fsdp2-offload:4x2:root=device:dev=1", \
+        "auto:8:root=device:dev=1"
+    invocations = [{"index": i, "rows": [_row(lm, a, 1), _row(fs, b, 4), {**_row(auto, c), "schedule": "canonical"}]}
+                   for i, (a, b, c) in enumerate([(300.0, 200.0, 210.0), (310.0, 150.0, 190.0), (290.0, 210.0, 205.0)])]
+    ratios = bench_fair.summarize({"invocations": invocations}, T40)["ratios"]
+    assert ratios["auto/fsdp2-offload"]["ratio"] == pytest.approx(205.0 / 200.0)
+    assert ratios["best_peer"] == "fsdp2-offload"  # auto is no peer
+    assert "auto/deepspeed-offload" not in ratios  # not in the table's invocations
+    point = regime_map.map_point({"table": dataclasses.asdict(T40), "device": "cpu", "sweep": [],
+                                  "invocations": invocations})
+    assert point["auto"]["ratio"] == pytest.approx(205.0 / 200.0) and point["auto"]["schedule"] == "canonical"
+    assert "schedule=auto 1.02x (canonical, 205 (190-210, n=3))" in regime_map.markdown([point])
 
 
 def test_the_bound_from_the_fastest_forward_backward_and_the_targets():
@@ -505,6 +531,24 @@ def test_a_whole_table_on_the_cpu(tmp_path, capsys):
     assert parts <= row["wall_s"]
 
 
+def test_auto_through_its_worker_on_the_cpu(tmp_path):
+    """--family auto through a real worker: the trainer tunes (schedule=auto), trains, and its row says what it chose
+    (the batch, split by the tuner; the table's GPU-resident unit) and its timed steps; the tuning is not timed."""
+    argv = ["cpu_check", "--family", "auto", "--out-dir", str(tmp_path), "--device", "cpu", "--quick", "--steps", "2",
+            "--warmup", "1", "--invocations", "1", "--timeout", "180"]
+    assert bench_fair.main(argv) == 0
+    record = json.loads((tmp_path / "fair_cpu_check.json").read_text())
+    rows = [*record["sweep"], *record["invocations"][0]["rows"]]
+    assert [r["spec"] for r in rows] == ["auto:2:root=device:dev=1"] * 2
+    for row in rows:
+        assert row["status"] == "ok", row.get("output_tail")
+        assert row["schedule"] in ("speedloader", "canonical") and row["sub_batch_size"] * row["num_sub_batches"] == 2
+        assert row["device_units"] == 1 and row["root_on_device"] and row["tune_s"] > 0
+        assert row["tokens_per_s"] == pytest.approx(2 * 64 / row["step_s"]) and row["tune_plan"].startswith("plan:")
+    assert len(record["invocations"][0]["rows"][0]["step_times_s"]) == 2
+    assert record["summary"]["families"]["auto"]["n"] == 1
+
+
 def test_every_tables_points_are_well_formed_worker_specs():
     """Every point of every table parses as its worker's contender (tools/bench_train.py's parse_contender,
     tools/bench_infer.py's contender names): a table cannot send a GPU machine a spec its worker refuses."""
@@ -513,7 +557,8 @@ def test_every_tables_points_are_well_formed_worker_specs():
 
     for table in bench_fair.TABLES.values():
         shape = bench_fair.Shape.of(table) if table.kind == "train" else None
-        for family in bench_fair.with_eager(table, table.families):
+        extra = [bench_fair.AUTO] if table.kind == "train" else []
+        for family in bench_fair.with_eager(table, table.families) + extra:
             ladders = (bench_fair.train_ladders(table, family, shape) if table.kind == "train"
                        else bench_fair.infer_ladders(table, family))
             specs = [spec for ladder in ladders for tier in ladder for spec in tier]
@@ -522,9 +567,10 @@ def test_every_tables_points_are_well_formed_worker_specs():
                 assert bench_fair.family_of(spec) == family, (table.name, spec)
                 if table.kind == "train":
                     contender = bench_train.parse_contender(spec, None, table.compiled)
-                    n, num = (int(v) for v in contender.shape.split("x"))
+                    n, num = (int(v) for v in contender.shape.split("x")) if family != "auto" else (
+                        int(contender.shape), 1)  # auto: the batch alone, the tuner splits it
                     assert n * num == table.batch, spec
-                    if family in ("layer-major", "layer-major-eager", "fsdp2-offload"):
+                    if family in ("layer-major", "layer-major-eager", "fsdp2-offload", "auto"):
                         assert contender.root_on_device and contender.dev >= 1, spec  # the same allowances
                     assert contender.compiled == (table.compiled and family not in ("layer-major-eager",
                                                                                    "deepspeed-offload")), spec

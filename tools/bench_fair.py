@@ -31,7 +31,10 @@ invocations and ``ratios`` layer-major over every other family (median over medi
 meet, ``binds`` where the peer's best micro-batch is smaller than the batch, ``target`` the issue's ratio for that case,
 ``bound`` what the ratio would be if layer-major's whole step took the fastest forward+backward any contender of the
 table measured (usually the ceiling's): the most a schedule of the same kernels reaches, from measured rates; a
-target above it is out of reach at that point). ``--host-busy K`` / ``--host-copy M``
+target above it is out of reach at that point). ``--family auto`` (any training table) adds the trainer with
+``schedule=auto`` as a user runs it (tools/bench_auto.py: given the batch, the cap and the table's GPU-resident
+modules, it chooses its schedule), one point, and ``ratios`` ``auto`` over each canonical peer. ``--host-busy K`` /
+``--host-copy M``
 run K busy-loop and M memory-copy processes beside every worker (tools/host_load.py): the busy-host curve.
 
 Workers are tools/bench_train.py and tools/bench_infer.py (``--worker SPEC``), each in its own process with a fresh
@@ -107,6 +110,10 @@ class Table:
 
 
 TRAIN_FAMILIES = (LAYER_MAJOR, "fsdp2-offload", "deepspeed-offload", "ceiling")
+# The trainer with schedule=auto as a user runs it (tools/bench_auto.py): given the batch, the cap and the table's
+# GPU-resident modules, it chooses layer-major's plan or the canonical schedule. Any training table's, on request
+# (--family auto): its tuning makes each worker a minute or more longer.
+AUTO = "auto"
 
 
 def _train(name: str, model: str, layers: Optional[int], seq_len: int, batch: int, cap: float, *,
@@ -217,6 +224,8 @@ def train_ladders(table: Table, family: str, shape: Shape) -> list[list[list[str
     """The family's sweep as ladders (one per micro-batch n), each a list of tiers, each a list of bench_train
     contender specs. A ladder stops at the first tier where a point ran (the later tiers trade speed for memory at
     the same n), or at the tier after it where that point's allocator retried (:func:`retried`)."""
+    if family == AUTO:  # one point: the tuner chooses the micro-batches
+        return [[[f"{AUTO}:{table.batch}{table.allowances}{table.levers}"]]]
     ladders = []
     for n in protocol.divisors(table.batch):
         num = table.batch // n
@@ -731,6 +740,11 @@ def summarize(record: dict, table: Table) -> dict:
         peers = [(families[p]["median"], p) for p in PEERS if families.get(p, {}).get("median")]
         if peers:
             ratios["best_peer"] = max(peers)[1]
+    # schedule=auto (its own choice of schedule) over each canonical peer: what a user of the trainer gets there.
+    auto = families.get(AUTO)
+    for peer in PEERS if auto and auto["median"] else ():
+        if families.get(peer, {}).get("median"):
+            ratios[f"{AUTO}/{peer}"] = ratio_of(auto, families[peer], figures)
     # DeepSpeed runs eager: beside it, layer-major eager too (the like-for-like ratio; the compiled one above).
     eager, deepspeed = families.get(EAGER), families.get("deepspeed-offload")
     if eager and eager["median"] and deepspeed and deepspeed["median"]:
@@ -890,10 +904,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if torch.cuda.device_count() < args.gpus:
             parser.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} GPUs")
     families = args.family or list(table.families)
-    unknown = sorted(set(families) - set(with_eager(table, table.families)))
+    known = with_eager(table, table.families) + ([AUTO] if table.kind == "train" else [])
+    unknown = sorted(set(families) - set(known))
     if unknown:
-        parser.error(f"table {table.name} has no families {unknown}; it has "
-                     f"{', '.join(with_eager(table, table.families))}")
+        parser.error(f"table {table.name} has no families {unknown}; it has {', '.join(known)}")
     # As the trainer sets it; before the record is made, which says what every worker ran with.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     path = record_path(table, args)

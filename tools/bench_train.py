@@ -12,6 +12,7 @@ cap), on the same model shape, sequence length and effective batch, with random 
                   (activation checkpointing of every block), the ceiling for the same blocks; with
                   ``:recompute=off`` none is recomputed (the ceiling where its activations fit)
   deepspeed-offload  DeepSpeed ZeRO-3, parameters and DeepSpeedCPUAdam on the host (tools/bench_deepspeed.py)
+  auto            the trainer with schedule=auto as a user runs it, ``auto:B`` (B sequences; tools/bench_auto.py)
 
 Usage (one GPU):
   python tools/bench_train.py --model llama2_7b --layers 8 --seq-len 4096 \
@@ -509,13 +510,16 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
     recompute, sync, reshard, nice, affinity, env, prefetch, ascending = True, None, True, 0, False, [], None, False
     recompute_every, loss = 1, "chunked"
     fsdp2 = name in ("ondevice", "fsdp2-offload", "fsdp2-offload-rs")
+    auto = name == "auto"  # the trainer with schedule=auto: its batch is the shape (tools/bench_auto.py)
+    if auto and not shape.isdigit():
+        raise ValueError(f"contender {spec!r}: auto takes the batch alone, auto:B (the tuner plans n and N)")
     kernels_ok = name != "deepspeed-offload"
     for option in options:
         key, _, value = option.partition("=")
         if key in ("compile", "eager") and not value and name != "deepspeed-offload":
             compiled = key == "compile"
         elif key == "root" and value in ("device", "host") and (name.startswith("speedloader")
-                                                                 or name.startswith("fsdp2-offload")):
+                                                                 or name.startswith("fsdp2-offload") or auto):
             root_on_device = value == "device"
         elif key == "transfer" and value in ("bf16", "fp32") and name.startswith("speedloader"):
             transfer = None if value == "fp32" else value
@@ -543,7 +547,8 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
             slots = int(value)
         elif key == "adamw" and value in ("local", "pool", "torch") and name == "speedloader-overlap":
             adamw = value
-        elif key == "dev" and value.isdigit() and (name.startswith("speedloader") or name.startswith("fsdp2-offload")):
+        elif key == "dev" and value.isdigit() and (name.startswith("speedloader") or name.startswith("fsdp2-offload")
+                                                   or auto):
             dev = int(value)
         elif key == "recompute" and value in ("on", "off") and fsdp2:
             recompute = value == "on"
@@ -560,14 +565,15 @@ def parse_contender(spec: str, default_transfer: Optional[str], default_compile:
         elif key == "loss" and value in ("chunked", "hf") and (fsdp2 or name == "deepspeed-offload"):
             loss = value
         else:
-            raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' and ':root=device|host' "
-                             "(speedloader contenders), ':compile' or ':eager' (every contender but "
+            raise ValueError(f"contender {spec!r}: the suffixes are ':transfer=bf16|fp32' (speedloader "
+                             "contenders), ':root=device|host' (speedloader, fsdp2-offload and auto contenders), "
+                             "':compile' or ':eager' (every contender but "
                              "deepspeed-offload), ':cap=GiB|none' (every contender), ':keep=K' (speedloader "
                              f"contenders: keep_activations), ':sdpa={'|'.join(SDPA_BACKENDS)}', ':liger' and "
                              f"':fp8[={'|'.join(FLOAT8_RECIPES)}]' (every contender but deepspeed-offload), "
                              "':states=fp32|bf16|int8', ':threads=K', ':nice=K', ':affinity', ':slots=R' and "
                              "':adamw=local|pool|torch' "
-                             "(speedloader-overlap), ':dev=K' (speedloader and fsdp2-offload contenders), "
+                             "(speedloader-overlap), ':dev=K' (speedloader, fsdp2-offload and auto contenders), "
                              "':recompute=on|off|everyK' (K >= 2: every K-th block), ':sync=every|last' and "
                              "':reshard=on|off' (ondevice and "
                              "fsdp2-offload contenders), ':prefetch=K' (every contender but deepspeed-offload: "
@@ -660,6 +666,10 @@ def run_worker(args: argparse.Namespace) -> dict:
     name, shape, transfer, compiled, root_on_device = contender[:5]
     cap = gpu_cap_gib(contender, args.max_gpu_memory_gib)
     args = argparse.Namespace(**{**vars(args), "max_gpu_memory_gib": cap})  # DeepSpeed reads its cap there
+    if name == "auto":  # the trainer itself, schedule=auto: it plans the micro-batches
+        from bench_auto import run_auto
+
+        return run_auto(args, contender, cap)
     sub_batch, num_sub = (int(v) for v in shape.split("x"))
     if name == "deepspeed-offload":  # a peer with its own engine and launcher environment
         from bench_deepspeed import run_deepspeed

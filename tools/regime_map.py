@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is not a pack
 import bench_fair  # noqa: E402
 import harness  # noqa: E402
 import protocol  # noqa: E402
-from bench_fair import LAYER_MAJOR, PEERS  # noqa: E402
+from bench_fair import AUTO, LAYER_MAJOR, PEERS  # noqa: E402
 
 # The 7B-width grid's axes (the plot's heatmap); other points (13B width, 16k tokens) sit beside it.
 GRID_CAPS = (24, 40, 80)
@@ -88,12 +88,25 @@ def map_point(record: dict) -> dict:
     point["status"] = ("separate invocations" if point.get("separate_invocations") else "protocol"
                        if n >= protocol.MIN_INVOCATIONS else f"repeat {n}/{protocol.MIN_INVOCATIONS}"
                        if n else "sweep only")
+    auto = family_figure(record, summary, table, AUTO)  # the trainer's own choice of schedule, where it ran
+    if auto:
+        r = summary["ratios"].get(f"{AUTO}/{best}")
+        point["auto"] = {**auto, "schedule": _auto_schedule(record, auto["spec"]),
+                         "ratio": r["ratio"] if r and auto["source"] == theirs["source"] == "repeat" else
+                         auto["tokens_per_s"] / theirs["tokens_per_s"]}
     if theirs.get("sub_batch_size"):
         point["target"] = bench_fair.peer_case(table, theirs["sub_batch_size"])["target"]
     fastest = bench_fair.fastest_fwd_bwd(summary["families"])
     if fastest:
         point["bound"] = fastest / theirs["tokens_per_s"]
     return point
+
+
+def _auto_schedule(record: dict, spec: str) -> Optional[str]:
+    """The schedule the auto rows of ``spec`` ran ('speedloader', 'canonical'; 'mixed' where invocations differ)."""
+    rows = [*record.get("sweep", []), *(r for inv in record.get("invocations", []) for r in inv["rows"])]
+    chosen = {r.get("schedule") for r in rows if r.get("spec") == spec and r.get("status") == "ok"}
+    return None if not chosen else chosen.pop() if len(chosen) == 1 else "mixed"
 
 
 def choose_records(records: Sequence[tuple[str, dict]]) -> list[tuple[str, dict]]:
@@ -143,6 +156,8 @@ def markdown(points: Sequence[dict]) -> str:
                            for f, left in p.get("sweep_pending", {}).items())
         if p.get("peer_head") in ("own", "mixed"):
             missing += f"; peers' loss: {'every logit at once' if p['peer_head'] == 'own' else 'mixed'} (before e2a292b)"
+        if "auto" in p:
+            missing += f"; schedule=auto {p['auto']['ratio']:.2f}x ({p['auto']['schedule']}, {_figure(p['auto'])})"
         lines.append(f"| {_label(p)} | {_figure(p['families'].get(LAYER_MAJOR))} | {peer_text} | {ratio} | {target} "
                      f"| {p['status']}{missing} |")
     return "\n".join(lines)
@@ -156,7 +171,8 @@ def _cell(point: Optional[dict]) -> tuple[Optional[float], str]:
     partial = any(f in point.get("sweep_pending", {}) for f in PEERS)
     stale = point.get("peer_head") in ("own", "mixed")  # the peers' micro-batches held smaller by every logit at once
     return point["ratio"], (f"{point['ratio']:.2f}x\n{point['status']}" + ("\npeer sweep partial" if partial else "")
-                            + ("\npeers: every logit at once" if stale else ""))
+                            + ("\npeers: every logit at once" if stale else "")
+                            + (f"\nschedule=auto {point['auto']['ratio']:.2f}x" if "auto" in point else ""))
 
 
 def _on_grid(model: str, layers: Optional[int], seq_len: int) -> bool:
