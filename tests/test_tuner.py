@@ -217,7 +217,7 @@ def test_plan_caps():
                                   target_batch_size=64)
     # 22 fits one sub-batch, but 22 x 2 is short of 64: the largest n dividing 64 whose N = 64 / n fits
     assert (plan.sub_batch_size, plan.num_sub_batches) == (16, 4) and plan.target_warning() is None
-    assert plan.limited_by == {"sub_batch_size": "target_batch_size (the largest n dividing it)",
+    assert plan.limited_by == {"sub_batch_size": "target_batch_size (the largest n dividing it; 22 fit)",
                                "num_sub_batches": "target_batch_size"}
     plan = plan_from_measurements(_recorded(), num_layers=L, gpu_budget_bytes=40 * GIB, host_budget_bytes=120 * GIB,
                                   max_sub_batch_size=4, max_num_sub_batches=16)

@@ -563,7 +563,8 @@ def _choose(plan: TunePlan, b: int, *, max_sub_batch_size: Optional[int], max_nu
         for k in (k for k in range(n - 1, 0, -1) if target_batch_size % k == 0):
             K, K_cap = n_times(k)
             if k * K == target_batch_size:
-                n, N, N_cap, n_limit = k, K, K_cap, f"{names['target_batch_size']} (the largest n dividing it)"
+                # the n that fit stays in the label: a target with a divisor nearer it runs larger sub-batches
+                n, N, N_cap, n_limit = k, K, K_cap, f"{names['target_batch_size']} (the largest n dividing it; {n} fit)"
                 break
     limited = {"sub_batch_size": n_limit, "num_sub_batches": limit(N, N_cap, _fits(plan, n, N + 1, b))}
     return (N * n, n, -b), n, N, b, limited
