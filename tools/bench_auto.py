@@ -47,6 +47,7 @@ def auto_train_config(args: argparse.Namespace, contender, batch: int, cap, outp
 
 def run_auto(args: argparse.Namespace, contender, cap) -> dict:
     """One ``auto`` contender in this process: tune, train ``--warmup`` + ``--steps`` steps, return its row."""
+    import bench_run
     import harness
 
     from fsdp_speedloader.app.trainer import Trainer
@@ -60,9 +61,9 @@ def run_auto(args: argparse.Namespace, contender, cap) -> dict:
         plan, chosen = trainer.tune_plan, trainer.cfg
         history = trainer.train()
     timed = history[args.warmup:]
-    step_s = statistics.median(m["step_time_s"] for m in timed)
+    steady = bench_run.summarize(timed, warmup_steps=0)  # the trainer's runs' own summary, over the timed steps
+    step_s = steady["step_time_s"]["median"]
     tokens = chosen.schedule.sub_batch_size * chosen.schedule.num_sub_batches * args.seq_len
-    peaks = [m["peak_gpu_mem_allocated_gib"] for m in timed if "peak_gpu_mem_allocated_gib" in m]
     return {
         "contender": "auto", "contender_spec": args.worker, "compiled": contender.compiled,
         "root_on_device": contender.root_on_device, "max_gpu_memory_gib": cap,
@@ -76,11 +77,10 @@ def run_auto(args: argparse.Namespace, contender, cap) -> dict:
         "tune_s": tune_s, "tune_plan": plan.summary(),
         # the timed steps, as the trainer measured them
         "tokens_per_step": tokens, "step_s": step_s, "tokens_per_s": tokens / step_s,
-        "step_times_s": [m["step_time_s"] for m in timed], "data_wait_s": statistics.median(
-            m["data_wait_s"] for m in timed),
-        "mfu": statistics.median(m["mfu"] for m in timed),
-        "mfu_no_attention": statistics.median(m["mfu_no_attention"] for m in timed),
-        "losses": [m["loss"] for m in timed], "peak_hbm_gib": max(peaks) if peaks else 0.0,
+        "step_times_s": [m["step_time_s"] for m in timed],
+        "data_wait_s": statistics.median(m["data_wait_s"] for m in timed),
+        "mfu": steady["mfu"]["median"], "losses": [m["loss"] for m in timed],
+        "peak_hbm_gib": steady["peak_gpu_mem_allocated_gib"],
         "gpu_alloc_retries_timed": sum(m.get("gpu_alloc_retries", 0) for m in timed),
         "host_peak_rss_gib": harness.host_peak_rss_gib(),
     }

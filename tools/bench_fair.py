@@ -436,10 +436,15 @@ class Budget:
 DEFAULT_WALL_S = 90.0  # a worker's wall time before the record holds any: a compiled 8-layer point with its start
 
 
+def record_rows(record: dict) -> list[dict]:
+    """Every row of a record: the sweep's, then each repeat invocation's."""
+    return [*record.get("sweep", []), *(r for inv in record.get("invocations", []) for r in inv["rows"])]
+
+
 def expected_wall_s(record: dict, spec: str) -> float:
     """How long a worker of ``spec`` is expected to take: the longest run of that setting in the record, else of its
     family, else of any worker, else :data:`DEFAULT_WALL_S`; a tenth more, for the spread."""
-    rows = [*record.get("sweep", []), *(r for inv in record.get("invocations", []) for r in inv["rows"])]
+    rows = record_rows(record)
     walls = {key: [r["wall_s"] for r in rows if r.get("wall_s") and match(r)] for key, match in
              (("spec", lambda r: r.get("spec") == spec), ("family", lambda r: r.get("family") == family_of(spec)),
               ("any", lambda r: True))}
@@ -575,7 +580,7 @@ def peer_head(record: dict, families: Sequence[str] = PEERS) -> Optional[str]:
     """How a record's rows of ``families`` (the peers) that ran computed their loss: 'chunked' (layer-major's head:
     rows since e2a292b, whose ``head_loss_chunk_tokens`` is > 0), 'own' (the model's own loss, every logit of a
     micro-batch at once: rows without the field predate it, or ':loss=hf'), 'mixed'; None where no peer ran."""
-    rows = [*record.get("sweep", []), *(r for inv in record.get("invocations", []) for r in inv["rows"])]
+    rows = record_rows(record)
     heads = {"chunked" if (r.get("head_loss_chunk_tokens") or 0) > 0 else "own"
              for r in rows if r.get("family") in families and r.get("status") == "ok"}
     return None if not heads else heads.pop() if len(heads) == 1 else "mixed"

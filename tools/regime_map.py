@@ -104,7 +104,7 @@ def map_point(record: dict) -> dict:
 
 def _auto_schedule(record: dict, spec: str) -> Optional[str]:
     """The schedule the auto rows of ``spec`` ran ('speedloader', 'canonical'; 'mixed' where invocations differ)."""
-    rows = [*record.get("sweep", []), *(r for inv in record.get("invocations", []) for r in inv["rows"])]
+    rows = bench_fair.record_rows(record)
     chosen = {r.get("schedule") for r in rows if r.get("spec") == spec and r.get("status") == "ok"}
     return None if not chosen else chosen.pop() if len(chosen) == 1 else "mixed"
 
